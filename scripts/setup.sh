@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Set up sparktrain's development environment in .venv: the whole verified stack
+# (pyspark 3.5, pyarrow 14, petastorm 0.12.1, torch 2.13, TensorFlow 2.21 + tf-keras,
+# TensorFlowOnSpark, Horovod 0.28.1 compiled for PyTorch with Gloo) and sparktrain itself.
+#
+#   ./scripts/setup.sh            # idempotent: a re-run with nothing changed takes about a second
+#   SPARKTRAIN_SKIP_HOROVOD=1 ./scripts/setup.sh   # skip the Horovod compile (about 3 min)
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="${SPARKTRAIN_VENV:-$root/.venv}"
+python_bin="${PYTHON:-python3.11}"
+wheel_cache="${SPARKTRAIN_WHEEL_CACHE:-$HOME/.cache/sparktrain/wheels}"
+say() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+
+# --- prerequisites: Java 17 for Spark, Python 3.11 --------------------------------------------
+if ! command -v java >/dev/null 2>&1 && [ -z "${JAVA_HOME:-}" ]; then
+  die "Java was not found. Spark 3.5 needs a JDK 17: on Debian/Ubuntu run
+  'sudo apt-get update && sudo apt-get install -y openjdk-17-jdk-headless', or set JAVA_HOME."
+fi
+java_cmd="${JAVA_HOME:+$JAVA_HOME/bin/}java"
+java_version="$("$java_cmd" -version 2>&1 | head -n1)"
+case "$java_version" in
+  *\"17.*|*\"11.*|*\"21.*) ;;  # Spark 3.5 supports Java 8/11/17 (21 works in practice)
+  *) say "warning: found $java_version; Spark 3.5 is tested with Java 17 (apt-get install openjdk-17-jdk-headless)";;
+esac
+command -v "$python_bin" >/dev/null 2>&1 || die "$python_bin not found; install Python 3.11 or set PYTHON=/path/to/python3.11"
+
+# --- fast path: nothing changed since the last successful run ---------------------------------
+stamp_file="$venv/.sparktrain-setup-stamp"
+stamp="$(cat setup.py constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)${SPARKTRAIN_SKIP_HOROVOD:+-nohvd}"
+if [ -x "$venv/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ]; then
+  say "environment up to date ($venv)"
+  exit 0
+fi
+
+# --- the virtual environment and the Python stack ---------------------------------------------
+[ -x "$venv/bin/python" ] || { say "creating $venv"; "$python_bin" -m venv "$venv"; }
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints.txt)
+say "installing build tools"
+"${pip[@]}" --upgrade pip "setuptools>=77.0.3,<81" wheel
+say "installing torch 2.13.0"
+"${pip[@]}" "torch==2.13.0"
+say "installing sparktrain with pyspark, petastorm, TensorFlow, TensorFlowOnSpark and test tools"
+"${pip[@]}" -e ".[torch,tf,test]"
+
+# --- Horovod, compiled against this torch ------------------------------------------------------
+if [ -z "${SPARKTRAIN_SKIP_HOROVOD:-}" ] && ! "$venv/bin/python" -c "import horovod.torch" 2>/dev/null; then
+  mkdir -p "$wheel_cache"
+  torch_version="$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
+  wheel_dir="$wheel_cache/horovod-0.28.1-torch$torch_version"
+  if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
+    say "compiling Horovod 0.28.1 for torch $torch_version with Gloo (about 3 minutes on 2 cores)"
+    command -v cmake >/dev/null 2>&1 || "${pip[@]}" "cmake>=3.13,<4"
+    # Horovod's CMakeLists pins C++14, but torch >= 2.1 headers need C++17: a compiler wrapper
+    # rewrites the standard flag (see DESIGN.md, "Verified dependency stack").
+    wrap="$(mktemp -d)"
+    trap 'rm -rf "$wrap"' EXIT
+    cat > "$wrap/cxx" <<'WRAP'
+#!/usr/bin/env bash
+args=()
+for a in "$@"; do
+  case "$a" in
+    -std=c++14) args+=(-std=c++17) ;;
+    -std=gnu++14) args+=(-std=gnu++17) ;;
+    *) args+=("$a") ;;
+  esac
+done
+exec "${SPARKTRAIN_REAL_CXX:-g++}" "${args[@]}"
+WRAP
+    chmod +x "$wrap/cxx"
+    CXX="$wrap/cxx" CC="${CC:-gcc}" PATH="$venv/bin:$PATH" \
+    HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+    HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
+      "$venv/bin/python" -m pip wheel --quiet --no-deps --no-build-isolation --no-binary horovod \
+        -c constraints.txt -w "$wheel_dir.tmp" "horovod==0.28.1"
+    mv "$wheel_dir.tmp" "$wheel_dir"
+  fi
+  say "installing Horovod from $wheel_dir"
+  "${pip[@]}" "$wheel_dir"/horovod-*.whl
+  "$venv/bin/python" -c "import horovod.torch" || die "Horovod was installed but 'import horovod.torch' fails"
+fi
+
+"$venv/bin/python" -c "import sparktrain, pyspark, petastorm, torch" || die "the installed stack does not import"
+echo "$stamp" > "$stamp_file"
+say "done: $("$venv/bin/python" -c 'import pyspark, torch, pyarrow; print("pyspark", pyspark.__version__, "| torch", torch.__version__, "| pyarrow", pyarrow.__version__)')"

@@ -1,0 +1,1 @@
+"""Data path: schema checks, materialization to the store, and per-rank readers."""

@@ -1,0 +1,124 @@
+"""Where sparktrain keeps materialized datasets and training runs.
+
+A :class:`Store` is one root URL seen two ways: as a Hadoop path for Spark (which writes the
+datasets) and as an fsspec path for Python code on the driver and the executors (which reads
+them). Local paths, ``file:``, ``hdfs://``, ``s3://``/``s3a://``, ``gs://``, ``abfs://`` and
+Databricks' ``dbfs:/`` are understood.
+
+Example::
+
+    store = Store.create("s3://bucket/sparktrain", storage_options={"anon": False})
+    store.dataset_path("ab12")   # 's3://bucket/sparktrain/datasets/ab12' (fsspec)
+    store.spark_path("datasets", "ab12")   # 's3a://bucket/sparktrain/datasets/ab12' (Spark)
+"""
+from __future__ import annotations
+
+import os
+import posixpath
+import tempfile
+from typing import Any, Dict, Optional, Tuple, Union
+
+DEFAULT_LOCAL_STORE = os.path.join(tempfile.gettempdir(), "sparktrain-store")
+
+# Hadoop scheme -> fsspec protocol, where the two differ.
+_SPARK_TO_FSSPEC = {"s3a": "s3", "s3n": "s3", "wasbs": "abfs", "abfss": "abfs"}
+_FSSPEC_TO_SPARK = {"s3": "s3a"}
+
+
+def _split_scheme(url: str) -> Tuple[str, str]:
+    if "://" in url:
+        scheme, rest = url.split("://", 1)
+        return scheme.lower(), rest
+    if url.startswith(("file:", "dbfs:")):
+        scheme, rest = url.split(":", 1)
+        return scheme.lower(), rest
+    return "", url
+
+
+def to_fsspec_url(url: str) -> str:
+    """The fsspec form of a Hadoop or fsspec URL (``file:/x`` -> ``/x``, ``s3a://`` -> ``s3://``)."""
+    scheme, rest = _split_scheme(url)
+    if scheme in ("", "file"):
+        return "/" + rest.lstrip("/") if scheme else os.path.abspath(rest)
+    if scheme == "dbfs":  # Databricks mounts DBFS at /dbfs on every node (FUSE)
+        return "/dbfs/" + rest.lstrip("/")
+    return f"{_SPARK_TO_FSSPEC.get(scheme, scheme)}://{rest}"
+
+
+def to_spark_url(url: str) -> str:
+    """The Hadoop form of a URL (``/x`` -> ``file:///x``, ``s3://`` -> ``s3a://``)."""
+    scheme, rest = _split_scheme(url)
+    if scheme == "":
+        return "file://" + os.path.abspath(rest)
+    if scheme == "file":
+        return "file:///" + rest.lstrip("/")
+    if scheme == "dbfs":
+        return url
+    return f"{_FSSPEC_TO_SPARK.get(scheme, scheme)}://{rest}"
+
+
+def filesystem(url: str, storage_options: Optional[Dict[str, Any]] = None):
+    """``(fsspec filesystem, path within it)`` for any URL this module understands."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(to_fsspec_url(url), **(storage_options or {}))
+    return fs, path
+
+
+class Store:
+    """A root directory for datasets (``datasets/<key>``) and runs (``runs/<run_id>``)."""
+
+    def __init__(self, prefix: str, storage_options: Optional[Dict[str, Any]] = None) -> None:
+        self.prefix = to_fsspec_url(prefix).rstrip("/") or "/"
+        self._storage_options = dict(storage_options or {})
+
+    @classmethod
+    def create(cls, store: Union[None, str, "Store"] = None,
+               storage_options: Optional[Dict[str, Any]] = None) -> "Store":
+        """A Store from a URL/path, an existing Store, or ``None`` for the default local store."""
+        if isinstance(store, Store):
+            return store
+        if store is None:
+            store = DEFAULT_LOCAL_STORE
+        if not isinstance(store, str):
+            raise TypeError(f"store must be a path/URL string or a sparktrain Store, "
+                            f"got {type(store).__name__}")
+        return cls(store, storage_options)
+
+    def __repr__(self) -> str:  # never shows storage_options: they may hold credentials
+        return f"Store({self.prefix!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Store) and other.prefix == self.prefix
+
+    def __hash__(self) -> int:
+        return hash(self.prefix)
+
+    @property
+    def is_local(self) -> bool:
+        return "://" not in self.prefix
+
+    @property
+    def storage_options(self) -> Dict[str, Any]:
+        return dict(self._storage_options)
+
+    @property
+    def fs(self):
+        return filesystem(self.prefix, self._storage_options)[0]
+
+    def path(self, *parts: str) -> str:
+        """fsspec path (what the executors read) of ``parts`` under the store root."""
+        return posixpath.join(self.prefix, *parts)
+
+    def spark_path(self, *parts: str) -> str:
+        """Hadoop path (what Spark writes) of ``parts`` under the store root."""
+        return to_spark_url(self.path(*parts))
+
+    def dataset_path(self, key: str) -> str:
+        return self.path("datasets", key)
+
+    def run_path(self, run_id: str) -> str:
+        return self.path("runs", run_id)
+
+    def exists(self, *parts: str) -> bool:
+        return self.fs.exists(filesystem(self.path(*parts), self._storage_options)[1])

@@ -1,0 +1,281 @@
+"""What every sparktrain estimator and model shares, whatever the framework.
+
+``fit`` = check params and schema (no Spark job) -> check task slots -> materialize the columns
+to the store (reused for the same plan) -> the framework's ``_train`` in barrier tasks -> a
+model. Subclasses add the framework: ``_check_framework``, ``_train``, the model class.
+
+Models append prediction columns with an iterator ``pandas_udf``: the model is deserialized once
+per Python worker and predicts whole Arrow batches, never row by row.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import pandas as pd
+from pyspark.ml import Estimator, Model
+from pyspark.ml.functions import vector_to_array
+from pyspark.ml.util import MLReadable, MLWritable
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from sparktrain.data.materialize import MaterializedDataset, materialize
+from sparktrain.data.schema import SCALAR, VECTOR, ColumnSpec, check_validation_column, \
+    column_spec, training_columns
+from sparktrain.data.store import Store
+from sparktrain.launch.barrier import check_slots
+from sparktrain.params import EstimatorParams, ModelParams
+from sparktrain.persistence import EstimatorReader, EstimatorWriter, ModelReader, ModelWriter
+
+log = logging.getLogger("sparktrain")
+
+
+class _FitLogging:
+    """Show sparktrain's INFO lines (epoch progress, rank logs) on stderr during a fit with
+    ``verbose >= 1`` when the application has not configured logging itself."""
+
+    def __init__(self, verbose: int) -> None:
+        self.handler: Optional[logging.Handler] = None
+        if verbose >= 1 and not log.handlers and not logging.getLogger().handlers:
+            self.handler = logging.StreamHandler()
+            self.handler.setFormatter(logging.Formatter("[sparktrain] %(message)s"))
+
+    def __enter__(self) -> None:
+        if self.handler is not None:
+            self._level = log.level
+            log.addHandler(self.handler)
+            log.setLevel(logging.INFO)
+
+    def __exit__(self, *exc) -> None:
+        if self.handler is not None:
+            log.removeHandler(self.handler)
+            log.setLevel(self._level)
+
+
+class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
+    """Framework-independent ``fit``; see the module docstring."""
+
+    #: backend name -> ("module:Class", requirement), set by each framework's estimator
+    backends: Dict[str, Tuple[str, str]] = {}
+
+    def _check_framework(self) -> None:
+        """Raise ``ValueError``/``TypeError`` for framework params that cannot work."""
+        raise NotImplementedError
+
+    def _train(self, spark: SparkSession, data: MaterializedDataset,
+               store: Store) -> Dict[str, Any]:
+        """Run training in barrier tasks; return rank 0's result."""
+        raise NotImplementedError
+
+    def _create_model(self, result: Dict[str, Any], dataset: MaterializedDataset) -> "ModelBase":
+        raise NotImplementedError
+
+    # -- fit ------------------------------------------------------------------------------------
+    def _check_params(self, df: DataFrame) -> List[ColumnSpec]:
+        for name, low in (("num_proc", 1), ("batch_size", 1), ("epochs", 1)):
+            value = self.getOrDefault(name)
+            if value is None or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        val_batch = self.getOrDefault(self.val_batch_size)
+        if val_batch is not None and val_batch < 1:
+            raise ValueError(f"val_batch_size must be >= 1, got {val_batch!r}")
+        backend = self.getBackend()
+        if backend not in self.backends:
+            raise ValueError(f"backend={backend!r} is not available for {type(self).__name__}; "
+                             f"expected one of {sorted(self.backends)}")
+        if not self.isDefined(self.feature_cols):
+            raise ValueError("feature_cols is not set; name the DataFrame columns to feed the model")
+        for name in ("model", "optimizer", "loss"):
+            if not self.isDefined(name) or self.getOrDefault(name) is None:
+                raise ValueError(f"{name} is not set; pass {name}=... to {type(self).__name__}")
+        specs = training_columns(df, self.getFeatureCols(), self.getLabelCols(),
+                                 self.getSampleWeightCol())
+        validation = self.getValidation()
+        if isinstance(validation, str):
+            check_validation_column(df, validation)
+        elif validation is not None and not 0.0 <= validation < 1.0:
+            raise ValueError(f"validation={validation!r}; expected a fraction in [0, 1) or the "
+                             f"name of a boolean column")
+        self._check_framework()
+        return specs
+
+    def _fit(self, dataset: DataFrame) -> "ModelBase":
+        specs = self._check_params(dataset)
+        check_slots(dataset.sparkSession.sparkContext, self.getNumProc())
+        store = Store.create(self.getStore())
+        validation = self.getValidation() or None
+        with _FitLogging(self.getVerbose()):
+            started = time.perf_counter()
+            data = materialize(dataset, store, specs, validation, self.getRandomSeed())
+            result = self._train(dataset.sparkSession, data, store)
+            log.info("fit done in %.1fs (materialize %.1fs%s)", time.perf_counter() - started,
+                     data.seconds, ", reused" if data.reused else "")
+        model = self._create_model(result, data)
+        model._set(feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),
+                   run_id=self.getRunId())
+        return model
+
+    # -- persistence ----------------------------------------------------------------------------
+    def write(self) -> EstimatorWriter:
+        return EstimatorWriter(self)
+
+    @classmethod
+    def read(cls) -> EstimatorReader:
+        return EstimatorReader(cls)
+
+
+def _feature_expr(spec: ColumnSpec) -> Column:
+    """A feature column in the form the prediction UDF reads (what training read)."""
+    col = F.col(f"`{spec.name}`")
+    if spec.kind == VECTOR:
+        return vector_to_array(col, "float32")
+    element = "float" if spec.dtype == "float32" else "bigint"
+    return col.cast(element if spec.kind == SCALAR else f"array<{element}>")
+
+
+def series_to_numpy(series: pd.Series, spec: ColumnSpec):
+    """A pandas column from Arrow as a 2-D (or 1-D for scalars) numpy array of ``spec.dtype``."""
+    import numpy as np
+
+    if spec.kind == SCALAR:
+        return series.to_numpy(dtype=spec.dtype)
+    if len(series) == 0:
+        return np.zeros((0, spec.size), dtype=spec.dtype)
+    return np.stack(series.to_numpy()).astype(spec.dtype, copy=False)
+
+
+class ModelBase(Model, ModelParams, MLWritable, MLReadable):
+    """A fitted model: framework object + history + the column specs it was trained on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._history: Dict[str, List[float]] = {}
+        self._columns: List[ColumnSpec] = []
+        self._output_shapes: List[List[int]] = []
+        self._token = uuid.uuid4().hex  # names this model's weights in the worker-side cache
+
+    # -- framework hooks ------------------------------------------------------------------------
+    def _predict_fn_factory(self) -> Callable[[], Callable[[List[Any]], List[Any]]]:
+        """A picklable zero-argument function returning ``predict(list of numpy features) ->
+        list of numpy outputs``; called once per Python worker."""
+        raise NotImplementedError
+
+    def _framework_files(self) -> Dict[str, bytes]:
+        raise NotImplementedError
+
+    @classmethod
+    def _from_framework_files(cls, files: Dict[str, bytes]) -> "ModelBase":
+        raise NotImplementedError
+
+    # -- public API -----------------------------------------------------------------------------
+    def getHistory(self) -> Dict[str, List[float]]:
+        """Per-epoch metrics: ``{"loss": [...], "val_loss": [...], "<metric>": [...], ...}``."""
+        return {k: list(v) for k, v in self._history.items()}
+
+    def copy(self, extra: Optional[Dict] = None) -> "ModelBase":
+        that = super().copy(extra)
+        that._history, that._columns = self._history, self._columns
+        that._output_shapes, that._token = self._output_shapes, self._token
+        return that
+
+    def _output_type(self, shape: Sequence[int]) -> T.DataType:
+        size = 1
+        for dim in shape:
+            size *= dim
+        return T.DoubleType() if size == 1 else T.ArrayType(T.DoubleType(), containsNull=False)
+
+    def _transform(self, dataset: DataFrame) -> DataFrame:
+        columns = {c.name: c for c in self._columns}
+        specs = []
+        for name in self.getFeatureCols():
+            found = column_spec(dataset, name, "feature")
+            trained = columns[name]
+            if found.kind == SCALAR and trained.kind != SCALAR or \
+                    found.kind != SCALAR and trained.kind == SCALAR:
+                raise ValueError(f"feature column {name!r} is a {found.kind} here but was a "
+                                 f"{trained.kind} in training")
+            specs.append(trained)
+        outputs = self.getOutputCols()
+        if len(outputs) != len(self._output_shapes):
+            raise ValueError(f"output_cols has {len(outputs)} names but the model has "
+                             f"{len(self._output_shapes)} outputs")
+        clash = sorted(set(outputs) & set(dataset.columns))
+        if clash:
+            raise ValueError(f"output columns {clash} already exist in the DataFrame; choose "
+                             f"others with setOutputCols")
+        types = [self._output_type(shape) for shape in self._output_shapes]
+        udf = _prediction_udf(self._token, self._predict_fn_factory(), specs, types,
+                              self.getBatchSize())
+        prediction = udf(*[_feature_expr(s) for s in specs])
+        if len(outputs) == 1:
+            return dataset.withColumn(outputs[0], prediction)
+        tmp = f"__sparktrain_{self.uid}"
+        result = dataset.withColumn(tmp, prediction)
+        for i, name in enumerate(outputs):
+            result = result.withColumn(name, F.col(f"`{tmp}`.`_{i}`"))
+        return result.drop(tmp)
+
+    # -- persistence ----------------------------------------------------------------------------
+    def _extra_metadata(self) -> Dict[str, Any]:
+        return {"history": self._history, "columns": [c.to_json() for c in self._columns],
+                "output_shapes": self._output_shapes,
+                "framework_files": sorted(self._framework_files())}
+
+    @classmethod
+    def _from_saved(cls, metadata: Dict[str, Any], files: Dict[str, bytes]) -> "ModelBase":
+        model = cls._from_framework_files(files)
+        model._history = metadata["history"]
+        model._columns = [ColumnSpec.from_json(c) for c in metadata["columns"]]
+        model._output_shapes = metadata["output_shapes"]
+        return model
+
+    def write(self) -> ModelWriter:
+        return ModelWriter(self)
+
+    @classmethod
+    def read(cls) -> ModelReader:
+        return ModelReader(cls)
+
+
+# Python-worker-wide cache of loaded predictors: deserialize a model once per worker process,
+# not once per task or batch (Python workers are reused across tasks by default).
+_PREDICTORS: Dict[str, Callable] = {}
+
+
+def _prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
+                    types: Sequence[T.DataType], batch_size: int):
+    multi = len(types) > 1
+    return_type = (T.StructType([T.StructField(f"_{i}", t, False) for i, t in enumerate(types)])
+                   if multi else types[0])
+    scalar_out = [isinstance(t, T.DoubleType) for t in types]
+
+    def predict_batches(batches):  # type hints set below: they select the UDF's shape
+        import numpy as np
+
+        predict = _PREDICTORS.get(key)
+        if predict is None:
+            if len(_PREDICTORS) >= 4:
+                _PREDICTORS.clear()
+            predict = _PREDICTORS[key] = factory()
+        for columns in batches:
+            columns = columns if isinstance(columns, tuple) else (columns,)
+            features = [series_to_numpy(s, spec) for s, spec in zip(columns, specs)]
+            rows = len(columns[0])
+            parts: List[List[np.ndarray]] = []
+            for start in range(0, max(rows, 1), batch_size):
+                parts.append(predict([f[start:start + batch_size] for f in features]))
+            outputs = [np.concatenate([p[i] for p in parts]) if rows else np.zeros(0)
+                       for i in range(len(types))]
+            series = [pd.Series(o.reshape(rows).astype("float64")) if scalar
+                      else pd.Series(list(o.reshape(rows, -1).astype("float64")))
+                      for o, scalar in zip(outputs, scalar_out)]
+            yield pd.DataFrame({f"_{i}": s for i, s in enumerate(series)}) if multi else series[0]
+
+    # Spark picks the iterator pandas_udf flavour from these hints (SCALAR_ITER).
+    predict_batches.__annotations__ = {
+        "batches": Iterator[Tuple[pd.Series, ...]] if len(specs) > 1 else Iterator[pd.Series],
+        "return": Iterator[pd.DataFrame] if multi else Iterator[pd.Series]}
+    return F.pandas_udf(predict_batches, return_type)

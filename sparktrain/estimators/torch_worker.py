@@ -1,0 +1,269 @@
+"""The PyTorch training loop that runs inside each barrier task (executor side).
+
+Everything it needs arrives as a :class:`TorchTrainSpec` of plain values plus one cloudpickled
+payload ``(model, optimizer, loss, metrics, callbacks)``: pickled together, the optimizer keeps
+pointing at the model's own parameters after unpickling.
+
+Conventions (shared with :class:`~sparktrain.estimators.torch.TorchModel`):
+
+* the model is called as ``model(*features)``, one tensor per feature column: ``(batch,)`` for
+  scalar columns, ``(batch, n)`` for vectors/arrays; float columns arrive as float32, integer
+  columns as int64;
+* a label is reshaped to its output's shape when they hold the same number of values; a label
+  of class indices (output ``(batch, classes)``, label ``(batch,)``) is cast to int64;
+* with ``sample_weight_col`` the loss is computed per row and averaged weighted:
+  ``sum(w * loss_i) / sum(w)``.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import cloudpickle
+import numpy as np
+import torch
+
+from sparktrain.data.reader import ShardReader
+from sparktrain.data.schema import ColumnSpec
+from sparktrain.launch import TORCH_BACKENDS, load_backend
+from sparktrain.launch.barrier import RankContext
+
+
+@dataclass
+class TorchTrainSpec:
+    """Plain-valued description of one fit, shipped to every rank."""
+
+    dataset_root: str
+    layouts: Dict[str, List]
+    columns: List[Dict]
+    feature_cols: List[str]
+    label_cols: List[str]
+    sample_weight_col: Optional[str]
+    batch_size: int
+    val_batch_size: int
+    epochs: int
+    shuffle: bool
+    seed: Optional[int]
+    backend: str
+    use_gpu: Optional[bool]
+    verbose: int
+    storage_options: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+def select_device(ctx: RankContext, use_gpu: Optional[bool]) -> torch.device:
+    """The GPU Spark assigned to this task when ``use_gpu`` is not False, else the CPU."""
+    gpus = ctx.resources.get("gpu", [])
+    if use_gpu is False or (use_gpu is None and not gpus):
+        return torch.device("cpu")
+    if not gpus:
+        raise RuntimeError("use_gpu=True but Spark assigned no GPU to this task; set "
+                           "spark.task.resource.gpu.amount and spark.executor.resource.gpu.amount")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"Spark assigned GPU {gpus[0]} to rank {ctx.rank}, but torch "
+                           f"{torch.__version__} cannot use CUDA here; install a CUDA build of "
+                           f"torch or pass use_gpu=False")
+    device = torch.device("cuda", int(gpus[0]))
+    torch.cuda.set_device(device)
+    return device
+
+
+def named_metrics(metrics: Any) -> List[Tuple[str, Callable]]:
+    """``[(name, fn)]`` from a list of functions, ``(name, fn)`` pairs or a dict."""
+    if not metrics:
+        return []
+    items = metrics.items() if isinstance(metrics, dict) else metrics
+    named = []
+    for item in items:
+        if isinstance(item, tuple):
+            named.append((str(item[0]), item[1]))
+        else:
+            named.append((getattr(item, "__name__", type(item).__name__), item))
+    return named
+
+
+def match_label(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """Bring ``label`` to the shape/dtype ``output``'s loss expects (see module docstring)."""
+    if output.dim() >= 2 and output.shape[-1] > 1 and label.dim() == 1 \
+            and label.shape[0] == output.shape[0]:
+        return label.long()  # class indices for a (batch, classes) output
+    if label.numel() == output.numel() and label.shape != output.shape:
+        label = label.reshape(output.shape)
+    if output.is_floating_point() and not label.is_floating_point() \
+            and label.shape == output.shape:
+        label = label.to(output.dtype)
+    return label
+
+
+class _LossComputer:
+    """Total loss over outputs/labels, optionally weighted per row."""
+
+    def __init__(self, loss: Any, n_labels: int, weighted: bool) -> None:
+        losses = list(loss) if isinstance(loss, (list, tuple)) else [loss] * n_labels
+        if len(losses) != n_labels:
+            raise ValueError(f"got {len(losses)} losses for {n_labels} label columns")
+        if weighted:
+            losses = [self._per_row(fn) for fn in losses]
+        self.losses, self.weighted = losses, weighted
+
+    @staticmethod
+    def _per_row(fn: Any) -> Any:
+        if isinstance(fn, torch.nn.Module) and hasattr(fn, "reduction"):
+            fn = copy.copy(fn)
+            fn.reduction = "none"
+        return fn
+
+    def __call__(self, outputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
+                 weights: Optional[torch.Tensor]) -> torch.Tensor:
+        total = 0
+        for fn, output, label in zip(self.losses, outputs, labels):
+            value = fn(output, label)
+            if self.weighted:
+                if value.dim() == 0:
+                    raise ValueError("with sample_weight_col the loss must return one value per "
+                                     "row: use a torch.nn loss (its reduction is set to 'none') "
+                                     "or a function returning shape (batch,)")
+                per_row = value.reshape(value.shape[0], -1).mean(dim=1)
+                value = (per_row * weights).sum() / weights.sum().clamp_min(1e-12)
+            total = total + value
+        return total
+
+
+class _Batches:
+    """Turns reader batches (numpy) into device tensors in the model's calling convention."""
+
+    def __init__(self, spec: TorchTrainSpec, device: torch.device) -> None:
+        self.spec, self.device = spec, device
+
+    def __call__(self, batch: Dict[str, np.ndarray]):
+        def tensor(name: str) -> torch.Tensor:
+            return torch.from_numpy(batch[name]).to(self.device, non_blocking=True)
+
+        features = [tensor(c) for c in self.spec.feature_cols]
+        labels = [tensor(c) for c in self.spec.label_cols]
+        weights = tensor(self.spec.sample_weight_col) if self.spec.sample_weight_col else None
+        return features, labels, weights
+
+
+def _as_outputs(result: Any) -> List[torch.Tensor]:
+    return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
+def _run_epoch(model: torch.nn.Module, reader: ShardReader, epoch: int, to_tensors: _Batches,
+               compute_loss: _LossComputer, metrics: List[Tuple[str, Callable]],
+               label_cols: List[str], optimizer: Any = None) -> Tuple[torch.Tensor, List[str], List]:
+    """One pass; returns summed ``[rows, loss*rows, metric*rows...]`` and the output shapes."""
+    training = optimizer is not None
+    model.train(training)
+    names = [f"{name}" if len(label_cols) == 1 else f"{label}_{name}"
+             for label in label_cols for name, _ in metrics]
+    sums = torch.zeros(2 + len(names), dtype=torch.float64, device=to_tensors.device)
+    shapes: List = []
+    with torch.set_grad_enabled(training):
+        for batch in reader.epoch(epoch):
+            features, labels, weights = to_tensors(batch)
+            if training:
+                optimizer.zero_grad(set_to_none=True)
+            outputs = _as_outputs(model(*features))
+            if len(outputs) != len(labels):
+                raise ValueError(f"the model returned {len(outputs)} outputs for "
+                                 f"{len(labels)} label columns {label_cols}")
+            labels = [match_label(o, l) for o, l in zip(outputs, labels)]
+            loss = compute_loss(outputs, labels, weights)
+            if training:
+                loss.backward()
+                optimizer.step()
+            rows = features[0].shape[0]
+            values = [loss.detach()]
+            with torch.no_grad():
+                for output, label in zip(outputs, labels):
+                    values += [torch.as_tensor(fn(output, label)).detach().float().mean()
+                               for _, fn in metrics]
+            sums[0] += rows
+            sums[1:] += torch.stack([v.to(sums.dtype) for v in values]) * rows
+            shapes = [list(o.shape[1:]) for o in outputs]
+    return sums, names, shapes
+
+
+def _averaged(dist: Any, sums: torch.Tensor, names: List[str], prefix: str) -> Dict[str, float]:
+    total = dist.all_reduce_sum(sums.clone()).cpu().tolist()
+    rows = max(total[0], 1.0)
+    result = {f"{prefix}loss": total[1] / rows}
+    result.update({f"{prefix}{name}": value / rows for name, value in zip(names, total[2:])})
+    return result
+
+
+def _format_epoch(epoch: int, epochs: int, logs: Dict[str, float], seconds: float) -> str:
+    values = "  ".join(f"{k}={v:.4g}" for k, v in logs.items())
+    return f"epoch {epoch + 1}/{epochs}  {values}  ({seconds:.1f}s)"
+
+
+def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict[str, Any]]:
+    """Train on this rank; rank 0 returns weights (``torch.save`` bytes), history and the
+    model's output shapes, the other ranks ``None``."""
+    if spec.seed is not None:
+        torch.manual_seed(spec.seed)
+        np.random.seed(spec.seed)
+    torch.set_num_threads(max(1, ctx.cpus))
+    # Batches are zero-copy views of Arrow buffers read for this epoch only; nothing reads them
+    # again, so torch's warning about read-only arrays does not apply.
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    blob = payload.value if hasattr(payload, "value") else payload
+    model, optimizer, loss, metrics, callbacks = cloudpickle.loads(blob)
+    device = select_device(ctx, spec.use_gpu)
+    model.to(device)
+    for state in optimizer.state.values():  # optimizer state (e.g. Adam moments) follows
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device)
+
+    columns = [ColumnSpec.from_json(c) for c in spec.columns]
+    make_reader = lambda split, batch, shuffle: ShardReader(  # noqa: E731
+        spec.dataset_root, spec.layouts[split], columns, ctx.rank,
+        ctx.world_size, batch, shuffle, spec.seed, spec.storage_options)
+    train_reader = make_reader("train", spec.batch_size, spec.shuffle)
+    val_reader = make_reader("val", spec.val_batch_size, False) if spec.layouts.get("val") else None
+
+    dist = load_backend(TORCH_BACKENDS, spec.backend)(ctx, device)
+    try:
+        ddp_model, optimizer = dist.wrap(model, optimizer)
+        compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col))
+        metric_fns = named_metrics(metrics)
+        to_tensors = _Batches(spec, device)
+        if ctx.rank == 0 and spec.verbose >= 1:
+            ctx.log(f"training on {ctx.world_size} rank(s) with backend {spec.backend!r} on "
+                    f"{device}: {len(train_reader)} steps/epoch of {spec.batch_size} rows per rank")
+        history: Dict[str, List[float]] = {}
+        shapes: List = []
+        for epoch in range(spec.epochs):
+            started = time.perf_counter()
+            sums, names, shapes = _run_epoch(ddp_model, train_reader, epoch, to_tensors,
+                                             compute_loss, metric_fns, spec.label_cols, optimizer)
+            logs = _averaged(dist, sums, names, "")
+            if val_reader is not None:
+                val_sums, names, _ = _run_epoch(ddp_model, val_reader, 0, to_tensors,
+                                                compute_loss, metric_fns, spec.label_cols)
+                logs.update(_averaged(dist, val_sums, names, "val_"))
+            if not all(math.isfinite(v) for v in logs.values()):
+                raise FloatingPointError(f"non-finite metrics at epoch {epoch + 1}: {logs}")
+            for key, value in logs.items():
+                history.setdefault(key, []).append(value)
+            if ctx.rank == 0 and spec.verbose >= 1:
+                ctx.log(_format_epoch(epoch, spec.epochs, logs, time.perf_counter() - started))
+            stop = [bool(cb.on_epoch_end(epoch, dict(logs)))
+                    for cb in callbacks or [] if hasattr(cb, "on_epoch_end")]
+            if any(stop):
+                if ctx.rank == 0:
+                    ctx.log(f"a callback stopped training after epoch {epoch + 1}")
+                break
+        if ctx.rank != 0:
+            return None
+        buffer = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buffer)
+        return {"weights": buffer.getvalue(), "history": history, "output_shapes": shapes}
+    finally:
+        dist.close()

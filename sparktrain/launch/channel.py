@@ -1,0 +1,131 @@
+"""A driver-side channel that carries rank log lines and failures while a fit runs.
+
+The driver listens on its own address (``spark.driver.host``) on a free port; each barrier task
+connects, proves it belongs to this fit with a per-fit secret token, and sends JSON lines
+``{"rank": r, "kind": "log" | "error", "text": ...}``. Log lines are re-logged on the driver as
+``[rank N] ...`` as they arrive; the first error is kept so ``fit`` can raise the root cause
+(other ranks usually fail after it, with connection errors).
+
+Example::
+
+    with RankChannel("127.0.0.1") as channel:
+        address = channel.address            # (host, port, token): plain values for executors
+        ...                                  # in a task: RankClient(*address, rank=1).log("hi")
+    channel.first_error()                    # (rank, traceback) or None
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import secrets
+import socket
+import socketserver
+import threading
+from typing import List, Optional, Tuple
+
+log = logging.getLogger("sparktrain.rank")
+_MAX_LINE = 1 << 20
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        channel: RankChannel = self.server.channel  # type: ignore[attr-defined]
+        token = self.rfile.readline(256).strip().decode("ascii", "replace")
+        if not hmac.compare_digest(token, channel.token):
+            return  # not one of this fit's tasks: drop the connection without a word
+        for raw in self.rfile:
+            try:
+                message = json.loads(raw[:_MAX_LINE])
+                channel.receive(int(message["rank"]), message["kind"], str(message["text"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class RankChannel:
+    """Driver end: a small threaded TCP server bound to ``host``; see the module docstring."""
+
+    def __init__(self, host: str, echo: bool = True) -> None:
+        self.token = secrets.token_hex(16)
+        self.echo = echo
+        self.errors: List[Tuple[int, str]] = []
+        self.lines: List[Tuple[int, str]] = []
+        self._lock = threading.Lock()
+        self._server = _Server((host, 0), _Handler)
+        self._server.channel = self  # type: ignore[attr-defined]
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name="sparktrain-channel", daemon=True)
+
+    @property
+    def address(self) -> Tuple[str, int, str]:
+        host, port = self._server.server_address[:2]
+        return host, port, self.token
+
+    def receive(self, rank: int, kind: str, text: str) -> None:
+        with self._lock:
+            if kind == "error":
+                self.errors.append((rank, text))
+            else:
+                self.lines.append((rank, text))
+        if kind != "error" and self.echo:
+            for line in text.rstrip("\n").splitlines():
+                log.info("[rank %d] %s", rank, line)
+
+    def first_error(self) -> Optional[Tuple[int, str]]:
+        with self._lock:
+            return self.errors[0] if self.errors else None
+
+    def __enter__(self) -> "RankChannel":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+class RankClient:
+    """Executor end: sends log lines and a failure to the driver; never raises on a lost link
+    (training must not fail because a log line could not be delivered)."""
+
+    def __init__(self, host: str, port: int, token: str, rank: int) -> None:
+        self.rank = rank
+        self._lock = threading.Lock()
+        try:
+            self._sock: Optional[socket.socket] = socket.create_connection((host, port), timeout=10)
+            self._sock.settimeout(None)
+            self._sock.sendall(token.encode("ascii") + b"\n")
+        except OSError:
+            self._sock = None
+
+    def send(self, kind: str, text: str) -> None:
+        if self._sock is None:
+            return
+        data = json.dumps({"rank": self.rank, "kind": kind, "text": text}).encode() + b"\n"
+        with self._lock:
+            try:
+                self._sock.sendall(data)
+            except OSError:
+                self._sock = None
+
+    def log(self, text: str) -> None:
+        self.send("log", text)
+
+    def error(self, text: str) -> None:
+        self.send("error", text)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                self._sock.close()
+                self._sock = None
