@@ -13,22 +13,25 @@ from typing import Dict, Optional
 from pyspark.sql import SparkSession
 
 
-def local_spark(master: str = "local[*]", app_name: str = "sparktrain",
+def local_spark(master: Optional[str] = "local[*]", app_name: str = "sparktrain",
                 conf: Optional[Dict[str, str]] = None) -> SparkSession:
-    """Get or create a SparkSession for ``master`` with the executors on this Python.
+    """Get or create a SparkSession for ``master`` with the executors on this Python
+    (``master=None``: keep the one spark-submit set).
 
     Sets ``PYSPARK_PYTHON`` to this interpreter (unless set) so tasks can import torch and
     sparktrain, keeps local-mode traffic on 127.0.0.1, enables Arrow, and quiets Spark's logs.
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    if master.startswith("local"):
+    local = (master or "").startswith("local")
+    if local:
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    builder = (SparkSession.builder.master(master).appName(app_name)
+    builder = SparkSession.builder.master(master) if master else SparkSession.builder
+    builder = (builder.appName(app_name)
                .config("spark.sql.execution.arrow.pyspark.enabled", "true")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "8"))
-    if master.startswith("local"):
+    if local:
         builder = builder.config("spark.driver.host", "127.0.0.1") \
                          .config("spark.driver.bindAddress", "127.0.0.1")
     for key, value in (conf or {}).items():

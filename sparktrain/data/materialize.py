@@ -73,7 +73,8 @@ def plan_key(df: DataFrame, columns: Sequence[ColumnSpec], validation: Union[Non
     the plan text with expression ids removed and the input file list cover file sources.
     """
     plan = df._jdf.queryExecution().analyzed()
-    text = re.sub(r"#\d+L?", "", plan.toString())
+    # treeString(verbose, addSuffix, maxFields, printOperatorId): the whole plan, untruncated
+    text = re.sub(r"#\d+L?", "", plan.treeString(False, False, 2 ** 31 - 1, False))
     parts = [str(FORMAT_VERSION), text, str(plan.semanticHash()), "\n".join(sorted(df.inputFiles())),
              json.dumps([c.to_json() for c in columns]), repr(validation), repr(seed)]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
