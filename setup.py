@@ -19,7 +19,7 @@ TORCH = ["torch==2.13.0"]
 TF = ["tensorflow-cpu==2.21.0", "tf-keras==2.21.0", "tensorflowonspark==2.2.5", "six"]
 # Horovod must be compiled against the installed torch; scripts/setup.sh does it (C++17 wrapper).
 HOROVOD = ["horovod==0.28.1"]
-TEST = ["pytest>=8", "pytest-timeout>=2.3", "scikit-learn>=1.4"]
+TEST = ["pytest>=8", "pytest-timeout>=2.3", "scikit-learn>=1.4", "psutil"]
 
 setup(
     name="sparktrain",

@@ -19,6 +19,7 @@ from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, 
 
 from sparktrain.data.store import filesystem, to_fsspec_url
 from sparktrain.params import json_params, object_params
+from sparktrain.pickling import dumps
 
 T = TypeVar("T")
 
@@ -61,7 +62,7 @@ class EstimatorWriter(MLWriter):
     def saveImpl(self, path: str) -> None:
         DefaultParamsWriter.saveMetadata(self.instance, path, self.sc,
                                          paramMap=json_params(self.instance))
-        write_file(self.sc, path, "objects.pkl", cloudpickle.dumps(object_params(self.instance)))
+        write_file(self.sc, path, "objects.pkl", dumps(object_params(self.instance)))
 
 
 class EstimatorReader(MLReader):

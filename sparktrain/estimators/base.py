@@ -137,11 +137,12 @@ def _feature_expr(spec: ColumnSpec) -> Column:
 
 
 def series_to_numpy(series: pd.Series, spec: ColumnSpec):
-    """A pandas column from Arrow as a 2-D (or 1-D for scalars) numpy array of ``spec.dtype``."""
+    """A pandas feature column from Arrow as a 2-D numpy array of ``spec.dtype`` (scalars as
+    ``(rows, 1)``, the shape training fed the model)."""
     import numpy as np
 
     if spec.kind == SCALAR:
-        return series.to_numpy(dtype=spec.dtype)
+        return series.to_numpy(dtype=spec.dtype).reshape(-1, 1)
     if len(series) == 0:
         return np.zeros((0, spec.size), dtype=spec.dtype)
     return np.stack(series.to_numpy()).astype(spec.dtype, copy=False)

@@ -28,6 +28,7 @@ from sparktrain.data.store import Store
 from sparktrain.estimators.base import EstimatorBase, ModelBase
 from sparktrain.launch import TORCH_BACKENDS
 from sparktrain.launch.barrier import RankContext, run_barrier
+from sparktrain.pickling import dumps
 
 
 class TorchEstimator(EstimatorBase):
@@ -93,8 +94,8 @@ class TorchEstimator(EstimatorBase):
 
     def _payload(self) -> bytes:
         try:
-            return cloudpickle.dumps((self.getModel(), self.getOptimizer(), self.getLoss(),
-                                      self.getMetrics(), self.getCallbacks()))
+            return dumps((self.getModel(), self.getOptimizer(), self.getLoss(),
+                          self.getMetrics(), self.getCallbacks()))
         except Exception as exc:
             raise TypeError(f"model, optimizer, loss, metrics and callbacks must be picklable "
                             f"with cloudpickle to reach the executors: {exc}") from exc
@@ -154,7 +155,7 @@ def _architecture_bytes(module: Any) -> bytes:
         for name, buffer in list(sub._buffers.items()):
             if buffer is not None and name not in sub._non_persistent_buffers_set:
                 sub._buffers[name] = buffer.to("meta")
-    return cloudpickle.dumps(skeleton)
+    return dumps(skeleton)
 
 
 def _load_module(architecture: bytes, weights: bytes) -> Any:

@@ -6,13 +6,13 @@ pointing at the model's own parameters after unpickling.
 
 Conventions (shared with :class:`~sparktrain.estimators.torch.TorchModel`):
 
-* the model is called as ``model(*features)``, one tensor per feature column: ``(batch,)`` for
-  scalar columns, ``(batch, n)`` for vectors/arrays; float columns arrive as float32, integer
-  columns as int64;
+* the model is called as ``model(*features)``, one 2-D tensor per feature column: ``(batch, 1)``
+  for scalar columns (unlike Horovod's ``(batch,)``: what ``nn.Linear`` and ``torch.cat``
+  expect), ``(batch, n)`` for vectors/arrays; float columns arrive as float32, integers as int64;
 * a label is reshaped to its output's shape when they hold the same number of values; a label
   of class indices (output ``(batch, classes)``, label ``(batch,)``) is cast to int64;
-* with ``sample_weight_col`` the loss is computed per row and averaged weighted:
-  ``sum(w * loss_i) / sum(w)``.
+* with ``sample_weight_col`` the loss is computed per row and weighted as Keras does:
+  ``mean(w * loss_i)`` over the batch.
 """
 from __future__ import annotations
 
@@ -128,7 +128,9 @@ class _LossComputer:
                                      "row: use a torch.nn loss (its reduction is set to 'none') "
                                      "or a function returning shape (batch,)")
                 per_row = value.reshape(value.shape[0], -1).mean(dim=1)
-                value = (per_row * weights).sum() / weights.sum().clamp_min(1e-12)
+                # Keras' convention, mean over rows of w * loss (not / sum(w)): each rank's
+                # gradient then adds up to the globally weighted one under DDP averaging.
+                value = (per_row * weights).mean()
             total = total + value
         return total
 
@@ -143,10 +145,15 @@ class _Batches:
         def tensor(name: str) -> torch.Tensor:
             return torch.from_numpy(batch[name]).to(self.device, non_blocking=True)
 
-        features = [tensor(c) for c in self.spec.feature_cols]
+        features = [as_2d(tensor(c)) for c in self.spec.feature_cols]
         labels = [tensor(c) for c in self.spec.label_cols]
         weights = tensor(self.spec.sample_weight_col) if self.spec.sample_weight_col else None
         return features, labels, weights
+
+
+def as_2d(t: torch.Tensor) -> torch.Tensor:
+    """Scalar feature columns as ``(batch, 1)``."""
+    return t if t.dim() > 1 else t.unsqueeze(1)
 
 
 def _as_outputs(result: Any) -> List[torch.Tensor]:
@@ -229,6 +236,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     val_reader = make_reader("val", spec.val_batch_size, False) if spec.layouts.get("val") else None
 
     dist = load_backend(TORCH_BACKENDS, spec.backend)(ctx, device)
+    ddp_model = None
     try:
         ddp_model, optimizer = dist.wrap(model, optimizer)
         compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col))
@@ -266,4 +274,5 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buffer)
         return {"weights": buffer.getvalue(), "history": history, "output_shapes": shapes}
     finally:
+        ddp_model = None  # the DDP reducer holds the process group: release it first
         dist.close()

@@ -13,8 +13,9 @@ Example (executor side)::
 """
 from __future__ import annotations
 
+from collections import deque
 from datetime import timedelta
-from typing import Any, Tuple
+from typing import Any, Deque, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,13 @@ import torch.distributed as dist
 from sparktrain.launch.barrier import RankContext
 
 TIMEOUT = timedelta(minutes=30)
+
+# Tensors handed to our own collectives stay referenced here, beyond the group's lifetime.
+# Gloo's worker threads drop their reference to a finished op's tensors a moment after the op
+# completes; if Python has already freed the tensor by then, that drop needs the GIL. When the
+# process group is destroyed at that moment (its destructor joins the threads while holding the
+# GIL), the two wait for each other forever. Seen here as a hang at the end of a fit.
+_KEEP_ALIVE: Deque[torch.Tensor] = deque(maxlen=16)
 
 
 class TorchDDP:
@@ -54,6 +62,7 @@ class TorchDDP:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
+            _KEEP_ALIVE.append(tensor)
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 

@@ -1,0 +1,612 @@
+#!/usr/bin/env python
+"""Benchmark sparktrain's PyTorch path against the alternatives, in one process and one Spark
+session, on one generated DataFrame.
+
+    .venv/bin/python bench/bench_torch.py                      # 1,000,000 rows, every figure
+    .venv/bin/python bench/bench_torch.py --rows 100000 --skip inference,fit
+
+Figures (see bench/README.md for what each one compares and why):
+
+  read         rows/s from the materialized store to torch tensors, one rank, batch 1024:
+               sparktrain ShardReader vs Petastorm's converter + BatchedDataLoader
+               (extra: sparktrain shuffle=True, in-memory tensor slice+clone ceiling)
+  materialize  seconds to materialize the frame into a fresh store vs df.write.parquet
+               (extra: second materialize call = reuse, Petastorm converter creation)
+  fit          wall time of a warm 1-step 2-rank TorchEstimator.fit vs TorchDistributor.run
+  inference    TorchModel.transform rows/s vs a hand-written iterator pandas_udf
+
+Prints progress to stderr, then a table and one JSON line per figure to stdout, and writes
+everything to --json-out (default bench/results/bench_torch.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if REPO not in sys.path:  # normally installed editable in .venv; this makes a bare checkout work
+    sys.path.insert(0, REPO)
+
+FIGURES = ("read", "materialize", "fit", "inference")
+READ_BATCH = 1024
+HIDDEN, CLASSES = 64, 2
+FIT_BATCH = 64  # rows per rank per step in the fit-overhead figure
+
+_T0 = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    print(f"[bench {time.perf_counter() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def timed(fn: Callable[[], Any]) -> tuple:
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+class Hang(RuntimeError):
+    """A guarded call ran past its time limit (its Spark jobs were cancelled)."""
+
+
+def guarded(spark, fn: Callable[[], Any], timeout: float, label: str,
+            hangs: List[Dict[str, Any]], attempts: int = 3) -> tuple:
+    """``timed(fn)``, but cancel every Spark job if it runs past ``timeout`` seconds, record the
+    hang in ``hangs`` and try again (up to ``attempts`` times).
+
+    A fit that deadlocks in a barrier task (see README: a Gloo process group destroyed while
+    holding the GIL) would otherwise hang the whole benchmark; Spark kills the stuck Python
+    worker once its task is cancelled.
+    """
+    for attempt in range(1, attempts + 1):
+        fired = threading.Event()
+
+        def fire() -> None:
+            fired.set()
+            progress(f"{label}: still running after {timeout:g}s, cancelling its Spark jobs")
+            spark.sparkContext.cancelAllJobs()
+
+        timer = threading.Timer(timeout, fire)
+        timer.daemon = True
+        timer.start()
+        try:
+            return timed(fn)
+        except Exception as exc:
+            if not fired.is_set():
+                raise
+            hangs.append({"what": label, "attempt": attempt, "timeout_s": timeout,
+                          "error": str(exc).strip().splitlines()[0][:300]})
+            progress(f"{label}: HUNG (attempt {attempt}/{attempts}); retrying")
+        finally:
+            timer.cancel()
+    raise Hang(f"{label} hung {attempts} times in a row (each cancelled after {timeout:g}s)")
+
+
+# -- model shared by every figure --------------------------------------------------------------
+def make_mlp(features: int, hidden: int = HIDDEN, classes: int = CLASSES):
+    """The benchmark model: ``features -> hidden -> classes`` MLP (same architecture for
+    sparktrain, TorchDistributor and the hand-written UDF)."""
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, classes))
+
+
+def make_estimator(features: int, batch_size: int, store: str, num_proc: int = 2):
+    import torch
+    from sparktrain import TorchEstimator
+
+    torch.manual_seed(0)
+    net = make_mlp(features)
+    return TorchEstimator(num_proc=num_proc, model=net,
+                          optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                          loss=torch.nn.CrossEntropyLoss(), feature_cols=["features"],
+                          label_cols=["label"], batch_size=batch_size, epochs=1, shuffle=False,
+                          random_seed=0, verbose=0, store=store)
+
+
+# -- data ---------------------------------------------------------------------------------------
+def make_frame(spark, rows: int, features: int, partitions: int, seed: int):
+    """``features``: array<float> of uniform [0, 1) values; ``label``: int 0/1, 1 when the
+    alternating-sign sum of the features is positive (linearly separable, about balanced)."""
+    from pyspark.sql import functions as F
+
+    names = [f"f{i}" for i in range(features)]
+    base = spark.range(0, rows, numPartitions=partitions).select(
+        *[F.rand(seed + i).cast("float").alias(n) for i, n in enumerate(names)])
+    score = sum((F.col(n) if i % 2 == 0 else -F.col(n)) for i, n in enumerate(names))
+    return base.select(F.array(*[F.col(n) for n in names]).alias("features"),
+                       (score > 0).cast("int").alias("label"))
+
+
+def cached(df):
+    df = df.cache()
+    df.count()
+    return df
+
+
+# -- results ------------------------------------------------------------------------------------
+def figure(name: str, measure: str, unit: str, sparktrain: float, baseline: Optional[float],
+           baseline_name: str, ratio: Optional[float], target: float, op: str,
+           extras: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    met = None if ratio is None else (ratio >= target if op == ">=" else ratio <= target)
+    return {"figure": name, "measure": measure, "sparktrain": sparktrain, "baseline": baseline,
+            "baseline_name": baseline_name, "ratio": ratio, "target": target, "target_op": op,
+            "met": met, "unit": unit, "extras": extras or {}}
+
+
+def _num(value: Optional[float], unit: str) -> str:
+    if value is None:
+        return "n/a"
+    if unit == "rows/s":
+        return f"{value / 1e6:.2f}M rows/s" if value >= 1e5 else f"{value:,.0f} rows/s"
+    return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
+
+
+def print_table(results: List[Dict[str, Any]]) -> None:
+    header = f"{'figure':<12} {'sparktrain':>16}  {'baseline':>16}  {'ratio':>7}  {'target':>8}  met  baseline name"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        met = "n/a" if r["met"] is None else ("yes" if r["met"] else "NO")
+        print(f"{r['figure']:<12} {_num(r['sparktrain'], r['unit']):>16}  "
+              f"{_num(r['baseline'], r['unit']):>16}  {ratio:>7}  "
+              f"{r['target_op'] + format(r['target'], 'g') + 'x':>8}  {met:<3}  {r['baseline_name']}")
+        print(f"{'':<12} ({r['measure']})")
+        for key, value in r["extras"].items():
+            if isinstance(value, dict) and "value" in value:
+                shown = _num(value["value"], value.get("unit", r["unit"]))
+                note = f"  {value['note']}" if value.get("note") else ""
+                print(f"{'':<12}   + {key}: {shown}{note}")
+    print()
+
+
+# -- figure 2: materialize ----------------------------------------------------------------------
+def bench_materialize(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict[str, Any]:
+    from sparktrain.data.materialize import materialize
+    from sparktrain.data.schema import training_columns
+    from sparktrain.data.store import Store
+
+    columns = training_columns(df, ["features"], ["label"])
+    plain_dir = os.path.join(tmp, "plain-parquet")
+
+    def plain_write() -> None:
+        df.write.mode("overwrite").parquet("file://" + plain_dir)
+
+    progress("materialize: warm-up (one materialize into a throwaway store, one plain write)")
+    warm_store = os.path.join(tmp, "store-materialize-warmup")
+    materialize(df, Store.create(warm_store), columns)
+    shutil.rmtree(warm_store, ignore_errors=True)
+    plain_write()
+    st_times, plain_times = [], []
+    dataset = store = None
+    for i in range(repeats):  # alternate so that load from other processes hits both alike
+        store_dir = os.path.join(tmp, f"store-materialize-{i}")
+        shutil.rmtree(store_dir, ignore_errors=True)
+        store = Store.create(store_dir)
+        seconds, dataset = timed(lambda: materialize(df, store, columns))
+        assert not dataset.reused, "a fresh store must not reuse anything"
+        st_times.append(seconds)
+        progress(f"materialize: sparktrain run {i + 1}/{repeats}: {seconds:.2f}s "
+                 f"({dataset.train_rows} rows, {sum(len(g) for _, g in dataset.files['train'])} "
+                 f"row groups in {len(dataset.files['train'])} files)")
+        seconds, _ = timed(plain_write)
+        plain_times.append(seconds)
+        progress(f"materialize: plain write run {i + 1}/{repeats}: {seconds:.2f}s")
+        if i < repeats - 1:
+            shutil.rmtree(store_dir, ignore_errors=True)
+    reuse_seconds, again = timed(lambda: materialize(df, store, columns))
+    assert again.reused and again.root == dataset.root, "second materialize call did not reuse"
+    progress(f"materialize: second call (reuse) {reuse_seconds:.3f}s")
+    state["dataset"] = dataset
+    shutil.rmtree(plain_dir, ignore_errors=True)
+
+    st, plain = statistics.median(st_times), statistics.median(plain_times)
+    extras = {
+        "second materialize call (reused)": {"value": reuse_seconds, "unit": "s",
+                                              "note": f"reused={again.reused}"},
+        "runs": {"sparktrain_s": st_times, "plain_write_s": plain_times},
+    }
+    return figure("materialize", f"seconds to write {df_rows(state)} rows into a fresh store, "
+                  f"median of {repeats}; ratio = plain_s / sparktrain_s", "s", st, plain,
+                  "df.write.parquet", plain / st, 0.8, ">=", extras)
+
+
+def df_rows(state: Dict[str, Any]) -> str:
+    return f"{state['rows']:,}"
+
+
+def ensure_dataset(spark, df, tmp: str, state: Dict[str, Any]):
+    if state.get("dataset") is None:
+        from sparktrain.data.materialize import materialize
+        from sparktrain.data.schema import training_columns
+        from sparktrain.data.store import Store
+
+        progress("materializing the frame (untimed: the materialize figure was skipped)")
+        state["dataset"] = materialize(df, Store.create(os.path.join(tmp, "store-read")),
+                                       training_columns(df, ["features"], ["label"]))
+    return state["dataset"]
+
+
+# -- figure 1: read path ------------------------------------------------------------------------
+def sparktrain_pass(dataset, shuffle: bool, epoch: int) -> int:
+    import torch
+    from sparktrain.data.reader import ShardReader
+
+    reader = ShardReader(dataset.root, dataset.files["train"], dataset.columns, rank=0,
+                         world_size=1, batch_size=READ_BATCH, shuffle=shuffle, seed=0)
+    rows = 0
+    for batch in reader.epoch(epoch):
+        features = torch.from_numpy(batch["features"])
+        label = torch.from_numpy(batch["label"])
+        rows += features.shape[0]
+        assert label.shape[0] == features.shape[0]
+    reader.close()
+    return rows
+
+
+def petastorm_pass(converter, loader_fn) -> int:
+    rows = 0
+    with converter.make_torch_dataloader(batch_size=READ_BATCH, num_epochs=1,
+                                         data_loader_fn=loader_fn) as loader:
+        for batch in loader:
+            rows += batch["label"].shape[0]
+            assert batch["features"].shape[0] == batch["label"].shape[0]
+    return rows
+
+
+def ceiling_pass(features, label) -> int:
+    rows, n = 0, features.shape[0]
+    for start in range(0, n, READ_BATCH):
+        f = features[start:start + READ_BATCH].clone()
+        l = label[start:start + READ_BATCH].clone()
+        rows += f.shape[0]
+        assert l.shape[0] == f.shape[0]
+    return rows
+
+
+def bench_read(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict[str, Any]:
+    import torch
+    from petastorm.pytorch import BatchedDataLoader
+    from petastorm.spark import SparkDatasetConverter, make_spark_converter
+    from sparktrain.data.reader import ShardReader
+
+    n = state["rows"]
+    dataset = ensure_dataset(spark, df, tmp, state)
+
+    def rate(fn: Callable[[], int], label: str) -> tuple:
+        fn()  # warm-up: page cache, imports, thread pools
+        rates = []
+        for i in range(repeats):
+            seconds, rows = timed(fn)
+            if rows != n:
+                raise AssertionError(f"{label} read {rows} rows, expected {n}")
+            rates.append(rows / seconds)
+            progress(f"read: {label} run {i + 1}/{repeats}: {seconds:.3f}s = {rows / seconds:,.0f} rows/s")
+        return statistics.median(rates), rates
+
+    # first batch shape check
+    first = next(iter(ShardReader(dataset.root, dataset.files["train"], dataset.columns, 0, 1,
+                                  READ_BATCH).epoch(0)))
+    assert first["features"].shape == (READ_BATCH, state["features"]), first["features"].shape
+
+    st, st_runs = rate(lambda: sparktrain_pass(dataset, False, 0), "sparktrain shuffle=False")
+    epoch = iter(range(1, 1 << 30))
+    st_shuffled, st_shuffled_runs = rate(lambda: sparktrain_pass(dataset, True, next(epoch)),
+                                         "sparktrain shuffle=True")
+
+    cache_dir = os.path.join(tmp, "petastorm-cache")
+    spark.conf.set(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, "file://" + cache_dir)
+    progress("read: creating the Petastorm converter (timed, reported under materialize)")
+    convert_seconds, converter = timed(lambda: make_spark_converter(df))
+    state["petastorm_convert_seconds"] = convert_seconds
+    progress(f"read: Petastorm converter created in {convert_seconds:.2f}s")
+    try:
+        with converter.make_torch_dataloader(batch_size=READ_BATCH, num_epochs=1,
+                                             data_loader_fn=BatchedDataLoader) as loader:
+            batch = next(iter(loader))
+            assert tuple(batch["features"].shape) == (READ_BATCH, state["features"]), \
+                batch["features"].shape
+            assert isinstance(batch["features"], torch.Tensor)
+        ps, ps_runs = rate(lambda: petastorm_pass(converter, BatchedDataLoader),
+                           "petastorm BatchedDataLoader")
+    finally:
+        converter.delete()
+
+    progress("read: loading the data into memory for the ceiling")
+    parts = list(ShardReader(dataset.root, dataset.files["train"], dataset.columns, 0, 1,
+                             1 << 16).epoch(0))
+    features = torch.from_numpy(np.ascontiguousarray(np.concatenate([p["features"] for p in parts])))
+    label = torch.from_numpy(np.ascontiguousarray(np.concatenate([p["label"] for p in parts])))
+    del parts
+    ceiling, ceiling_runs = rate(lambda: ceiling_pass(features, label),
+                                 "ceiling in-memory slice+clone")
+    del features, label
+
+    extras = {
+        "sparktrain shuffle=True": {"value": st_shuffled, "unit": "rows/s",
+                                    "note": f"{st_shuffled / ps:.2f}x petastorm"},
+        "ceiling: in-memory tensor t[i:i+1024].clone()": {
+            "value": ceiling, "unit": "rows/s",
+            "note": f"sparktrain reaches {st / ceiling:.0%} of it"},
+        "runs": {"sparktrain": st_runs, "sparktrain_shuffle": st_shuffled_runs,
+                 "petastorm": ps_runs, "ceiling": ceiling_runs},
+    }
+    return figure("read", f"rows/s store -> torch tensors, batch {READ_BATCH}, rank 0 of 1, "
+                  f"shuffle=False, median of {repeats}", "rows/s", st, ps,
+                  "petastorm make_spark_converter + make_torch_dataloader(BatchedDataLoader)",
+                  st / ps, 2.0, ">=", extras)
+
+
+# -- figure 3: fit overhead ---------------------------------------------------------------------
+def td_one_step(features: int, batch_size: int) -> float:
+    """TorchDistributor's function: the same single DDP step sparktrain's 1-step fit takes."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # TorchDistributor/torchrun set MASTER_ADDR, RANK, ...
+    try:
+        torch.manual_seed(0)
+        torch.set_num_threads(1)
+        model = torch.nn.parallel.DistributedDataParallel(make_mlp(features))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.rand(batch_size, features)
+        y = torch.randint(0, CLASSES, (batch_size,))
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach().item()
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_fit(spark, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict[str, Any]:
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    features = state["features"]
+    tiny = cached(make_frame(spark, 2 * FIT_BATCH, features, 2, state["seed"] + 1000))
+    estimator = make_estimator(features, FIT_BATCH, os.path.join(tmp, "store-fit"))
+
+    def st_fit():
+        model = estimator.fit(tiny)
+        assert len(model.getHistory()["loss"]) == 1
+        return model
+
+    def td_run():
+        distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+        return distributor.run(td_one_step, features, FIT_BATCH)
+
+    limit, hangs = state["fit_timeout"], state["hangs"]
+    progress("fit: warm-up sparktrain fit (materializes the tiny frame)")
+    guarded(spark, st_fit, limit, "fit: sparktrain warm-up fit", hangs)
+    progress("fit: warm-up TorchDistributor run")
+    guarded(spark, td_run, limit, "fit: TorchDistributor warm-up run", hangs)
+    st_times, td_times = [], []
+    for i in range(repeats):
+        seconds, _ = guarded(spark, st_fit, limit, f"fit: sparktrain fit {i + 1}", hangs)
+        st_times.append(seconds)
+        progress(f"fit: sparktrain fit {i + 1}/{repeats}: {seconds:.2f}s")
+        seconds, _ = guarded(spark, td_run, limit, f"fit: TorchDistributor run {i + 1}", hangs)
+        td_times.append(seconds)
+        progress(f"fit: TorchDistributor run {i + 1}/{repeats}: {seconds:.2f}s")
+    tiny.unpersist()
+    st, td = statistics.median(st_times), statistics.median(td_times)
+    fit_hangs = [h for h in hangs if h["what"].startswith("fit:")]
+    extras = {"runs": {"sparktrain_s": st_times, "torch_distributor_s": td_times}}
+    if fit_hangs:
+        extras["HANGS (cancelled and retried, not timed)"] = {
+            "value": None, "note": f"{len(fit_hangs)}: " + "; ".join(h["what"] for h in fit_hangs)}
+        extras["hangs"] = fit_hangs
+    return figure("fit", f"wall s of a warm 1-step 2-rank fit ({2 * FIT_BATCH} rows, batch "
+                  f"{FIT_BATCH}/rank, data already materialized), median of {repeats}", "s",
+                  st, td, "TorchDistributor(num_processes=2, local_mode=False).run",
+                  st / td, 0.5, "<=", extras)
+
+
+# -- figure 4: inference ------------------------------------------------------------------------
+def handwritten_udf(spark, module, features: int, chunk: int):
+    """What a user would write without sparktrain: an iterator pandas_udf that rebuilds the
+    model from a broadcast state_dict once per call and predicts Arrow batches in chunks."""
+    import pandas as pd
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+    weights = spark.sparkContext.broadcast(state)
+
+    def predict(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
+        import torch
+
+        torch.set_num_threads(1)  # one Spark task per core, as sparktrain does (task cpus)
+        model = make_mlp(features)
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.value.items()})
+        model.eval()
+        for series in batches:
+            x = np.stack(series.to_numpy()).astype(np.float32, copy=False) if len(series) \
+                else np.zeros((0, features), np.float32)
+            outs = []
+            with torch.inference_mode():
+                for start in range(0, len(x), chunk):
+                    outs.append(model(torch.from_numpy(x[start:start + chunk])).numpy())
+            out = np.concatenate(outs) if outs else np.zeros((0, CLASSES), np.float32)
+            yield pd.Series(list(out.astype(np.float64)))
+
+    # real types, not the strings ``from __future__ import annotations`` leaves: Spark reads
+    # them to pick the iterator flavour (SCALAR_ITER)
+    predict.__annotations__ = {"batches": Iterator[pd.Series], "return": Iterator[pd.Series]}
+    return F.pandas_udf(predict, T.ArrayType(T.DoubleType())), weights
+
+
+def bench_inference(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict[str, Any]:
+    from pyspark.sql import functions as F
+
+    n, features = state["rows"], state["features"]
+    progress("inference: fitting the model to predict with (2 ranks, 4096 rows, 1 epoch)")
+    small = cached(make_frame(spark, 4096, features, 2, state["seed"] + 2000))
+    estimator = make_estimator(features, 256, os.path.join(tmp, "store-inference"))
+    _, model = guarded(spark, lambda: estimator.fit(small), state["fit_timeout"],
+                       "inference: sparktrain fit of the model", state["hangs"])
+    small.unpersist()
+    udf, weights = handwritten_udf(spark, model.getModel(), features, model.getBatchSize())
+
+    st_df = model.transform(df)
+    hw_df = df.withColumn("label__output", udf(F.col("features")))
+
+    def run(frame) -> None:
+        frame.write.format("noop").mode("overwrite").save()
+
+    # the two must agree (same weights, same model)
+    a = st_df.select("label__output").limit(5).collect()
+    b = hw_df.select("label__output").limit(5).collect()
+    assert np.allclose([r[0] for r in a], [r[0] for r in b], atol=1e-5), (a, b)
+
+    progress("inference: warm-up sparktrain transform")
+    run(st_df)
+    progress("inference: warm-up hand-written pandas_udf")
+    run(hw_df)
+    st_times, hw_times = [], []
+    for i in range(repeats):
+        seconds, _ = timed(lambda: run(st_df))
+        st_times.append(seconds)
+        progress(f"inference: sparktrain transform {i + 1}/{repeats}: {seconds:.2f}s "
+                 f"= {n / seconds:,.0f} rows/s")
+        seconds, _ = timed(lambda: run(hw_df))
+        hw_times.append(seconds)
+        progress(f"inference: hand-written pandas_udf {i + 1}/{repeats}: {seconds:.2f}s "
+                 f"= {n / seconds:,.0f} rows/s")
+    weights.destroy()
+    st, hw = n / statistics.median(st_times), n / statistics.median(hw_times)
+    extras = {"runs": {"sparktrain_s": st_times, "handwritten_s": hw_times}}
+    fit_hangs = [h for h in state["hangs"] if h["what"].startswith("inference:")]
+    if fit_hangs:
+        extras["HANGS (cancelled and retried, not timed)"] = {
+            "value": None, "note": f"{len(fit_hangs)} in the fit that made the model"}
+        extras["hangs"] = fit_hangs
+    return figure("inference", f"rows/s of transform over {n:,} rows (MLP {features}->{HIDDEN}->"
+                  f"{CLASSES}, noop write), median of {repeats}", "rows/s", st, hw,
+                  "hand-written iterator pandas_udf", st / hw, 0.9, ">=", extras)
+
+
+# -- main ---------------------------------------------------------------------------------------
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_000_000, help="rows of the main frame")
+    parser.add_argument("--features", type=int, default=32, help="floats per row")
+    parser.add_argument("--partitions", type=int, default=2, help="partitions of the main frame")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per variant after the warm-up (median reported)")
+    parser.add_argument("--master", default="local[2]", help="Spark master")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--skip", action="append", default=[],
+                        help=f"figures to skip, comma-separated or repeated: {', '.join(FIGURES)}")
+    parser.add_argument("--json-out", default=os.path.join(HERE, "results", "bench_torch.json"))
+    parser.add_argument("--fit-timeout", type=float, default=120.0,
+                        help="seconds after which a fit/TorchDistributor run counts as hung: its "
+                             "Spark jobs are cancelled, the hang is reported and it is retried")
+    parser.add_argument("--keep-tmp", action="store_true", help="leave the temp directory")
+    args = parser.parse_args(argv)
+    args.skip = {s.strip() for item in args.skip for s in item.split(",") if s.strip()}
+    unknown = args.skip - set(FIGURES)
+    if unknown:
+        parser.error(f"unknown figure(s) {sorted(unknown)}; expected some of {FIGURES}")
+    if args.rows < 2 * READ_BATCH:
+        parser.error(f"--rows must be at least {2 * READ_BATCH}")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+    from sparktrain import local_spark
+
+    tmp = tempfile.mkdtemp(prefix="sparktrain-bench-")
+    progress(f"temp dir {tmp}; starting Spark {args.master}")
+    spark = local_spark(args.master, "sparktrain-bench", conf={
+        "spark.driver.memory": "4g",
+        "spark.ui.enabled": "false",
+        "spark.local.dir": os.path.join(tmp, "spark-local")})
+    state: Dict[str, Any] = {"rows": args.rows, "features": args.features, "seed": args.seed,
+                             "fit_timeout": args.fit_timeout, "hangs": []}
+    results: List[Dict[str, Any]] = []
+    load_before = os.getloadavg()
+    try:
+        progress(f"generating {args.rows:,} rows x {args.features} features "
+                 f"({args.partitions} partitions), cached and counted")
+        seconds, df = timed(lambda: cached(make_frame(spark, args.rows, args.features,
+                                                      args.partitions, args.seed)))
+        progress(f"frame ready in {seconds:.1f}s")
+
+        order = [("materialize", lambda: bench_materialize(spark, df, tmp, args.repeats, state)),
+                 ("read", lambda: bench_read(spark, df, tmp, args.repeats, state)),
+                 ("fit", lambda: bench_fit(spark, tmp, args.repeats, state)),
+                 ("inference", lambda: bench_inference(spark, df, tmp, args.repeats, state))]
+        for name, run in order:
+            if name in args.skip:
+                progress(f"skipping {name}")
+                continue
+            progress(f"== {name} ==")
+            results.append(run())
+        for r in results:  # Petastorm's converter is created in the read figure
+            if r["figure"] == "materialize" and "petastorm_convert_seconds" in state:
+                r["extras"]["petastorm make_spark_converter(df) (first time)"] = {
+                    "value": state["petastorm_convert_seconds"], "unit": "s",
+                    "note": f"{state['petastorm_convert_seconds'] / r['sparktrain']:.2f}x "
+                            f"sparktrain's time"}
+        df.unpersist()
+    finally:
+        spark.stop()
+        if args.keep_tmp:
+            progress(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    order = {name: i for i, name in enumerate(("read", "materialize", "fit", "inference"))}
+    results.sort(key=lambda r: order[r["figure"]])
+    print()
+    print(f"sparktrain torch benchmark: {args.rows:,} rows x {args.features} features, "
+          f"{args.master}, {os.cpu_count()} CPUs, load avg {load_before[0]:.2f} -> "
+          f"{os.getloadavg()[0]:.2f}")
+    print_table(results)
+    for r in results:
+        print(json.dumps({k: r[k] for k in ("figure", "sparktrain", "baseline", "baseline_name",
+                                              "ratio", "target", "met", "unit")}))
+
+    if args.json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+        import pyarrow
+        import pyspark
+        import torch
+
+        meta = {"rows": args.rows, "features": args.features, "partitions": args.partitions,
+                "repeats": args.repeats, "master": args.master, "skipped": sorted(args.skip),
+                "cpus": os.cpu_count(), "load_avg_before": load_before,
+                "load_avg_after": os.getloadavg(), "python": platform.python_version(),
+                "pyspark": pyspark.__version__, "pyarrow": pyarrow.__version__,
+                "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        with open(args.json_out, "w") as f:
+            json.dump({"meta": meta, "figures": results}, f, indent=2)
+        progress(f"wrote {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""cloudpickle that ships the user's own code with the objects that use it.
+
+cloudpickle pickles classes and functions from importable modules *by reference*: executors
+(and whoever loads a saved model later) must be able to import the same module. A model class
+defined in the user's script, notebook helper file or test module usually is not importable
+there. ``dumps`` therefore pickles *by value* every module that the objects' classes and
+functions come from, unless it is installed (site-packages) or part of Python itself.
+
+Example::
+
+    blob = dumps((model, optimizer))   # MyNet from ./my_models.py travels with the blob
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import sysconfig
+from types import FunctionType, ModuleType
+from typing import Any, Iterable, Set
+
+import cloudpickle
+
+_INSTALLED = tuple(os.path.realpath(p) for p in {
+    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"],
+    sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+_OWN = ("sparktrain", "torch", "pyspark", "tensorflow", "keras", "tf_keras", "horovod", "numpy")
+
+
+def _is_user_module(module: ModuleType) -> bool:
+    name = module.__name__
+    path = getattr(module, "__file__", None)
+    if name == "__main__" or not path or name.split(".")[0] in _OWN:
+        return False  # __main__ is pickled by value by cloudpickle already
+    return not os.path.realpath(path).startswith(_INSTALLED)
+
+
+def _code_objects(obj: Any) -> Iterable[Any]:
+    """Classes and functions reachable from ``obj`` whose modules matter for unpickling."""
+    seen: Set[int] = set()
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (FunctionType, type)):
+            yield item
+        elif item is not None and not isinstance(item, (str, bytes, int, float, bool)):
+            yield type(item)
+            if hasattr(item, "modules") and callable(item.modules):  # torch.nn.Module tree
+                stack.extend(type(m) for m in item.modules())
+            elif hasattr(item, "__dict__") and not inspect.ismodule(item):
+                stack.extend(v for v in vars(item).values() if isinstance(v, (FunctionType, type)))
+
+
+def dumps(obj: Any) -> bytes:
+    """``cloudpickle.dumps(obj)``, with the user's own modules pickled by value."""
+    modules = {sys.modules.get(getattr(c, "__module__", None) or "") for c in _code_objects(obj)}
+    registered = [m for m in modules if m is not None and _is_user_module(m)]
+    for module in registered:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(obj)
+    finally:
+        for module in registered:
+            cloudpickle.unregister_pickle_by_value(module)

@@ -1,0 +1,63 @@
+"""One real SparkSession (local[2]: two barrier slots) shared by the whole test session."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: end-to-end runs of jobs/ and cluster modes")
+
+
+@pytest.fixture(scope="session")
+def spark():
+    from sparktrain import local_spark
+
+    session = local_spark("local[2]", app_name="sparktrain-tests", conf={
+        "spark.sparktrain.slotWaitSeconds": "1",
+        "spark.default.parallelism": "2",
+    })
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory):
+    """A store shared by the session, so tests reusing a DataFrame reuse its materialization."""
+    return str(tmp_path_factory.mktemp("store"))
+
+
+@pytest.fixture(scope="session")
+def regression_df(spark):
+    """2000 rows: y = x . w + 0.5 + N(0, 0.1^2), features as a vector column."""
+    import numpy as np
+    from pyspark.ml.linalg import Vectors
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2000, 4))
+    y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5 + 0.1 * rng.normal(size=2000)
+    rows = [(Vectors.dense(a.tolist()), float(b), int(i % 5 == 0)) for i, (a, b) in enumerate(zip(x, y))]
+    df = spark.createDataFrame(rows, ["features", "label", "is_val"]).repartition(3)
+    df = df.withColumn("is_val", df["is_val"].cast("boolean")).cache()
+    df.count()
+    return df
+
+
+@pytest.fixture(scope="session")
+def classification_df(spark):
+    """600 rows, 3 well separated classes, features as array<double>, integer labels."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    centers = np.array([[2.0, 0.0], [-2.0, 0.0], [0.0, 2.5]])
+    labels = rng.integers(0, 3, size=600)
+    x = centers[labels] + 0.4 * rng.normal(size=(600, 2))
+    df = spark.createDataFrame([(a.tolist(), int(b)) for a, b in zip(x, labels)],
+                               "features array<double>, label int").cache()
+    df.count()
+    return df
