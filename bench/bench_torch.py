@@ -169,7 +169,8 @@ def print_table(results: List[Dict[str, Any]]) -> None:
         print(f"{'':<12} ({r['measure']})")
         for key, value in r["extras"].items():
             if isinstance(value, dict) and "value" in value:
-                shown = _num(value["value"], value.get("unit", r["unit"]))
+                shown = ("" if value["value"] is None
+                         else _num(value["value"], value.get("unit", r["unit"])))
                 note = f"  {value['note']}" if value.get("note") else ""
                 print(f"{'':<12}   + {key}: {shown}{note}")
     print()

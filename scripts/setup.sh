@@ -38,7 +38,13 @@ fi
 
 # --- the virtual environment and the Python stack ---------------------------------------------
 [ -x "$venv/bin/python" ] || { say "creating $venv"; "$python_bin" -m venv "$venv"; }
-pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints.txt)
+pip=(pip_install)
+# This machine's pip config may name index folders that do not exist; pip warns once per
+# package about them. Keep real errors, drop that noise.
+pip_install() {
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints.txt "$@" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
 say "installing build tools"
 "${pip[@]}" --upgrade pip "setuptools>=77.0.3,<81" wheel
 say "installing torch 2.13.0"
@@ -75,7 +81,8 @@ WRAP
     HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
     HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
       "$venv/bin/python" -m pip wheel --quiet --no-deps --no-build-isolation --no-binary horovod \
-        -c constraints.txt -w "$wheel_dir.tmp" "horovod==0.28.1"
+        -c constraints.txt -w "$wheel_dir.tmp" "horovod==0.28.1" \
+        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
     mv "$wheel_dir.tmp" "$wheel_dir"
   fi
   say "installing Horovod from $wheel_dir"
@@ -83,6 +90,7 @@ WRAP
   "$venv/bin/python" -c "import horovod.torch" || die "Horovod was installed but 'import horovod.torch' fails"
 fi
 
-"$venv/bin/python" -c "import sparktrain, pyspark, petastorm, torch" || die "the installed stack does not import"
+"$venv/bin/python" -c "import sparktrain, pyspark, petastorm, torch, tensorflow, tf_keras, tensorflowonspark" \
+  || die "the installed stack does not import"
 echo "$stamp" > "$stamp_file"
 say "done: $("$venv/bin/python" -c 'import pyspark, torch, pyarrow; print("pyspark", pyspark.__version__, "| torch", torch.__version__, "| pyarrow", pyarrow.__version__)')"

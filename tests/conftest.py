@@ -10,9 +10,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: end-to-end runs of jobs/ and cluster modes")
-
 
 @pytest.fixture(scope="session")
 def spark():

@@ -1,0 +1,31 @@
+"""The README's main job, run exactly as a user runs it."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_train_torch_demo(tmp_path):
+    output = tmp_path / "digits-model"
+    result = subprocess.run(
+        [sys.executable, "jobs/train_torch.py", "--demo", "--output", str(output),
+         "--store", str(tmp_path / "store")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["test_accuracy"] >= 0.95
+    assert summary["reloaded_test_accuracy"] == summary["test_accuracy"]
+    assert (output / "metadata").exists() and (output / "stages").exists()
+    assert "[rank 0] epoch 30/30" in result.stderr  # rank logs reached the driver
+
+
+def test_job_rejects_missing_arguments():
+    result = subprocess.run([sys.executable, "jobs/train_torch.py", "--input", "x.parquet"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--feature-cols is required" in result.stderr
