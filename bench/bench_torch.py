@@ -67,9 +67,9 @@ def guarded(spark, fn: Callable[[], Any], timeout: float, label: str,
     """``timed(fn)``, but cancel every Spark job if it runs past ``timeout`` seconds, record the
     hang in ``hangs`` and try again (up to ``attempts`` times).
 
-    A fit that deadlocks in a barrier task (see README: a Gloo process group destroyed while
-    holding the GIL) would otherwise hang the whole benchmark; Spark kills the stuck Python
-    worker once its task is cancelled.
+    A fit that deadlocks in a barrier task (see README: the Gloo teardown hang fixed in 172f996)
+    would otherwise hang the whole benchmark; Spark kills the stuck Python worker once its task
+    is cancelled.
     """
     for attempt in range(1, attempts + 1):
         fired = threading.Event()

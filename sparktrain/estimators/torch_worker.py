@@ -242,9 +242,10 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col))
         metric_fns = named_metrics(metrics)
         to_tensors = _Batches(spec, device)
-        if ctx.rank == 0 and spec.verbose >= 1:
-            ctx.log(f"training on {ctx.world_size} rank(s) with backend {spec.backend!r} on "
-                    f"{device}: {len(train_reader)} steps/epoch of {spec.batch_size} rows per rank")
+        if spec.verbose >= 2 or (ctx.rank == 0 and spec.verbose >= 1):
+            ctx.log(f"{ctx.world_size} rank(s), backend {spec.backend!r}, this rank on "
+                    f"{ctx.hosts[ctx.rank]} {device}: {len(train_reader)} steps/epoch of "
+                    f"{spec.batch_size} rows per rank")
         history: Dict[str, List[float]] = {}
         shapes: List = []
         for epoch in range(spec.epochs):

@@ -258,8 +258,12 @@ def run_rank(task: Callable[[RankContext], Any], address: Sequence) -> Tuple[int
         with _captured_output(client, mirror=not address[3]):
             context = rank_context(barrier, client)
             return rank, task(context)
-    except BaseException:
+    except BaseException as exc:
         remote = traceback.format_exc()
+        if isinstance(exc, ModuleNotFoundError):
+            remote += (f"\nThe executors' Python ({sys.executable}) cannot import {exc.name!r}: "
+                       f"install it there, or point PYSPARK_PYTHON / spark.pyspark.python at a "
+                       f"Python that has it.\n")
         client.error(remote)
         # Spark shows only the task's exception text: carry the traceback inside it, tagged.
         raise RuntimeError(f"{_FAILURE_TAG} rank={rank}\n{remote}\n{_FAILURE_TAG} end") from None
