@@ -334,7 +334,7 @@ def bench_read(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict
     features = torch.from_numpy(np.ascontiguousarray(np.concatenate([p["features"] for p in parts])))
     label = torch.from_numpy(np.ascontiguousarray(np.concatenate([p["label"] for p in parts])))
     del parts
-    ceiling, ceiling_runs = rate(lambda: ceiling_pass(features, label),
+    ceiling, ceiling_runs = rate(lambda f=features, y=label: ceiling_pass(f, y),
                                  "ceiling in-memory slice+clone")
     del features, label
 

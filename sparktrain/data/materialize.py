@@ -125,6 +125,13 @@ def _prepared_column(spec: ColumnSpec, size: Optional[int], nullable_elements: b
     return [guarded.alias(name)]
 
 
+def _codec(store: Store) -> str:
+    """No compression on local disks: decoding, not disk bandwidth, bounds reading there
+    (measured at 1M x 32 floats: 5.6M rows/s uncompressed vs 3.2M with snappy, and a faster
+    write). Snappy where bytes cross a network (HDFS, object stores)."""
+    return "none" if store.is_local else "snappy"
+
+
 def _first_row_sizes(df: DataFrame, columns: Sequence[ColumnSpec]) -> Dict[str, int]:
     """Element counts of vector/array columns, read from the first row (the data must be
     non-empty). Raises ``ValueError`` for an empty DataFrame."""
@@ -188,7 +195,7 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
     writer_df = df.select(*selected, *_split_column(df, validation, seed))
     writer = (writer_df.write.mode("overwrite")
               .option("parquet.block.size", ROW_GROUP_BYTES)
-              .option("compression", "snappy"))
+              .option("compression", _codec(store)))
     try:
         if validation:
             writer.partitionBy(SPLIT_COL).parquet(store.spark_path("datasets", key))

@@ -176,12 +176,6 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
         """Per-epoch metrics: ``{"loss": [...], "val_loss": [...], "<metric>": [...], ...}``."""
         return {k: list(v) for k, v in self._history.items()}
 
-    def copy(self, extra: Optional[Dict] = None) -> "ModelBase":
-        that = super().copy(extra)
-        that._history, that._columns = self._history, self._columns
-        that._output_shapes, that._token = self._output_shapes, self._token
-        return that
-
     def _output_type(self, shape: Sequence[int]) -> T.DataType:
         size = 1
         for dim in shape:

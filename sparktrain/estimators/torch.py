@@ -202,11 +202,6 @@ class TorchModel(ModelBase):
         """The trained ``torch.nn.Module`` (in eval mode, on the CPU)."""
         return self._model
 
-    def copy(self, extra: Optional[Dict] = None) -> "TorchModel":
-        that = super().copy(extra)
-        that._model, that._broadcast = self._model, self._broadcast
-        return that
-
     def _framework_files(self) -> Dict[str, bytes]:
         return {"architecture.pkl": _architecture_bytes(self._model),
                 "weights.pt": _weights_bytes(self._model)}

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import re
 import sys
 import threading
