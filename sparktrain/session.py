@@ -30,7 +30,8 @@ def local_spark(master: Optional[str] = "local[*]", app_name: str = "sparktrain"
     builder = (builder.appName(app_name)
                .config("spark.sql.execution.arrow.pyspark.enabled", "true")
                .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.sql.shuffle.partitions", "8"))
+               .config("spark.sql.shuffle.partitions", "8")
+               .config("spark.sql.debug.maxToStringFields", "1000"))
     if local:
         builder = builder.config("spark.driver.host", "127.0.0.1") \
                          .config("spark.driver.bindAddress", "127.0.0.1")

@@ -26,6 +26,7 @@ from sparktrain.data.materialize import MaterializedDataset, materialize
 from sparktrain.data.schema import SCALAR, VECTOR, ColumnSpec, check_validation_column, \
     column_spec, training_columns
 from sparktrain.data.store import Store
+from sparktrain.launch import check_backend
 from sparktrain.launch.barrier import check_slots
 from sparktrain.params import EstimatorParams, ModelParams
 from sparktrain.persistence import EstimatorReader, EstimatorWriter, ModelReader, ModelWriter
@@ -86,6 +87,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         if backend not in self.backends:
             raise ValueError(f"backend={backend!r} is not available for {type(self).__name__}; "
                              f"expected one of {sorted(self.backends)}")
+        check_backend(self.backends, backend)
         if not self.isDefined(self.feature_cols):
             raise ValueError("feature_cols is not set; name the DataFrame columns to feed the model")
         for name in ("model", "optimizer", "loss"):

@@ -39,7 +39,9 @@ class TorchEstimator(EstimatorBase):
     (no scaling by ``num_proc``). ``model`` is called as ``model(*features)`` with one tensor per
     feature column; ``metrics`` are functions ``(output, label) -> tensor``; ``callbacks`` are
     objects with ``on_epoch_end(epoch, logs) -> bool | None`` (``True`` stops training).
-    ``backend`` is ``"torch"`` (``torch.distributed`` DDP: gloo on CPU, NCCL on GPU).
+    ``backend`` is ``"torch"`` (``torch.distributed`` DDP: gloo on CPU, NCCL on GPU) or
+    ``"horovod"`` (Horovod over Gloo, ``hvd.DistributedOptimizer``; see
+    :mod:`sparktrain.launch.horovod_torch`).
     """
 
     backends = TORCH_BACKENDS

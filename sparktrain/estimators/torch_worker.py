@@ -174,7 +174,7 @@ def _run_epoch(model: torch.nn.Module, reader: ShardReader, epoch: int, to_tenso
         for batch in reader.epoch(epoch):
             features, labels, weights = to_tensors(batch)
             if training:
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad()  # set_to_none by default in torch 2; Horovod takes no args
             outputs = _as_outputs(model(*features))
             if len(outputs) != len(labels):
                 raise ValueError(f"the model returned {len(outputs)} outputs for "

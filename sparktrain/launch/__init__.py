@@ -8,10 +8,29 @@ from __future__ import annotations
 import importlib
 from typing import Any, Dict, Tuple
 
-# backend name -> ("module:Class", pip requirement that provides it)
+# backend name -> ("module:Class", the framework module it needs)
 TORCH_BACKENDS: Dict[str, Tuple[str, str]] = {
     "torch": ("sparktrain.launch.torch_ddp:TorchDDP", "torch"),
+    "horovod": ("sparktrain.launch.horovod_torch:HorovodTorch", "horovod.torch"),
 }
+
+INSTALL_HINTS = {
+    "horovod.torch": "Horovod compiled for PyTorch with Gloo: run ./scripts/setup.sh, or "
+                     "HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 "
+                     "pip install --no-build-isolation horovod==0.28.1 (after torch)",
+    "torch": "PyTorch: pip install 'sparktrain[torch]'",
+}
+
+
+def check_backend(registry: Dict[str, Tuple[str, str]], name: str) -> None:
+    """Fail before launch, with an install hint, if ``name``'s framework does not import."""
+    requirement = registry[name][1]
+    try:
+        importlib.import_module(requirement)
+    except ImportError as exc:
+        hint = INSTALL_HINTS.get(requirement, f"pip install {requirement.split('.')[0]}")
+        raise ValueError(f"backend={name!r} needs {requirement!r}, which does not import here "
+                         f"({exc}). Install {hint}.") from None
 
 
 def load_backend(registry: Dict[str, Tuple[str, str]], name: str) -> Any:
