@@ -60,6 +60,8 @@ SCHEMA_CASES = [
     (dict(feature_cols=["label"], label_cols=["label2"], sample_weight_col="features"),
      "sample weight column .features. must be a numeric scalar"),
     (dict(feature_cols=["features"], label_cols=["features"]), "appear more than once"),
+    (dict(use_gpu=True), "use_gpu=True but Spark gives tasks no GPUs: set "
+                         "spark.task.resource.gpu.amount=1"),
 ]
 
 

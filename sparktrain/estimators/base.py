@@ -28,6 +28,7 @@ from sparktrain.data.schema import SCALAR, VECTOR, ColumnSpec, check_validation_
 from sparktrain.data.store import Store
 from sparktrain.launch import check_backend
 from sparktrain.launch.barrier import check_slots
+from sparktrain.launch.gpus import check_gpu_conf
 from sparktrain.params import EstimatorParams, ModelParams
 from sparktrain.persistence import EstimatorReader, EstimatorWriter, ModelReader, ModelWriter
 
@@ -66,9 +67,9 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         """Raise ``ValueError``/``TypeError`` for framework params that cannot work."""
         raise NotImplementedError
 
-    def _train(self, spark: SparkSession, data: MaterializedDataset,
-               store: Store) -> Dict[str, Any]:
-        """Run training in barrier tasks; return rank 0's result."""
+    def _train(self, spark: SparkSession, data: MaterializedDataset, store: Store,
+               use_gpu: bool) -> Dict[str, Any]:
+        """Run training in barrier tasks (on GPUs when ``use_gpu``); return rank 0's result."""
         raise NotImplementedError
 
     def _create_model(self, result: Dict[str, Any], dataset: MaterializedDataset) -> "ModelBase":
@@ -106,13 +107,15 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
 
     def _fit(self, dataset: DataFrame) -> "ModelBase":
         specs = self._check_params(dataset)
-        check_slots(dataset.sparkSession.sparkContext, self.getNumProc())
+        sc = dataset.sparkSession.sparkContext
+        use_gpu = check_gpu_conf(dict(sc.getConf().getAll()), sc.master, self.getUseGpu())
+        check_slots(sc, self.getNumProc())
         store = Store.create(self.getStore())
         validation = self.getValidation() or None
         with _FitLogging(self.getVerbose()):
             started = time.perf_counter()
             data = materialize(dataset, store, specs, validation, self.getRandomSeed())
-            result = self._train(dataset.sparkSession, data, store)
+            result = self._train(dataset.sparkSession, data, store, use_gpu)
             log.info("fit done in %.1fs (materialize %.1fs%s)", time.perf_counter() - started,
                      data.seconds, ", reused" if data.reused else "")
         model = self._create_model(result, data)

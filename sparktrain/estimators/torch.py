@@ -102,8 +102,8 @@ class TorchEstimator(EstimatorBase):
             raise TypeError(f"model, optimizer, loss, metrics and callbacks must be picklable "
                             f"with cloudpickle to reach the executors: {exc}") from exc
 
-    def _train(self, spark: SparkSession, data: MaterializedDataset,
-               store: Store) -> Dict[str, Any]:
+    def _train(self, spark: SparkSession, data: MaterializedDataset, store: Store,
+               use_gpu: bool) -> Dict[str, Any]:
         from sparktrain.estimators.torch_worker import TorchTrainSpec
 
         spec = TorchTrainSpec(
@@ -112,7 +112,7 @@ class TorchEstimator(EstimatorBase):
             label_cols=self.getLabelCols(), sample_weight_col=self.getSampleWeightCol(),
             batch_size=self.getBatchSize(), val_batch_size=self.getValBatchSize(),
             epochs=self.getEpochs(), shuffle=self.getShuffle(), seed=self.getRandomSeed(),
-            backend=self.getBackend(), use_gpu=self.getUseGpu(), verbose=self.getVerbose(),
+            backend=self.getBackend(), use_gpu=use_gpu, verbose=self.getVerbose(),
             storage_options=store.storage_options)
         payload = spark.sparkContext.broadcast(self._payload())
         try:

@@ -32,6 +32,7 @@ from sparktrain.data.reader import ShardReader
 from sparktrain.data.schema import ColumnSpec
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
+from sparktrain.launch.gpus import rank_gpu
 
 
 @dataclass
@@ -50,24 +51,22 @@ class TorchTrainSpec:
     shuffle: bool
     seed: Optional[int]
     backend: str
-    use_gpu: Optional[bool]
+    use_gpu: bool
     verbose: int
     storage_options: Dict[str, Any] = field(default_factory=dict, repr=False)
 
 
-def select_device(ctx: RankContext, use_gpu: Optional[bool]) -> torch.device:
-    """The GPU Spark assigned to this task when ``use_gpu`` is not False, else the CPU."""
-    gpus = ctx.resources.get("gpu", [])
-    if use_gpu is False or (use_gpu is None and not gpus):
+def select_device(ctx: RankContext, use_gpu: bool) -> torch.device:
+    """The first GPU Spark assigned to this task (by its ordinal, which stays right in a
+    reused Python worker where CUDA is already initialised), or the CPU."""
+    address = rank_gpu(ctx.resources, use_gpu)
+    if address is None:
         return torch.device("cpu")
-    if not gpus:
-        raise RuntimeError("use_gpu=True but Spark assigned no GPU to this task; set "
-                           "spark.task.resource.gpu.amount and spark.executor.resource.gpu.amount")
     if not torch.cuda.is_available():
-        raise RuntimeError(f"Spark assigned GPU {gpus[0]} to rank {ctx.rank}, but torch "
+        raise RuntimeError(f"Spark assigned GPU {address} to rank {ctx.rank}, but torch "
                            f"{torch.__version__} cannot use CUDA here; install a CUDA build of "
                            f"torch or pass use_gpu=False")
-    device = torch.device("cuda", int(gpus[0]))
+    device = torch.device("cuda", int(address))
     torch.cuda.set_device(device)
     return device
 

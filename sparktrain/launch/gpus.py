@@ -1,0 +1,80 @@
+"""GPUs as Spark schedules them: check the cluster's conf before launch, pick a rank's device.
+
+Spark assigns GPUs to tasks (``spark.task.resource.gpu.amount``) out of the executors' GPUs
+(``spark.executor.resource.gpu.amount``, found by a discovery script); a barrier task sees its
+addresses in ``TaskContext.resources()["gpu"]``. sparktrain trains one rank per task on the
+first GPU Spark gave it:
+
+* ``use_gpu=None`` (default): GPUs when tasks are given GPUs, else CPU; ``True``: require them;
+  ``False``: CPU even if Spark assigned GPUs.
+* ``spark.task.resource.gpu.amount`` must be a whole number >= 1. A fraction would put several
+  ranks on one GPU, which NCCL refuses; more than 1 gives the rank several GPUs, of which it
+  uses the first (the others stay idle: use more ranks instead).
+
+Example::
+
+    use_gpu = check_gpu_conf(dict(sc.getConf().getAll()), sc.master, use_gpu=None)
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+TASK_GPUS = "spark.task.resource.gpu.amount"
+EXECUTOR_GPUS = "spark.executor.resource.gpu.amount"
+
+
+def _required_keys(master: str) -> Dict[str, str]:
+    """Conf keys a GPU cluster of this kind needs besides the task amount, with what to set."""
+    keys = {EXECUTOR_GPUS: "the number of GPUs of each executor"}
+    if master.startswith("k8s://"):
+        keys["spark.executor.resource.gpu.vendor"] = "the device plugin's vendor, e.g. nvidia.com"
+    if master.startswith(("spark://", "local-cluster")):
+        keys["spark.worker.resource.gpu.amount"] = "the GPUs of each worker (in the worker's conf)"
+    return keys
+
+
+def check_gpu_conf(conf: Dict[str, str], master: str, use_gpu: Optional[bool]) -> bool:
+    """Whether ranks train on GPUs; ``ValueError`` naming the conf key when the cluster's
+    GPU configuration cannot give each rank its own GPU."""
+    if use_gpu is False:
+        return False
+    task_amount = conf.get(TASK_GPUS)
+    if task_amount is None:
+        if use_gpu:
+            raise ValueError(
+                f"use_gpu=True but Spark gives tasks no GPUs: set {TASK_GPUS}=1 and "
+                f"{EXECUTOR_GPUS}=<GPUs per executor> with a discovery script "
+                f"(spark.executor.resource.gpu.discoveryScript; see conf/), or use_gpu=False")
+        return False
+    amount = float(task_amount)
+    if amount < 1:
+        raise ValueError(
+            f"{TASK_GPUS}={task_amount} would run {int(1 / amount)} ranks on one GPU, and NCCL "
+            f"needs a GPU per rank; set {TASK_GPUS}=1 (or use_gpu=False to train on CPUs)")
+    if amount != int(amount):
+        raise ValueError(f"{TASK_GPUS}={task_amount}: expected a whole number of GPUs per task")
+    if master.startswith("local") and not master.startswith("local-cluster"):
+        raise ValueError(f"{TASK_GPUS} is set but master {master} does not schedule GPUs; use "
+                         f"a cluster (or local-cluster[...] with worker GPU resources)")
+    for key, meaning in _required_keys(master).items():
+        if key not in conf:
+            raise ValueError(f"{TASK_GPUS}={task_amount} but {key} is not set; set it to "
+                             f"{meaning}")
+    return True
+
+
+def rank_gpu(resources: Dict[str, List[str]], use_gpu: bool) -> Optional[str]:
+    """The GPU address this rank trains on (the first Spark assigned), or ``None`` for CPU."""
+    gpus = resources.get("gpu", [])
+    if not use_gpu:
+        return None
+    if not gpus:
+        raise RuntimeError(f"use_gpu is on but Spark assigned no GPU to this task; set "
+                           f"{TASK_GPUS} and {EXECUTOR_GPUS}")
+    return gpus[0]
+
+
+def gpu_environment(address: Optional[str]) -> Dict[str, str]:
+    """Environment for a process that must see only this rank's GPU (e.g. TensorFlow in a
+    child process); in-process torch uses the device ordinal instead (``cuda:<address>``)."""
+    return {} if address is None else {"CUDA_VISIBLE_DEVICES": address}
