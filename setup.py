@@ -14,12 +14,15 @@ CORE = [
     "fsspec>=2023.1",
     # tensorflowonspark and petastorm still import pkg_resources, removed in setuptools 81.
     "setuptools>=77.0.3,<81",
+    "tqdm>=4.60",  # the driver's progress bar (terminal and Jupyter)
 ]
-TORCH = ["torch==2.13.0"]
+TORCH = ["torch==2.13.0", "tensorboard>=2.10"]  # tensorboard: torch's SummaryWriter
+PLOT = ["matplotlib>=3.7"]
 TF = ["tensorflow-cpu==2.21.0", "tf-keras==2.21.0", "tensorflowonspark==2.2.5", "six"]
 # Horovod must be compiled against the installed torch; scripts/setup.sh does it (C++17 wrapper).
 HOROVOD = ["horovod==0.28.1"]
-TEST = ["pytest>=8", "pytest-timeout>=2.3", "scikit-learn>=1.4", "psutil"]
+TEST = ["pytest>=8", "pytest-timeout>=2.3", "scikit-learn>=1.4", "psutil",
+        "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25"] + PLOT
 
 setup(
     name="sparktrain",
@@ -34,8 +37,9 @@ setup(
         "torch": TORCH,
         "tf": TF,
         "horovod": TORCH + HOROVOD,
+        "plot": PLOT,
         "test": TEST,
-        "all": TORCH + TF + HOROVOD + TEST,
+        "all": TORCH + TF + HOROVOD + PLOT + TEST,
     },
     classifiers=[
         "Programming Language :: Python :: 3.11",

@@ -21,78 +21,23 @@ everything to --json-out (default bench/results/bench_torch.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
-import time
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-if REPO not in sys.path:  # normally installed editable in .venv; this makes a bare checkout work
-    sys.path.insert(0, REPO)
+from common import (HERE, cached, figure, guarded, hang_extras, make_frame,
+                    print_json_lines, print_table, progress, timed, versions, write_results)
 
 FIGURES = ("read", "materialize", "fit", "inference")
 READ_BATCH = 1024
 HIDDEN, CLASSES = 64, 2
 FIT_BATCH = 64  # rows per rank per step in the fit-overhead figure
-
-_T0 = time.perf_counter()
-
-
-def progress(message: str) -> None:
-    print(f"[bench {time.perf_counter() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-def timed(fn: Callable[[], Any]) -> tuple:
-    start = time.perf_counter()
-    value = fn()
-    return time.perf_counter() - start, value
-
-
-class Hang(RuntimeError):
-    """A guarded call ran past its time limit (its Spark jobs were cancelled)."""
-
-
-def guarded(spark, fn: Callable[[], Any], timeout: float, label: str,
-            hangs: List[Dict[str, Any]], attempts: int = 3) -> tuple:
-    """``timed(fn)``, but cancel every Spark job if it runs past ``timeout`` seconds, record the
-    hang in ``hangs`` and try again (up to ``attempts`` times).
-
-    A fit that deadlocks in a barrier task (see README: the Gloo teardown hang fixed in 172f996)
-    would otherwise hang the whole benchmark; Spark kills the stuck Python worker once its task
-    is cancelled.
-    """
-    for attempt in range(1, attempts + 1):
-        fired = threading.Event()
-
-        def fire() -> None:
-            fired.set()
-            progress(f"{label}: still running after {timeout:g}s, cancelling its Spark jobs")
-            spark.sparkContext.cancelAllJobs()
-
-        timer = threading.Timer(timeout, fire)
-        timer.daemon = True
-        timer.start()
-        try:
-            return timed(fn)
-        except Exception as exc:
-            if not fired.is_set():
-                raise
-            hangs.append({"what": label, "attempt": attempt, "timeout_s": timeout,
-                          "error": str(exc).strip().splitlines()[0][:300]})
-            progress(f"{label}: HUNG (attempt {attempt}/{attempts}); retrying")
-        finally:
-            timer.cancel()
-    raise Hang(f"{label} hung {attempts} times in a row (each cancelled after {timeout:g}s)")
 
 
 # -- model shared by every figure --------------------------------------------------------------
@@ -116,64 +61,6 @@ def make_estimator(features: int, batch_size: int, store: str, num_proc: int = 2
                           loss=torch.nn.CrossEntropyLoss(), feature_cols=["features"],
                           label_cols=["label"], batch_size=batch_size, epochs=1, shuffle=False,
                           random_seed=0, verbose=0, store=store)
-
-
-# -- data ---------------------------------------------------------------------------------------
-def make_frame(spark, rows: int, features: int, partitions: int, seed: int):
-    """``features``: array<float> of uniform [0, 1) values; ``label``: int 0/1, 1 when the
-    alternating-sign sum of the features is positive (linearly separable, about balanced)."""
-    from pyspark.sql import functions as F
-
-    names = [f"f{i}" for i in range(features)]
-    base = spark.range(0, rows, numPartitions=partitions).select(
-        *[F.rand(seed + i).cast("float").alias(n) for i, n in enumerate(names)])
-    score = sum((F.col(n) if i % 2 == 0 else -F.col(n)) for i, n in enumerate(names))
-    return base.select(F.array(*[F.col(n) for n in names]).alias("features"),
-                       (score > 0).cast("int").alias("label"))
-
-
-def cached(df):
-    df = df.cache()
-    df.count()
-    return df
-
-
-# -- results ------------------------------------------------------------------------------------
-def figure(name: str, measure: str, unit: str, sparktrain: float, baseline: Optional[float],
-           baseline_name: str, ratio: Optional[float], target: float, op: str,
-           extras: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    met = None if ratio is None else (ratio >= target if op == ">=" else ratio <= target)
-    return {"figure": name, "measure": measure, "sparktrain": sparktrain, "baseline": baseline,
-            "baseline_name": baseline_name, "ratio": ratio, "target": target, "target_op": op,
-            "met": met, "unit": unit, "extras": extras or {}}
-
-
-def _num(value: Optional[float], unit: str) -> str:
-    if value is None:
-        return "n/a"
-    if unit == "rows/s":
-        return f"{value / 1e6:.2f}M rows/s" if value >= 1e5 else f"{value:,.0f} rows/s"
-    return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
-
-
-def print_table(results: List[Dict[str, Any]]) -> None:
-    header = f"{'figure':<12} {'sparktrain':>16}  {'baseline':>16}  {'ratio':>7}  {'target':>8}  met  baseline name"
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        met = "n/a" if r["met"] is None else ("yes" if r["met"] else "NO")
-        print(f"{r['figure']:<12} {_num(r['sparktrain'], r['unit']):>16}  "
-              f"{_num(r['baseline'], r['unit']):>16}  {ratio:>7}  "
-              f"{r['target_op'] + format(r['target'], 'g') + 'x':>8}  {met:<3}  {r['baseline_name']}")
-        print(f"{'':<12} ({r['measure']})")
-        for key, value in r["extras"].items():
-            if isinstance(value, dict) and "value" in value:
-                shown = ("" if value["value"] is None
-                         else _num(value["value"], value.get("unit", r["unit"])))
-                note = f"  {value['note']}" if value.get("note") else ""
-                print(f"{'':<12}   + {key}: {shown}{note}")
-    print()
 
 
 # -- figure 2: materialize ----------------------------------------------------------------------
@@ -407,12 +294,8 @@ def bench_fit(spark, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict[str,
         progress(f"fit: TorchDistributor run {i + 1}/{repeats}: {seconds:.2f}s")
     tiny.unpersist()
     st, td = statistics.median(st_times), statistics.median(td_times)
-    fit_hangs = [h for h in hangs if h["what"].startswith("fit:")]
-    extras = {"runs": {"sparktrain_s": st_times, "torch_distributor_s": td_times}}
-    if fit_hangs:
-        extras["HANGS (cancelled and retried, not timed)"] = {
-            "value": None, "note": f"{len(fit_hangs)}: " + "; ".join(h["what"] for h in fit_hangs)}
-        extras["hangs"] = fit_hangs
+    extras = {"runs": {"sparktrain_s": st_times, "torch_distributor_s": td_times},
+              **hang_extras(hangs, "fit:")}
     return figure("fit", f"wall s of a warm 1-step 2-rank fit ({2 * FIT_BATCH} rows, batch "
                   f"{FIT_BATCH}/rank, data already materialized), median of {repeats}", "s",
                   st, td, "TorchDistributor(num_processes=2, local_mode=False).run",
@@ -587,25 +470,13 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{args.master}, {os.cpu_count()} CPUs, load avg {load_before[0]:.2f} -> "
           f"{os.getloadavg()[0]:.2f}")
     print_table(results)
-    for r in results:
-        print(json.dumps({k: r[k] for k in ("figure", "sparktrain", "baseline", "baseline_name",
-                                              "ratio", "target", "met", "unit")}))
+    print_json_lines(results)
 
     if args.json_out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
-        import pyarrow
-        import pyspark
-        import torch
-
         meta = {"rows": args.rows, "features": args.features, "partitions": args.partitions,
                 "repeats": args.repeats, "master": args.master, "skipped": sorted(args.skip),
-                "cpus": os.cpu_count(), "load_avg_before": load_before,
-                "load_avg_after": os.getloadavg(), "python": platform.python_version(),
-                "pyspark": pyspark.__version__, "pyarrow": pyarrow.__version__,
-                "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        with open(args.json_out, "w") as f:
-            json.dump({"meta": meta, "figures": results}, f, indent=2)
-        progress(f"wrote {args.json_out}")
+                "load_avg_before": load_before, "load_avg_after": os.getloadavg(), **versions()}
+        write_results(args.json_out, meta, results)
     return 0
 
 

@@ -90,7 +90,7 @@ WRAP
   "$venv/bin/python" -c "import horovod.torch" || die "Horovod was installed but 'import horovod.torch' fails"
 fi
 
-"$venv/bin/python" -c "import sparktrain, pyspark, petastorm, torch, tensorflow, tf_keras, tensorflowonspark" \
+TF_CPP_MIN_LOG_LEVEL=3 "$venv/bin/python" -c "import sparktrain, pyspark, petastorm, torch, tensorflow, tf_keras, tensorflowonspark" \
   || die "the installed stack does not import"
 echo "$stamp" > "$stamp_file"
 say "done: $("$venv/bin/python" -c 'import pyspark, torch, pyarrow; print("pyspark", pyspark.__version__, "| torch", torch.__version__, "| pyarrow", pyarrow.__version__)')"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pandas as pd
@@ -31,18 +32,20 @@ from sparktrain.launch.barrier import check_slots
 from sparktrain.launch.gpus import check_gpu_conf
 from sparktrain.params import EstimatorParams, ModelParams
 from sparktrain.persistence import EstimatorReader, EstimatorWriter, ModelReader, ModelWriter
+from sparktrain.progress import FitProgress, TqdmLogHandler
 
 log = logging.getLogger("sparktrain")
 
 
 class _FitLogging:
     """Show sparktrain's INFO lines (epoch progress, rank logs) on stderr during a fit with
-    ``verbose >= 1`` when the application has not configured logging itself."""
+    ``verbose >= 1`` when the application has not configured logging itself (printed above
+    the progress bar)."""
 
     def __init__(self, verbose: int) -> None:
         self.handler: Optional[logging.Handler] = None
         if verbose >= 1 and not log.handlers and not logging.getLogger().handlers:
-            self.handler = logging.StreamHandler()
+            self.handler = TqdmLogHandler()
             self.handler.setFormatter(logging.Formatter("[sparktrain] %(message)s"))
 
     def __enter__(self) -> None:
@@ -57,6 +60,23 @@ class _FitLogging:
             log.setLevel(self._level)
 
 
+@dataclass
+class FitRun:
+    """Everything one fit's launch needs, decided on the driver before training starts."""
+
+    spark: SparkSession
+    data: MaterializedDataset
+    store: Store
+    use_gpu: bool
+    run_id: str
+    progress: FitProgress
+
+    @property
+    def run_path(self) -> str:
+        """The run's directory in the store (TensorBoard events, later checkpoints)."""
+        return self.store.run_path(self.run_id)
+
+
 class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
     """Framework-independent ``fit``; see the module docstring."""
 
@@ -67,9 +87,8 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         """Raise ``ValueError``/``TypeError`` for framework params that cannot work."""
         raise NotImplementedError
 
-    def _train(self, spark: SparkSession, data: MaterializedDataset, store: Store,
-               use_gpu: bool) -> Dict[str, Any]:
-        """Run training in barrier tasks (on GPUs when ``use_gpu``); return rank 0's result."""
+    def _train(self, run: FitRun) -> Dict[str, Any]:
+        """Run training in barrier tasks; return rank 0's result."""
         raise NotImplementedError
 
     def _create_model(self, result: Dict[str, Any], dataset: MaterializedDataset) -> "ModelBase":
@@ -112,15 +131,18 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         check_slots(sc, self.getNumProc())
         store = Store.create(self.getStore())
         validation = self.getValidation() or None
-        with _FitLogging(self.getVerbose()):
+        run_id = self.getRunId() or f"{self.uid}_{time.strftime('%Y%m%d-%H%M%S')}"
+        with _FitLogging(self.getVerbose()), FitProgress(self.getVerbose()) as progress:
             started = time.perf_counter()
             data = materialize(dataset, store, specs, validation, self.getRandomSeed())
-            result = self._train(dataset.sparkSession, data, store, use_gpu)
-            log.info("fit done in %.1fs (materialize %.1fs%s)", time.perf_counter() - started,
-                     data.seconds, ", reused" if data.reused else "")
+            result = self._train(FitRun(dataset.sparkSession, data, store, use_gpu, run_id,
+                                        progress))
+            progress.close()
+            log.info("fit done in %.1fs (materialize %.1fs%s); run %s", time.perf_counter() - started,
+                     data.seconds, ", reused" if data.reused else "", store.run_path(run_id))
         model = self._create_model(result, data)
         model._set(feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),
-                   run_id=self.getRunId())
+                   run_id=run_id)
         return model
 
     # -- persistence ----------------------------------------------------------------------------
@@ -180,6 +202,31 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
     def getHistory(self) -> Dict[str, List[float]]:
         """Per-epoch metrics: ``{"loss": [...], "val_loss": [...], "<metric>": [...], ...}``."""
         return {k: list(v) for k, v in self._history.items()}
+
+    def plot_history(self, metrics: Optional[Sequence[str]] = None):
+        """A matplotlib Figure with one panel per metric (training and validation curves).
+
+        Example: ``model.plot_history()`` in a notebook, or ``.savefig("history.png")``.
+        """
+        from matplotlib import pyplot as plt  # headless machines fall back to Agg by themselves
+
+        history = self.getHistory()
+        names = list(metrics) if metrics else [k for k in history if not k.startswith("val_")]
+        missing = [n for n in names if n not in history]
+        if not names or missing:
+            raise ValueError(f"no history for {missing or names}; recorded: {sorted(history)}")
+        fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.5), squeeze=False)
+        for ax, name in zip(axes[0], names):
+            for key, label in ((name, "train"), (f"val_{name}", "validation")):
+                if key in history:
+                    values = history[key]
+                    ax.plot(range(1, len(values) + 1), values, marker="o", label=label)
+            ax.set_title(name)
+            ax.set_xlabel("epoch")
+            ax.legend()
+        fig.tight_layout()
+        plt.close(fig)  # returned, not shown twice by pyplot's state machine
+        return fig
 
     def _output_type(self, shape: Sequence[int]) -> T.DataType:
         size = 1

@@ -24,8 +24,7 @@ from pyspark import keyword_only
 from pyspark.sql import SparkSession
 
 from sparktrain.data.materialize import MaterializedDataset
-from sparktrain.data.store import Store
-from sparktrain.estimators.base import EstimatorBase, ModelBase
+from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
 from sparktrain.launch import TORCH_BACKENDS
 from sparktrain.launch.barrier import RankContext, run_barrier
 from sparktrain.pickling import dumps
@@ -102,23 +101,25 @@ class TorchEstimator(EstimatorBase):
             raise TypeError(f"model, optimizer, loss, metrics and callbacks must be picklable "
                             f"with cloudpickle to reach the executors: {exc}") from exc
 
-    def _train(self, spark: SparkSession, data: MaterializedDataset, store: Store,
-               use_gpu: bool) -> Dict[str, Any]:
+    def _train(self, run: FitRun) -> Dict[str, Any]:
         from sparktrain.estimators.torch_worker import TorchTrainSpec
 
+        data = run.data
         spec = TorchTrainSpec(
             dataset_root=data.root, layouts=data.files,
             columns=[c.to_json() for c in data.columns], feature_cols=self.getFeatureCols(),
             label_cols=self.getLabelCols(), sample_weight_col=self.getSampleWeightCol(),
             batch_size=self.getBatchSize(), val_batch_size=self.getValBatchSize(),
             epochs=self.getEpochs(), shuffle=self.getShuffle(), seed=self.getRandomSeed(),
-            backend=self.getBackend(), use_gpu=use_gpu, verbose=self.getVerbose(),
-            storage_options=store.storage_options)
-        payload = spark.sparkContext.broadcast(self._payload())
+            backend=self.getBackend(), use_gpu=run.use_gpu, verbose=self.getVerbose(),
+            run_path=run.run_path, storage_options=run.store.storage_options)
+        payload = run.spark.sparkContext.broadcast(self._payload())
         try:
-            results = run_barrier(spark, self.getNumProc(), functools.partial(_train_rank, spec, payload),
+            results = run_barrier(run.spark, self.getNumProc(),
+                                  functools.partial(_train_rank, spec, payload),
                                   description=f"sparktrain TorchEstimator {self.uid}",
-                                  echo_logs=self.getVerbose() >= 1)
+                                  echo_logs=self.getVerbose() >= 1,
+                                  on_progress=run.progress.update)
         finally:
             payload.destroy()
         return results[0]

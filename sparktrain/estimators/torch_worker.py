@@ -53,6 +53,7 @@ class TorchTrainSpec:
     backend: str
     use_gpu: bool
     verbose: int
+    run_path: str = ""
     storage_options: Dict[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -161,7 +162,9 @@ def _as_outputs(result: Any) -> List[torch.Tensor]:
 
 def _run_epoch(model: torch.nn.Module, reader: ShardReader, epoch: int, to_tensors: _Batches,
                compute_loss: _LossComputer, metrics: List[Tuple[str, Callable]],
-               label_cols: List[str], optimizer: Any = None) -> Tuple[torch.Tensor, List[str], List]:
+               label_cols: List[str], optimizer: Any = None,
+               on_step: Optional[Callable[[int, torch.Tensor], None]] = None
+               ) -> Tuple[torch.Tensor, List[str], List]:
     """One pass; returns summed ``[rows, loss*rows, metric*rows...]`` and the output shapes."""
     training = optimizer is not None
     model.train(training)
@@ -170,7 +173,7 @@ def _run_epoch(model: torch.nn.Module, reader: ShardReader, epoch: int, to_tenso
     sums = torch.zeros(2 + len(names), dtype=torch.float64, device=to_tensors.device)
     shapes: List = []
     with torch.set_grad_enabled(training):
-        for batch in reader.epoch(epoch):
+        for step, batch in enumerate(reader.epoch(epoch)):
             features, labels, weights = to_tensors(batch)
             if training:
                 optimizer.zero_grad()  # set_to_none by default in torch 2; Horovod takes no args
@@ -192,6 +195,8 @@ def _run_epoch(model: torch.nn.Module, reader: ShardReader, epoch: int, to_tenso
             sums[0] += rows
             sums[1:] += torch.stack([v.to(sums.dtype) for v in values]) * rows
             shapes = [list(o.shape[1:]) for o in outputs]
+            if on_step is not None:
+                on_step(step, loss)
     return sums, names, shapes
 
 
@@ -201,6 +206,60 @@ def _averaged(dist: Any, sums: torch.Tensor, names: List[str], prefix: str) -> D
     result = {f"{prefix}loss": total[1] / rows}
     result.update({f"{prefix}{name}": value / rows for name, value in zip(names, total[2:])})
     return result
+
+
+class _StepReporter:
+    """Rank 0's step events for the driver's progress bar, at most ``per_second`` a second."""
+
+    def __init__(self, ctx: RankContext, epoch: int, steps: int, per_second: float = 4.0) -> None:
+        self.ctx, self.epoch, self.steps = ctx, epoch, steps
+        self.interval, self.last = 1.0 / per_second, 0.0
+
+    def __call__(self, step: int, loss: torch.Tensor) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.interval or step + 1 == self.steps:
+            self.last = now
+            self.ctx.progress(event="step", epoch=self.epoch, step=step + 1,
+                              loss=float(loss.detach()))
+
+
+class _TensorBoard:
+    """Rank 0's TensorBoard event files under ``<run>/tensorboard/{train,validation}``.
+
+    Written locally (straight into the store when it is a local directory, else into a temp
+    directory copied to the store after every epoch); ``tensorboard --logdir <run>/tensorboard``.
+    """
+
+    def __init__(self, run_path: str, storage_options: Dict[str, Any]) -> None:
+        import sys
+        import tempfile
+        import types
+
+        # tensorboard.compat imports all of TensorFlow when it is installed (8 s here) unless
+        # the module tensorboard.compat.notf exists: its own switch to the TF-free stub.
+        sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
+        from torch.utils.tensorboard import SummaryWriter
+
+        from sparktrain.data.store import filesystem
+
+        self.fs, remote = filesystem(run_path + "/tensorboard", storage_options)
+        self.remote = None if "://" not in run_path else remote
+        local = tempfile.mkdtemp(prefix="sparktrain-tb-") if self.remote else remote
+        self.local = local
+        self.writers = {split: SummaryWriter(f"{local}/{split}") for split in ("train", "validation")}
+
+    def write(self, epoch: int, logs: Dict[str, float]) -> None:
+        for key, value in logs.items():
+            split, name = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
+            self.writers[split].add_scalar(f"epoch/{name}", value, epoch + 1)
+        for writer in self.writers.values():
+            writer.flush()
+        if self.remote:
+            self.fs.put(self.local + "/", self.remote, recursive=True)
+
+    def close(self) -> None:
+        for writer in self.writers.values():
+            writer.close()
 
 
 def _format_epoch(epoch: int, epochs: int, logs: Dict[str, float], seconds: float) -> str:
@@ -235,7 +294,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     val_reader = make_reader("val", spec.val_batch_size, False) if spec.layouts.get("val") else None
 
     dist = load_backend(TORCH_BACKENDS, spec.backend)(ctx, device)
-    ddp_model = None
+    ddp_model = board = None
     try:
         ddp_model, optimizer = dist.wrap(model, optimizer)
         compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col))
@@ -247,10 +306,17 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
                     f"{spec.batch_size} rows per rank")
         history: Dict[str, List[float]] = {}
         shapes: List = []
+        lead = ctx.rank == 0 and spec.verbose >= 1
+        if lead:
+            ctx.progress(event="start", epochs=spec.epochs, steps=len(train_reader))
+        if ctx.rank == 0 and spec.run_path:
+            board = _TensorBoard(spec.run_path, spec.storage_options)
         for epoch in range(spec.epochs):
             started = time.perf_counter()
+            reporter = _StepReporter(ctx, epoch, len(train_reader)) if lead else None
             sums, names, shapes = _run_epoch(ddp_model, train_reader, epoch, to_tensors,
-                                             compute_loss, metric_fns, spec.label_cols, optimizer)
+                                             compute_loss, metric_fns, spec.label_cols, optimizer,
+                                             reporter)
             logs = _averaged(dist, sums, names, "")
             if val_reader is not None:
                 val_sums, names, _ = _run_epoch(ddp_model, val_reader, 0, to_tensors,
@@ -260,7 +326,10 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
                 raise FloatingPointError(f"non-finite metrics at epoch {epoch + 1}: {logs}")
             for key, value in logs.items():
                 history.setdefault(key, []).append(value)
-            if ctx.rank == 0 and spec.verbose >= 1:
+            if board is not None:
+                board.write(epoch, logs)
+            if lead:
+                ctx.progress(event="epoch", epoch=epoch, logs=logs)
                 ctx.log(_format_epoch(epoch, spec.epochs, logs, time.perf_counter() - started))
             stop = [bool(cb.on_epoch_end(epoch, dict(logs)))
                     for cb in callbacks or [] if hasattr(cb, "on_epoch_end")]
@@ -274,5 +343,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buffer)
         return {"weights": buffer.getvalue(), "history": history, "output_shapes": shapes}
     finally:
+        if board is not None:
+            board.close()
         ddp_model = None  # the DDP reducer holds the process group: release it first
         dist.close()

@@ -74,6 +74,11 @@ class RankContext:
         if self.client is not None:
             self.client.log(text)
 
+    def progress(self, **event: Any) -> None:
+        """Send a progress event (plain JSON values) to the driver's progress display."""
+        if self.client is not None:
+            self.client.progress(event)
+
     def all_gather(self, message: str) -> List[str]:
         return list(self.barrier.allGather(message))
 
@@ -128,7 +133,8 @@ def driver_host(sc: SparkContext) -> str:
 
 
 def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext], Any],
-                description: str = "sparktrain", echo_logs: bool = True) -> List[Any]:
+                description: str = "sparktrain", echo_logs: bool = True,
+                on_progress: Optional[Callable[[Dict[str, Any]], None]] = None) -> List[Any]:
     """Run ``task(RankContext)`` in ``num_proc`` barrier tasks; results in rank order.
 
     ``task`` must be picklable with plain values only (no SparkSession, no ``self``).
@@ -139,7 +145,7 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
     sc = spark.sparkContext
     check_slots(sc, num_proc)
     group = f"sparktrain-{uuid.uuid4().hex[:12]}"
-    with RankChannel(driver_host(sc), echo=echo_logs) as channel:
+    with RankChannel(driver_host(sc), echo=echo_logs, on_progress=on_progress) as channel:
         address = (*channel.address, sc.master.startswith("local"))
 
         def partition(_: Iterator[int]) -> Iterator[Tuple[int, Any]]:

@@ -2,9 +2,10 @@
 
 The driver listens on its own address (``spark.driver.host``) on a free port; each barrier task
 connects, proves it belongs to this fit with a per-fit secret token, and sends JSON lines
-``{"rank": r, "kind": "log" | "error", "text": ...}``. Log lines are re-logged on the driver as
-``[rank N] ...`` as they arrive; the first error is kept so ``fit`` can raise the root cause
-(other ranks usually fail after it, with connection errors).
+``{"rank": r, "kind": "log" | "error" | "progress", "text": ...}``. Log lines are re-logged on
+the driver as ``[rank N] ...`` as they arrive; progress events (JSON) go to ``on_progress``; the
+first error is kept so ``fit`` can raise the root cause (other ranks usually fail after it,
+with connection errors).
 
 Example::
 
@@ -22,7 +23,7 @@ import secrets
 import socket
 import socketserver
 import threading
-from typing import List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 log = logging.getLogger("sparktrain.rank")
 _MAX_LINE = 1 << 20
@@ -50,9 +51,11 @@ class _Server(socketserver.ThreadingTCPServer):
 class RankChannel:
     """Driver end: a small threaded TCP server bound to ``host``; see the module docstring."""
 
-    def __init__(self, host: str, echo: bool = True) -> None:
+    def __init__(self, host: str, echo: bool = True,
+                 on_progress: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
         self.token = secrets.token_hex(16)
         self.echo = echo
+        self.on_progress = on_progress
         self.errors: List[Tuple[int, str]] = []
         self.lines: List[Tuple[int, str]] = []
         self._lock = threading.Lock()
@@ -67,6 +70,10 @@ class RankChannel:
         return host, port, self.token
 
     def receive(self, rank: int, kind: str, text: str) -> None:
+        if kind == "progress":
+            if self.on_progress is not None:
+                self.on_progress(json.loads(text))
+            return
         with self._lock:
             if kind == "error":
                 self.errors.append((rank, text))
@@ -119,6 +126,9 @@ class RankClient:
 
     def error(self, text: str) -> None:
         self.send("error", text)
+
+    def progress(self, event: Dict[str, Any]) -> None:
+        self.send("progress", json.dumps(event))
 
     def close(self) -> None:
         with self._lock:

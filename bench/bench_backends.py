@@ -1,0 +1,440 @@
+#!/usr/bin/env python
+"""Benchmark TorchEstimator's distributed backends against each other and the horovod backend's
+launch against ``horovod.spark.run``, in one process and one Spark session.
+
+    .venv/bin/python bench/bench_backends.py                     # 200,000 rows, every figure
+    .venv/bin/python bench/bench_backends.py --rows 20000 --repeats 1 --skip overhead
+
+Figures (see bench/README.md for what each one compares and why):
+
+  throughput:<backend>  steady-state samples/s of the same 2-rank job (MLP 32->64->64->2,
+                        batch 256/rank, shuffle=True) with TorchEstimator(backend=<backend>),
+                        against backend="torch" (DDP over Gloo): one epoch's seconds are
+                        (wall of an E-epoch fit - wall of a 1-epoch fit) / (E - 1), medians of
+                        the repeats; the Keras backends print as "not implemented yet"
+  overhead:horovod      wall time of a warm 1-step 2-rank fit with backend="horovod" against
+                        horovod.spark.run(fn, num_proc=2) running the same step
+                        (extra: the torch backend's 1-step fit)
+
+Prints progress to stderr, then a table and one JSON line per figure to stdout, and writes
+everything to --json-out (default bench/results/bench_backends.json).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import warnings
+from typing import Any, Dict, List, Optional
+
+from common import (HERE, cached, figure, guarded, hang_extras, make_frame, print_json_lines,
+                    print_table, progress, timed, versions, write_results)
+
+FIGURES = ("throughput", "overhead")
+BACKENDS = ("torch", "horovod")  # TorchEstimator backends measured; "torch" is the baseline
+KERAS_BACKENDS = ("tensorflow", "tfos")  # planned KerasEstimator backends
+HIDDEN, CLASSES = 64, 2
+LR = 0.05
+
+
+# -- model: the same for every backend and for horovod.spark.run --------------------------------
+def make_mlp(features: int):
+    """``features -> 64 -> 64 -> 2`` MLP with ReLUs."""
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(features, HIDDEN), torch.nn.ReLU(),
+                               torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
+                               torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def make_estimator(backend: str, features: int, batch_size: int, epochs: int, shuffle: bool,
+                   store: str):
+    import torch
+    from sparktrain import TorchEstimator
+
+    torch.manual_seed(0)
+    net = make_mlp(features)
+    # verbose=1: rank 0 sends "N steps/epoch" and per-epoch lines to the driver's
+    # "sparktrain.rank" logger, which RankLog captures (they are not printed)
+    return TorchEstimator(num_proc=2, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=LR),
+                          loss=torch.nn.CrossEntropyLoss(), feature_cols=["features"],
+                          label_cols=["label"], batch_size=batch_size, epochs=epochs,
+                          shuffle=shuffle, random_seed=0, verbose=1, store=store, backend=backend)
+
+
+class RankLog(logging.Handler):
+    """Collects the rank log lines the driver receives during a fit (``sparktrain.rank``)."""
+
+    EPOCH = re.compile(r"^\[rank 0\] epoch (\d+)/(\d+) .*\((\d+(?:\.\d+)?)s\)$")
+    STEPS = re.compile(r"^\[rank 0\] .*: (\d+) steps/epoch of (\d+) rows per rank$")
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: List[str] = []
+        self._lock = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._lock:
+            self.lines.append(record.getMessage())
+
+    def take(self) -> List[str]:
+        with self._lock:
+            lines, self.lines = self.lines, []
+        return lines
+
+    @classmethod
+    def epoch_seconds(cls, lines: List[str]) -> List[float]:
+        """Rank 0's own per-epoch seconds (printed with 0.1 s resolution)."""
+        return [float(m.group(3)) for m in map(cls.EPOCH.match, lines) if m]
+
+    @classmethod
+    def steps(cls, lines: List[str]) -> Optional[int]:
+        found = [int(m.group(1)) for m in map(cls.STEPS.match, lines) if m]
+        return found[0] if found else None
+
+
+# -- figure 1: steady-state throughput per backend ----------------------------------------------
+def bench_throughput(spark, df, tmp: str, args, state: Dict[str, Any]) -> List[Dict[str, Any]]:
+    from sparktrain.data.reader import steps_per_epoch
+
+    rows, epochs, repeats = args.rows, args.epochs, args.repeats
+    if epochs < 2:
+        raise ValueError("--epochs must be at least 2 (epoch seconds = (E-epoch fit - 1-epoch "
+                         "fit) / (E - 1))")
+    store = os.path.join(tmp, "store-throughput")  # one store: the frame is materialized once
+    estimators = {(b, e): make_estimator(b, args.features, args.batch_size, e, True, store)
+                  for b in BACKENDS for e in (1, epochs)}
+    steps = steps_per_epoch(rows, 2, args.batch_size)
+    log, hangs, limit = state["rank_log"], state["hangs"], args.fit_timeout
+    runs: Dict[str, Dict[str, List]] = {b: {"fit_1_s": [], f"fit_{epochs}_s": [],
+                                            "rank0_epoch_s": [], "final_loss": []}
+                                        for b in BACKENDS}
+
+    def fit(backend: str, n_epochs: int, label: str):
+        log.take()
+        seconds, model = guarded(spark, lambda: estimators[backend, n_epochs].fit(df), limit,
+                                 label, hangs)
+        history = model.getHistory()["loss"]
+        if len(history) != n_epochs:
+            raise AssertionError(f"{label}: {len(history)} epochs in the history, expected "
+                                 f"{n_epochs}")
+        lines = log.take()
+        logged_steps = RankLog.steps(lines)
+        if logged_steps is not None and logged_steps != steps:
+            raise AssertionError(f"{label}: rank 0 ran {logged_steps} steps/epoch, expected {steps}")
+        return seconds, history, RankLog.epoch_seconds(lines)
+
+    for backend in BACKENDS:  # the first one also materializes the frame into the store
+        progress(f"throughput: warm-up 1-epoch fit, backend={backend!r}")
+        seconds, _, _ = fit(backend, 1, f"throughput: {backend} warm-up fit")
+        progress(f"throughput: warm-up {backend}: {seconds:.2f}s")
+    for i in range(repeats):
+        # alternate backends (and their order) so that load from other processes hits both alike
+        order = BACKENDS if i % 2 == 0 else tuple(reversed(BACKENDS))
+        for backend in order:
+            for n_epochs in (1, epochs):
+                seconds, history, epoch_s = fit(backend, n_epochs,
+                                                f"throughput: {backend} {n_epochs}-epoch fit {i + 1}")
+                runs[backend][f"fit_{n_epochs}_s"].append(seconds)
+                if n_epochs == epochs:
+                    runs[backend]["rank0_epoch_s"].append(epoch_s)
+                    runs[backend]["final_loss"].append(history[-1])
+                progress(f"throughput: {backend} {n_epochs}-epoch fit {i + 1}/{repeats}: "
+                         f"{seconds:.2f}s (rank 0 epochs: {epoch_s})")
+
+    summary: Dict[str, Dict[str, Any]] = {}
+    for backend in BACKENDS:
+        r = runs[backend]
+        t1, te = statistics.median(r["fit_1_s"]), statistics.median(r[f"fit_{epochs}_s"])
+        epoch_s = (te - t1) / (epochs - 1)
+        paired = [(b - a) / (epochs - 1) for a, b in zip(r["fit_1_s"], r[f"fit_{epochs}_s"])]
+        steady_logged = [s for fit_epochs in r["rank0_epoch_s"] for s in fit_epochs[1:]]
+        summary[backend] = {
+            "fit_1_s": t1, f"fit_{epochs}_s": te, "epoch_s": epoch_s,
+            "samples_per_s": rows / epoch_s if epoch_s > 0 else None,
+            "paired_epoch_s": paired,
+            "rank0_steady_epoch_s": statistics.median(steady_logged) if steady_logged else None,
+            "overhead_s": t1 - epoch_s,  # launch + setup + result: what a 0-epoch fit would take
+        }
+        progress(f"throughput: {backend}: {epochs}-epoch fit {te:.2f}s, 1-epoch fit {t1:.2f}s "
+                 f"-> epoch {epoch_s:.2f}s = {rows / epoch_s:,.0f} samples/s")
+
+    base = summary["torch"]
+    measure = (f"steady-state samples/s: {rows:,} rows / epoch s, epoch s = (median wall of "
+               f"{epochs}-epoch fit - median of 1-epoch fit) / {epochs - 1}; 2 ranks, MLP "
+               f"{args.features}->{HIDDEN}->{HIDDEN}->{CLASSES}, batch {args.batch_size}/rank "
+               f"({steps} steps/rank/epoch), shuffle=True, median of {repeats}")
+    baseline_name = "TorchEstimator(backend='torch'): DDP over Gloo"
+    results = []
+    for backend in BACKENDS[1:]:
+        s = summary[backend]
+        extras: Dict[str, Any] = {}
+        for name, entry in (("torch", base), (backend, s)):
+            extras[f"{name}: wall of the {epochs}-epoch fit"] = {
+                "value": entry[f"fit_{epochs}_s"], "unit": "s",
+                "note": f"1-epoch fit {entry['fit_1_s']:.2f}s, epoch {entry['epoch_s']:.2f}s, "
+                        f"fixed cost per fit {entry['overhead_s']:.2f}s"}
+        for name, entry in (("torch", base), (backend, s)):
+            logged = entry["rank0_steady_epoch_s"]
+            extras[f"{name}: rank 0's own epoch time, epochs 2..{epochs} (cross-check)"] = {
+                "value": rows / logged if logged else None, "unit": "samples/s",
+                "note": f"median {logged}s (logged with 0.1 s resolution)"}
+        extras["final training loss (same seed, same data order)"] = {
+            "value": None, "note": f"torch {statistics.median(runs['torch']['final_loss']):.4f}, "
+                                   f"{backend} {statistics.median(runs[backend]['final_loss']):.4f}"}
+        extras["runs"] = {"summary": summary, "per_backend": runs}
+        extras.update(hang_extras(hangs, "throughput:"))
+        ratio = (s["samples_per_s"] / base["samples_per_s"]
+                 if s["samples_per_s"] and base["samples_per_s"] else None)
+        results.append(figure(f"throughput:{backend}", measure, "samples/s", s["samples_per_s"],
+                              base["samples_per_s"], baseline_name, ratio, 0.8, ">=", extras))
+    results.extend(keras_rows(base["samples_per_s"], baseline_name))
+    return results
+
+
+def keras_rows(torch_rate: Optional[float], baseline_name: str) -> List[Dict[str, Any]]:
+    """The Keras backends do not exist yet: rows that say so (no number is made up)."""
+    import sparktrain
+
+    present = "KerasEstimator" in getattr(sparktrain, "_EXPORTS", {})
+    status = ("not implemented yet (no sparktrain.KerasEstimator)" if not present
+              else "KerasEstimator exists but this benchmark does not measure it yet")
+    rows = []
+    for backend in KERAS_BACKENDS:
+        row = figure(f"throughput:{backend}", f"KerasEstimator(backend={backend!r}): {status}",
+                     "samples/s", None, torch_rate, baseline_name, None, 0.8, ">=",
+                     {"status": {"value": None, "note": status}})
+        row["status"] = status
+        rows.append(row)
+    return rows
+
+
+# -- figure 2: 1-step overhead ------------------------------------------------------------------
+def hvd_one_step(features: int, batch_size: int) -> float:
+    """horovod.spark.run's function: the same single step the horovod backend's 1-step fit
+    takes (model, broadcast, DistributedOptimizer, one forward/backward/step)."""
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    try:
+        torch.manual_seed(0)
+        torch.set_num_threads(1)  # one Spark task slot per rank, as the estimator does
+        model = make_mlp(features)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        x = torch.rand(batch_size, features)
+        y = torch.randint(0, CLASSES, (batch_size,))
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss.detach().item()
+    finally:
+        hvd.shutdown()
+
+
+def _import_frameworks(_) -> Any:
+    import horovod.torch  # noqa: F401
+    import sparktrain.estimators.torch_worker  # noqa: F401
+    import sparktrain.launch.horovod_torch  # noqa: F401
+    import sparktrain.launch.torch_ddp  # noqa: F401
+
+    yield os.getpid()
+
+
+def rewarm(spark) -> float:
+    """Seconds of a 2-task job that imports what a fit imports (torch, horovod.torch,
+    sparktrain's worker modules) in the Python workers: milliseconds when they are warm."""
+    seconds, _ = timed(lambda: spark.sparkContext.parallelize(range(2), 2)
+                       .mapPartitions(_import_frameworks).collect())
+    return seconds
+
+
+def bench_overhead(spark, tmp: str, args, state: Dict[str, Any]) -> Dict[str, Any]:
+    import horovod.spark
+    from sparktrain.data.reader import steps_per_epoch
+
+    batch, repeats, limit, hangs = args.step_batch, args.repeats, args.fit_timeout, state["hangs"]
+    tiny = cached(make_frame(spark, 2 * batch, args.features, 2, args.seed + 1000))
+    assert steps_per_epoch(2 * batch, 2, batch) == 1
+    store = os.path.join(tmp, "store-overhead")
+    estimators = {b: make_estimator(b, args.features, batch, 1, False, store) for b in BACKENDS}
+    log = state["rank_log"]
+    rewarm(spark)
+    state["warm_job_s"] = rewarm(spark)  # the same job with warm workers, for reference
+
+    def st_fit(backend: str):
+        def run():
+            log.take()
+            model = estimators[backend].fit(tiny)
+            assert len(model.getHistory()["loss"]) == 1
+            steps = RankLog.steps(log.take())
+            assert steps in (None, 1), f"{backend} fit ran {steps} steps/rank, expected 1"
+            return model
+        return run
+
+    def hvd_run():
+        # verbose=0, and rank output to stderr: stdout is for the table
+        result = horovod.spark.run(hvd_one_step, args=(args.features, batch), num_proc=2,
+                                   verbose=0, start_timeout=int(limit), stdout=sys.stderr,
+                                   stderr=sys.stderr)
+        assert len(result) == 2, result
+        return result
+
+    variants = [("horovod fit", st_fit("horovod")), ("torch fit", st_fit("torch")),
+                ("horovod.spark.run", hvd_run)]
+    times: Dict[str, List[float]] = {name: [] for name, _ in variants}
+    rewarm_times: List[float] = []
+
+    def run_variant(name: str, fn, label: str) -> float:
+        seconds, _ = guarded(spark, fn, limit, label, hangs)
+        if name == "horovod.spark.run":
+            # horovod.spark.run leaves Spark's Python workers unusable for reuse: the next job
+            # gets fresh workers that import torch again (seconds). Pay that here, untimed,
+            # so every fit is measured warm; the cost is reported as an extra.
+            rewarm_times.append(rewarm(spark))
+        return seconds
+
+    for name, fn in variants:  # the first fit materializes the tiny frame
+        progress(f"overhead: warm-up {name}")
+        seconds = run_variant(name, fn, f"overhead: {name} warm-up")
+        progress(f"overhead: warm-up {name}: {seconds:.2f}s")
+    for i in range(repeats):  # alternate so that load from other processes hits all alike
+        for name, fn in variants:
+            seconds = run_variant(name, fn, f"overhead: {name} {i + 1}")
+            times[name].append(seconds)
+            progress(f"overhead: {name} {i + 1}/{repeats}: {seconds:.2f}s"
+                     + (f" (+ {rewarm_times[-1]:.2f}s untimed for the next job to get warm "
+                        f"workers)" if name == "horovod.spark.run" else ""))
+    tiny.unpersist()
+    med = {name: statistics.median(values) for name, values in times.items()}
+    st, hr = med["horovod fit"], med["horovod.spark.run"]
+    extras = {
+        "torch backend: warm 1-step 2-rank fit": {
+            "value": med["torch fit"], "unit": "s",
+            "note": f"{med['torch fit'] / hr:.2f}x horovod.spark.run, "
+                    f"{med['torch fit'] / st:.2f}x the horovod backend"},
+        "first Spark job after horovod.spark.run (2 tasks importing torch, untimed)": {
+            "value": statistics.median(rewarm_times), "unit": "s",
+            "note": "its Python workers are not reused: the next job re-imports torch; "
+                    f"warm, the same job takes {state['warm_job_s']:.3f}s"},
+        "runs": {"horovod_backend_fit_s": times["horovod fit"],
+                 "horovod_spark_run_s": times["horovod.spark.run"],
+                 "torch_backend_fit_s": times["torch fit"],
+                 "rewarm_after_horovod_spark_run_s": rewarm_times},
+        **hang_extras(hangs, "overhead:"),
+    }
+    return figure("overhead:horovod", f"wall s of a warm 1-step 2-rank run ({2 * batch} rows, "
+                  f"batch {batch}/rank, MLP {args.features}->{HIDDEN}->{HIDDEN}->{CLASSES}, data "
+                  f"already materialized), median of {repeats}", "s", st, hr,
+                  "horovod.spark.run(fn, num_proc=2), fn = the same step with horovod.torch",
+                  st / hr, 0.5, "<=", extras)
+
+
+# -- main ---------------------------------------------------------------------------------------
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=200_000, help="rows of the throughput frame")
+    parser.add_argument("--features", type=int, default=32, help="floats per row")
+    parser.add_argument("--partitions", type=int, default=2, help="partitions of the frame")
+    parser.add_argument("--batch-size", type=int, default=256,
+                        help="rows per rank per step in the throughput figure")
+    parser.add_argument("--epochs", type=int, default=3,
+                        help="epochs of the long fit in the throughput figure (>= 2)")
+    parser.add_argument("--step-batch", type=int, default=256,
+                        help="rows per rank of the single step in the overhead figure")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per variant after the warm-up (median reported)")
+    parser.add_argument("--master", default="local[2]", help="Spark master (>= 2 task slots)")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--skip", action="append", default=[],
+                        help=f"figures to skip, comma-separated or repeated: {', '.join(FIGURES)}")
+    parser.add_argument("--json-out", default=os.path.join(HERE, "results", "bench_backends.json"))
+    parser.add_argument("--fit-timeout", type=float, default=300.0,
+                        help="seconds after which a fit/horovod.spark.run counts as hung: its "
+                             "Spark jobs are cancelled, the hang is reported and it is retried")
+    parser.add_argument("--keep-tmp", action="store_true", help="leave the temp directory")
+    args = parser.parse_args(argv)
+    args.skip = {s.strip() for item in args.skip for s in item.split(",") if s.strip()}
+    unknown = args.skip - set(FIGURES)
+    if unknown:
+        parser.error(f"unknown figure(s) {sorted(unknown)}; expected some of {FIGURES}")
+    if args.epochs < 2:
+        parser.error("--epochs must be at least 2")
+    if args.rows < 2 * args.batch_size:
+        parser.error(f"--rows must be at least 2 x --batch-size ({2 * args.batch_size})")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+    from sparktrain import local_spark
+
+    rank_log = RankLog()
+    rank_logger = logging.getLogger("sparktrain.rank")
+    rank_logger.addHandler(rank_log)
+    rank_logger.setLevel(logging.INFO)
+    rank_logger.propagate = False  # captured, not printed
+
+    tmp = tempfile.mkdtemp(prefix="sparktrain-bench-")
+    progress(f"temp dir {tmp}; starting Spark {args.master}")
+    spark = local_spark(args.master, "sparktrain-bench-backends", conf={
+        "spark.driver.memory": "4g",
+        "spark.ui.enabled": "false",
+        "spark.local.dir": os.path.join(tmp, "spark-local")})
+    state: Dict[str, Any] = {"hangs": [], "rank_log": rank_log}
+    results: List[Dict[str, Any]] = []
+    load_before = os.getloadavg()
+    try:
+        if "throughput" not in args.skip:
+            progress(f"== throughput: generating {args.rows:,} rows x {args.features} features "
+                     f"({args.partitions} partitions), cached and counted ==")
+            df = cached(make_frame(spark, args.rows, args.features, args.partitions, args.seed))
+            results.extend(bench_throughput(spark, df, tmp, args, state))
+            df.unpersist()
+        if "overhead" not in args.skip:
+            progress("== overhead ==")
+            results.append(bench_overhead(spark, tmp, args, state))
+    finally:
+        spark.stop()
+        rank_logger.removeHandler(rank_log)
+        if args.keep_tmp:
+            progress(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    print()
+    print(f"sparktrain backends benchmark: {args.rows:,} rows x {args.features} features, "
+          f"{args.epochs} epochs, batch {args.batch_size}/rank, {args.master}, "
+          f"{os.cpu_count()} CPUs, load avg {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}")
+    print_table(results)
+    print_json_lines(results)
+
+    if args.json_out:
+        import horovod
+
+        meta = {"rows": args.rows, "features": args.features, "partitions": args.partitions,
+                "batch_size": args.batch_size, "epochs": args.epochs,
+                "step_batch": args.step_batch, "repeats": args.repeats, "master": args.master,
+                "skipped": sorted(args.skip), "load_avg_before": load_before,
+                "load_avg_after": os.getloadavg(), "horovod": horovod.__version__, **versions()}
+        write_results(args.json_out, meta, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

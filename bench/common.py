@@ -1,0 +1,173 @@
+"""Helpers shared by the benchmarks in this directory (``bench_torch.py``, ``bench_backends.py``).
+
+Only driver-side code lives here: progress lines, timing, the hang watchdog for fits, the
+generated DataFrame, result records and their table / JSON-lines / JSON-file output. Functions
+that Spark ships to executors (training functions for TorchDistributor, ``horovod.spark.run``,
+UDFs) stay in the benchmark scripts themselves: run as ``__main__``, cloudpickle sends them *by
+value*, whereas a function from this module would be pickled by reference and the executors,
+which do not have ``bench/`` on their path, could not import it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if REPO not in sys.path:  # normally installed editable in .venv; this makes a bare checkout work
+    sys.path.insert(0, REPO)
+
+_T0 = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    print(f"[bench {time.perf_counter() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def timed(fn: Callable[[], Any]) -> tuple:
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+class Hang(RuntimeError):
+    """A guarded call ran past its time limit (its Spark jobs were cancelled)."""
+
+
+def guarded(spark, fn: Callable[[], Any], timeout: float, label: str,
+            hangs: List[Dict[str, Any]], attempts: int = 3) -> tuple:
+    """``timed(fn)``, but cancel every Spark job if it runs past ``timeout`` seconds, record the
+    hang in ``hangs`` and try again (up to ``attempts`` times).
+
+    A fit that deadlocks in a barrier task (see README: the Gloo teardown hang fixed in 172f996)
+    would otherwise hang the whole benchmark; Spark kills the stuck Python worker once its task
+    is cancelled.
+    """
+    for attempt in range(1, attempts + 1):
+        fired = threading.Event()
+
+        def fire() -> None:
+            fired.set()
+            progress(f"{label}: still running after {timeout:g}s, cancelling its Spark jobs")
+            spark.sparkContext.cancelAllJobs()
+
+        timer = threading.Timer(timeout, fire)
+        timer.daemon = True
+        timer.start()
+        try:
+            return timed(fn)
+        except Exception as exc:
+            if not fired.is_set():
+                raise
+            hangs.append({"what": label, "attempt": attempt, "timeout_s": timeout,
+                          "error": str(exc).strip().splitlines()[0][:300]})
+            progress(f"{label}: HUNG (attempt {attempt}/{attempts}); retrying")
+        finally:
+            timer.cancel()
+    raise Hang(f"{label} hung {attempts} times in a row (each cancelled after {timeout:g}s)")
+
+
+def hang_extras(hangs: List[Dict[str, Any]], prefix: str) -> Dict[str, Any]:
+    """Extras recording the hangs whose label starts with ``prefix`` (empty if none)."""
+    mine = [h for h in hangs if h["what"].startswith(prefix)]
+    if not mine:
+        return {}
+    return {"HANGS (cancelled and retried, not timed)": {
+                "value": None, "note": f"{len(mine)}: " + "; ".join(h["what"] for h in mine)},
+            "hangs": mine}
+
+
+# -- data ---------------------------------------------------------------------------------------
+def make_frame(spark, rows: int, features: int, partitions: int, seed: int):
+    """``features``: array<float> of uniform [0, 1) values; ``label``: int 0/1, 1 when the
+    alternating-sign sum of the features is positive (linearly separable, about balanced)."""
+    from pyspark.sql import functions as F
+
+    names = [f"f{i}" for i in range(features)]
+    base = spark.range(0, rows, numPartitions=partitions).select(
+        *[F.rand(seed + i).cast("float").alias(n) for i, n in enumerate(names)])
+    score = sum((F.col(n) if i % 2 == 0 else -F.col(n)) for i, n in enumerate(names))
+    return base.select(F.array(*[F.col(n) for n in names]).alias("features"),
+                       (score > 0).cast("int").alias("label"))
+
+
+def cached(df):
+    df = df.cache()
+    df.count()
+    return df
+
+
+# -- results ------------------------------------------------------------------------------------
+JSON_LINE_KEYS = ("figure", "sparktrain", "baseline", "baseline_name", "ratio", "target", "met",
+                  "unit")
+
+
+def figure(name: str, measure: str, unit: str, sparktrain: Optional[float],
+           baseline: Optional[float], baseline_name: str, ratio: Optional[float], target: float,
+           op: str, extras: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    met = None if ratio is None else (ratio >= target if op == ">=" else ratio <= target)
+    return {"figure": name, "measure": measure, "sparktrain": sparktrain, "baseline": baseline,
+            "baseline_name": baseline_name, "ratio": ratio, "target": target, "target_op": op,
+            "met": met, "unit": unit, "extras": extras or {}}
+
+
+def _num(value: Optional[float], unit: str) -> str:
+    if value is None:
+        return "n/a"
+    if unit.endswith("/s"):  # a rate: rows/s, samples/s
+        return f"{value / 1e6:.2f}M {unit}" if value >= 1e5 else f"{value:,.0f} {unit}"
+    return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
+
+
+def print_table(results: List[Dict[str, Any]]) -> None:
+    width = max([12] + [len(r["figure"]) for r in results])
+    value_width = max([16] + [len(_num(r[k], r["unit"])) for r in results
+                              for k in ("sparktrain", "baseline")])
+    header = (f"{'figure':<{width}} {'sparktrain':>{value_width}}  {'baseline':>{value_width}}  "
+              f"{'ratio':>7}  {'target':>8}  met  baseline name")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        met = "n/a" if r["met"] is None else ("yes" if r["met"] else "NO")
+        print(f"{r['figure']:<{width}} {_num(r['sparktrain'], r['unit']):>{value_width}}  "
+              f"{_num(r['baseline'], r['unit']):>{value_width}}  {ratio:>7}  "
+              f"{r['target_op'] + format(r['target'], 'g') + 'x':>8}  {met:<3}  {r['baseline_name']}")
+        print(f"{'':<{width}} ({r['measure']})")
+        for key, value in r["extras"].items():
+            if isinstance(value, dict) and "value" in value:
+                shown = ("" if value["value"] is None
+                         else _num(value["value"], value.get("unit", r["unit"])))
+                note = f"  {value['note']}" if value.get("note") else ""
+                print(f"{'':<{width}}   + {key}: {shown}{note}")
+    print()
+
+
+def print_json_lines(results: List[Dict[str, Any]]) -> None:
+    for r in results:
+        line = {k: r[k] for k in JSON_LINE_KEYS}
+        if "status" in r:  # e.g. a backend that is not implemented yet
+            line["status"] = r["status"]
+        print(json.dumps(line))
+
+
+def versions() -> Dict[str, Any]:
+    import pyarrow
+    import pyspark
+    import torch
+
+    return {"cpus": os.cpu_count(), "python": platform.python_version(),
+            "pyspark": pyspark.__version__, "pyarrow": pyarrow.__version__,
+            "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def write_results(path: str, meta: Dict[str, Any], results: List[Dict[str, Any]]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "figures": results}, f, indent=2)
+    progress(f"wrote {path}")
