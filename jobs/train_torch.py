@@ -54,6 +54,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--store", default=None, help="sparktrain store (default: a local temp dir)")
     p.add_argument("--output", default=None, help="where to save the fitted PipelineModel")
+    p.add_argument("--use-gpu", choices=["auto", "yes", "no"], default="auto",
+                   help="train on the GPUs Spark assigns to tasks (auto: when tasks have GPUs)")
     p.add_argument("--master", default=None,
                    help="Spark master when not set by spark-submit (default: local[*])")
     p.add_argument("--min-accuracy", type=float, default=None,
@@ -145,7 +147,8 @@ def main(argv: Sequence[str] = ()) -> int:
         num_proc=args.num_proc, model=net, optimizer=torch.optim.Adam(net.parameters(), lr=args.lr),
         loss=loss, metrics=metrics, feature_cols=["scaled"], label_cols=[label],
         batch_size=args.batch_size, epochs=args.epochs, validation=args.validation or None,
-        random_seed=args.seed, store=store, verbose=1)
+        random_seed=args.seed, store=store, verbose=1,
+        use_gpu={"auto": None, "yes": True, "no": False}[args.use_gpu])
     pipeline = Pipeline(stages=[
         VectorAssembler(inputCols=feature_cols, outputCol="assembled"),
         StandardScaler(inputCol="assembled", outputCol="scaled", withMean=True, withStd=True),
