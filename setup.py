@@ -22,7 +22,7 @@ TF = ["tensorflow-cpu==2.21.0", "tf-keras==2.21.0", "tensorflowonspark==2.2.5", 
 # Horovod must be compiled against the installed torch; scripts/setup.sh does it (C++17 wrapper).
 HOROVOD = ["horovod==0.28.1"]
 TEST = ["pytest>=8", "pytest-timeout>=2.3", "scikit-learn>=1.4", "psutil",
-        "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25"] + PLOT
+        "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25", "ipywidgets>=8"] + PLOT
 
 setup(
     name="sparktrain",

@@ -22,6 +22,7 @@ everything to --json-out (default bench/results/bench_backends.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -165,6 +166,8 @@ def bench_throughput(spark, df, tmp: str, args, state: Dict[str, Any]) -> List[D
         progress(f"throughput: {backend}: {epochs}-epoch fit {te:.2f}s, 1-epoch fit {t1:.2f}s "
                  f"-> epoch {epoch_s:.2f}s = {rows / epoch_s:,.0f} samples/s")
 
+    breakdown = step_breakdown(spark, args, state) if args.diag_steps > 0 else {}
+
     base = summary["torch"]
     measure = (f"steady-state samples/s: {rows:,} rows / epoch s, epoch s = (median wall of "
                f"{epochs}-epoch fit - median of 1-epoch fit) / {epochs - 1}; 2 ranks, MLP "
@@ -185,10 +188,20 @@ def bench_throughput(spark, df, tmp: str, args, state: Dict[str, Any]) -> List[D
             extras[f"{name}: rank 0's own epoch time, epochs 2..{epochs} (cross-check)"] = {
                 "value": rows / logged if logged else None, "unit": "samples/s",
                 "note": f"median {logged}s (logged with 0.1 s resolution)"}
+        for name, entry in (("torch", base), (backend, s)):
+            extras[f"{name}: fit's time per step (epoch s / {steps} steps)"] = {
+                "value": entry["epoch_s"] / steps * 1e3, "unit": "ms"}
+        for name, entry in breakdown.items():
+            if name == "torch" or name.startswith(backend):
+                extras[f"in-memory step, {name}"] = {
+                    "value": entry["step_ms"], "unit": "ms",
+                    "note": f"of which compute {entry['compute_ms']:.2f} ms, so communication "
+                            f"{entry['step_ms'] - entry['compute_ms']:.2f} ms; a blocking "
+                            f"all-reduce alone {entry['allreduce_ms']:.2f} ms"}
         extras["final training loss (same seed, same data order)"] = {
             "value": None, "note": f"torch {statistics.median(runs['torch']['final_loss']):.4f}, "
                                    f"{backend} {statistics.median(runs[backend]['final_loss']):.4f}"}
-        extras["runs"] = {"summary": summary, "per_backend": runs}
+        extras["runs"] = {"summary": summary, "per_backend": runs, "step_breakdown": breakdown}
         extras.update(hang_extras(hangs, "throughput:"))
         ratio = (s["samples_per_s"] / base["samples_per_s"]
                  if s["samples_per_s"] and base["samples_per_s"] else None)
@@ -196,6 +209,97 @@ def bench_throughput(spark, df, tmp: str, args, state: Dict[str, Any]) -> List[D
                               base["samples_per_s"], baseline_name, ratio, 0.8, ">=", extras))
     results.extend(keras_rows(base["samples_per_s"], baseline_name))
     return results
+
+
+# -- what limits a backend's steady state: a per-step breakdown inside the barrier tasks --------
+def step_breakdown_task(backend: str, env: Dict[str, str], features: int, batch_size: int,
+                        steps: int, ctx) -> Dict[str, Any]:
+    """Executor side, one rank: per-step milliseconds (median over ``steps``) of
+    ``compute`` (forward/backward/SGD step of the plain model, no communication), ``step`` (the
+    same step with the backend's wrapping: DDP, or hvd.DistributedOptimizer) and ``allreduce``
+    (the backend's blocking all-reduce of one flat tensor the size of all the gradients), all
+    on one in-memory batch: no reader, no Spark. ``env`` is set for this run only (e.g.
+    HOROVOD_CYCLE_TIME, read by hvd.init)."""
+    import time
+
+    import torch
+    from sparktrain.launch import TORCH_BACKENDS, load_backend
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    torch.set_num_threads(max(1, ctx.cpus))  # what the training loop does
+    torch.manual_seed(0)
+    model = make_mlp(features)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x, y = torch.rand(batch_size, features), torch.randint(0, CLASSES, (batch_size,))
+
+    def step(m, o) -> None:
+        o.zero_grad()
+        loss_fn(m(x), y).backward()
+        o.step()
+
+    def per_call_ms(fn) -> Dict[str, float]:
+        for _ in range(max(10, steps // 10)):  # warm-up
+            fn()
+        ctx.all_gather("")  # both ranks start timing together
+        laps = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            fn()
+            laps.append((time.perf_counter() - started) * 1e3)
+        laps.sort()
+        return {"median_ms": laps[len(laps) // 2], "mean_ms": sum(laps) / len(laps),
+                "p90_ms": laps[int(len(laps) * 0.9)]}
+
+    result: Dict[str, Any] = {"rank": ctx.rank}
+    try:
+        result["compute"] = per_call_ms(lambda: step(model, optimizer))
+        dist = load_backend(TORCH_BACKENDS, backend)(ctx, torch.device("cpu"))
+        wrapped = None
+        try:
+            wrapped, wrapped_optimizer = dist.wrap(model, optimizer)
+            result["step"] = per_call_ms(lambda: step(wrapped, wrapped_optimizer))
+            flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+            result["allreduce"] = per_call_ms(lambda: dist.all_reduce_sum(flat.clone()))
+            result["allreduce_floats"] = flat.numel()
+        finally:
+            wrapped = None  # the DDP reducer holds the process group: release it first
+            dist.close()
+    finally:
+        for key, value in saved.items():  # Spark reuses this Python worker for later fits
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return result
+
+
+def step_breakdown(spark, args, state: Dict[str, Any]) -> Dict[str, Any]:
+    """Run :func:`step_breakdown_task` in 2 barrier tasks for each diagnostic variant."""
+    import functools
+
+    from sparktrain.launch.barrier import run_barrier
+
+    variants = [("torch", "torch", {}), ("horovod", "horovod", {})]
+    for value in args.diag_cycle_times:
+        variants.append((f"horovod HOROVOD_CYCLE_TIME={value}", "horovod",
+                         {"HOROVOD_CYCLE_TIME": value}))
+    out: Dict[str, Any] = {}
+    for name, backend, env in variants:
+        task = functools.partial(step_breakdown_task, backend, env, args.features,
+                                 args.batch_size, args.diag_steps)
+        seconds, ranks = guarded(spark, lambda t=task: run_barrier(spark, 2, t, echo_logs=False),
+                                 args.fit_timeout, f"throughput: step breakdown {name}",
+                                 state["hangs"])
+        out[name] = {"ranks": ranks, "seconds": seconds}
+        summary = {part: max(r[part]["median_ms"] for r in ranks)
+                   for part in ("compute", "step", "allreduce")}
+        out[name].update({f"{part}_ms": value for part, value in summary.items()})
+        progress(f"throughput: step breakdown {name}: " + ", ".join(
+            f"{part} {value:.2f} ms" for part, value in summary.items()) + " (slowest rank's "
+            "median)")
+    return out
 
 
 def keras_rows(torch_rate: Optional[float], baseline_name: str) -> List[Dict[str, Any]]:
@@ -353,6 +457,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="epochs of the long fit in the throughput figure (>= 2)")
     parser.add_argument("--step-batch", type=int, default=256,
                         help="rows per rank of the single step in the overhead figure")
+    parser.add_argument("--diag-steps", type=int, default=300,
+                        help="steps per part of the in-memory step breakdown (0: skip it)")
+    parser.add_argument("--diag-cycle-times", default="0.1",
+                        help="comma-separated HOROVOD_CYCLE_TIME values (ms) to also run the "
+                             "horovod step breakdown with (Horovod's default is 1 ms; '' = none)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs per variant after the warm-up (median reported)")
     parser.add_argument("--master", default="local[2]", help="Spark master (>= 2 task slots)")
@@ -366,6 +475,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--keep-tmp", action="store_true", help="leave the temp directory")
     args = parser.parse_args(argv)
     args.skip = {s.strip() for item in args.skip for s in item.split(",") if s.strip()}
+    args.diag_cycle_times = [v.strip() for v in args.diag_cycle_times.split(",") if v.strip()]
     unknown = args.skip - set(FIGURES)
     if unknown:
         parser.error(f"unknown figure(s) {sorted(unknown)}; expected some of {FIGURES}")
@@ -376,6 +486,19 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def run_figures(spark, tmp: str, args, state: Dict[str, Any],
+                results: List[Dict[str, Any]]) -> None:
+    if "throughput" not in args.skip:
+        progress(f"== throughput: generating {args.rows:,} rows x {args.features} features "
+                 f"({args.partitions} partitions), cached and counted ==")
+        df = cached(make_frame(spark, args.rows, args.features, args.partitions, args.seed))
+        results.extend(bench_throughput(spark, df, tmp, args, state))
+        df.unpersist()
+    if "overhead" not in args.skip:
+        progress("== overhead ==")
+        results.append(bench_overhead(spark, tmp, args, state))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -384,11 +507,16 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from sparktrain import local_spark
 
+    # sparktrain's INFO lines ("fit done in ...") to stderr; rank lines captured, not printed
+    fit_log = logging.StreamHandler(sys.stderr)
+    fit_log.setFormatter(logging.Formatter("[sparktrain] %(message)s"))
+    logging.getLogger("sparktrain").addHandler(fit_log)
+    logging.getLogger("sparktrain").setLevel(logging.INFO)
     rank_log = RankLog()
     rank_logger = logging.getLogger("sparktrain.rank")
     rank_logger.addHandler(rank_log)
     rank_logger.setLevel(logging.INFO)
-    rank_logger.propagate = False  # captured, not printed
+    rank_logger.propagate = False
 
     tmp = tempfile.mkdtemp(prefix="sparktrain-bench-")
     progress(f"temp dir {tmp}; starting Spark {args.master}")
@@ -400,18 +528,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     results: List[Dict[str, Any]] = []
     load_before = os.getloadavg()
     try:
-        if "throughput" not in args.skip:
-            progress(f"== throughput: generating {args.rows:,} rows x {args.features} features "
-                     f"({args.partitions} partitions), cached and counted ==")
-            df = cached(make_frame(spark, args.rows, args.features, args.partitions, args.seed))
-            results.extend(bench_throughput(spark, df, tmp, args, state))
-            df.unpersist()
-        if "overhead" not in args.skip:
-            progress("== overhead ==")
-            results.append(bench_overhead(spark, tmp, args, state))
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is for the table and JSON lines
+            run_figures(spark, tmp, args, state, results)
     finally:
         spark.stop()
         rank_logger.removeHandler(rank_log)
+        logging.getLogger("sparktrain").removeHandler(fit_log)
         if args.keep_tmp:
             progress(f"kept {tmp}")
         else:

@@ -119,6 +119,8 @@ def figure(name: str, measure: str, unit: str, sparktrain: Optional[float],
 def _num(value: Optional[float], unit: str) -> str:
     if value is None:
         return "n/a"
+    if unit == "ms":
+        return f"{value:.2f} ms"
     if unit.endswith("/s"):  # a rate: rows/s, samples/s
         return f"{value / 1e6:.2f}M {unit}" if value >= 1e5 else f"{value:,.0f} {unit}"
     return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"

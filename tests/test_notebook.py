@@ -1,0 +1,24 @@
+"""notebooks/quickstart.ipynb runs top to bottom (nbclient, a real kernel); any failing cell
+fails the build."""
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_quickstart_notebook_runs():
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = os.path.join(ROOT, "notebooks", "quickstart.ipynb")
+    notebook = nbformat.read(path, as_version=4)
+    NotebookClient(notebook, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": os.path.dirname(path)}}).execute()
+    outputs = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                      for o in cell.get("outputs", []))
+    assert "test accuracy:" in outputs and "reloaded model's test accuracy:" in outputs
+    images = [o for cell in notebook.cells for o in cell.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert images, "plot_history() showed no figure"
