@@ -32,7 +32,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from common import (HERE, cached, figure, guarded, hang_extras, make_frame, print_json_lines,
                     print_table, progress, timed, versions, write_results)
@@ -70,33 +70,38 @@ def make_estimator(backend: str, features: int, batch_size: int, epochs: int, sh
 
 
 class RankLog(logging.Handler):
-    """Collects the rank log lines the driver receives during a fit (``sparktrain.rank``)."""
+    """Collects the rank log lines the driver receives during a fit (``sparktrain.rank``), with
+    the time each one arrived. Rank 0 sends ``epoch k/E ... (X.Xs)`` the moment epoch k ends
+    (after its metrics all-reduce), so the gaps between those arrivals are epoch durations
+    measured on the driver's clock, free of launch and teardown costs."""
 
-    EPOCH = re.compile(r"^\[rank 0\] epoch (\d+)/(\d+) .*\((\d+(?:\.\d+)?)s\)$")
+    EPOCH = re.compile(r"^\[rank 0\] epoch (\d+)/(\d+) ")
     STEPS = re.compile(r"^\[rank 0\] .*: (\d+) steps/epoch of (\d+) rows per rank$")
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
-        self.lines: List[str] = []
+        self.lines: List[Tuple[float, str]] = []
         self._lock = threading.Lock()
 
     def emit(self, record: logging.LogRecord) -> None:
         with self._lock:
-            self.lines.append(record.getMessage())
+            self.lines.append((record.created, record.getMessage()))
 
-    def take(self) -> List[str]:
+    def take(self) -> List[Tuple[float, str]]:
         with self._lock:
             lines, self.lines = self.lines, []
         return lines
 
     @classmethod
-    def epoch_seconds(cls, lines: List[str]) -> List[float]:
-        """Rank 0's own per-epoch seconds (printed with 0.1 s resolution)."""
-        return [float(m.group(3)) for m in map(cls.EPOCH.match, lines) if m]
+    def epoch_durations(cls, lines: List[Tuple[float, str]]) -> List[float]:
+        """Seconds of epochs 2..E: gaps between the arrivals of consecutive epoch-end lines."""
+        ends = {int(m.group(1)): created for created, m in
+                ((created, cls.EPOCH.match(text)) for created, text in lines) if m}
+        return [ends[k] - ends[k - 1] for k in sorted(ends) if k - 1 in ends]
 
     @classmethod
-    def steps(cls, lines: List[str]) -> Optional[int]:
-        found = [int(m.group(1)) for m in map(cls.STEPS.match, lines) if m]
+    def steps(cls, lines: List[Tuple[float, str]]) -> Optional[int]:
+        found = [int(m.group(1)) for m in (cls.STEPS.match(text) for _, text in lines) if m]
         return found[0] if found else None
 
 
@@ -105,16 +110,13 @@ def bench_throughput(spark, df, tmp: str, args, state: Dict[str, Any]) -> List[D
     from sparktrain.data.reader import steps_per_epoch
 
     rows, epochs, repeats = args.rows, args.epochs, args.repeats
-    if epochs < 2:
-        raise ValueError("--epochs must be at least 2 (epoch seconds = (E-epoch fit - 1-epoch "
-                         "fit) / (E - 1))")
     store = os.path.join(tmp, "store-throughput")  # one store: the frame is materialized once
     estimators = {(b, e): make_estimator(b, args.features, args.batch_size, e, True, store)
                   for b in BACKENDS for e in (1, epochs)}
     steps = steps_per_epoch(rows, 2, args.batch_size)
     log, hangs, limit = state["rank_log"], state["hangs"], args.fit_timeout
     runs: Dict[str, Dict[str, List]] = {b: {"fit_1_s": [], f"fit_{epochs}_s": [],
-                                            "rank0_epoch_s": [], "final_loss": []}
+                                            "epoch_s": [], "final_loss": []}
                                         for b in BACKENDS}
 
     def fit(backend: str, n_epochs: int, label: str):
@@ -129,50 +131,56 @@ def bench_throughput(spark, df, tmp: str, args, state: Dict[str, Any]) -> List[D
         logged_steps = RankLog.steps(lines)
         if logged_steps is not None and logged_steps != steps:
             raise AssertionError(f"{label}: rank 0 ran {logged_steps} steps/epoch, expected {steps}")
-        return seconds, history, RankLog.epoch_seconds(lines)
+        durations = RankLog.epoch_durations(lines)
+        if len(durations) != n_epochs - 1:
+            raise AssertionError(f"{label}: got {len(durations)} epoch durations from rank 0's "
+                                 f"epoch lines, expected {n_epochs - 1}")
+        return seconds, history, durations
 
     for backend in BACKENDS:  # the first one also materializes the frame into the store
-        progress(f"throughput: warm-up 1-epoch fit, backend={backend!r}")
-        seconds, _, _ = fit(backend, 1, f"throughput: {backend} warm-up fit")
+        progress(f"throughput: warm-up {epochs}-epoch fit, backend={backend!r}")
+        seconds, _, _ = fit(backend, epochs, f"throughput: {backend} warm-up fit")
         progress(f"throughput: warm-up {backend}: {seconds:.2f}s")
     for i in range(repeats):
         # alternate backends (and their order) so that load from other processes hits both alike
         order = BACKENDS if i % 2 == 0 else tuple(reversed(BACKENDS))
         for backend in order:
             for n_epochs in (1, epochs):
-                seconds, history, epoch_s = fit(backend, n_epochs,
-                                                f"throughput: {backend} {n_epochs}-epoch fit {i + 1}")
+                seconds, history, durations = fit(
+                    backend, n_epochs, f"throughput: {backend} {n_epochs}-epoch fit {i + 1}")
                 runs[backend][f"fit_{n_epochs}_s"].append(seconds)
                 if n_epochs == epochs:
-                    runs[backend]["rank0_epoch_s"].append(epoch_s)
+                    runs[backend]["epoch_s"].extend(durations)
                     runs[backend]["final_loss"].append(history[-1])
                 progress(f"throughput: {backend} {n_epochs}-epoch fit {i + 1}/{repeats}: "
-                         f"{seconds:.2f}s (rank 0 epochs: {epoch_s})")
+                         f"{seconds:.2f}s" + (f" (epochs 2..{epochs}: "
+                                              f"{', '.join(f'{d:.3f}s' for d in durations)})"
+                                              if durations else ""))
 
     summary: Dict[str, Dict[str, Any]] = {}
     for backend in BACKENDS:
         r = runs[backend]
+        epoch_s = statistics.median(r["epoch_s"])
         t1, te = statistics.median(r["fit_1_s"]), statistics.median(r[f"fit_{epochs}_s"])
-        epoch_s = (te - t1) / (epochs - 1)
-        paired = [(b - a) / (epochs - 1) for a, b in zip(r["fit_1_s"], r[f"fit_{epochs}_s"])]
-        steady_logged = [s for fit_epochs in r["rank0_epoch_s"] for s in fit_epochs[1:]]
+        diff_epoch_s = (te - t1) / (epochs - 1)
         summary[backend] = {
-            "fit_1_s": t1, f"fit_{epochs}_s": te, "epoch_s": epoch_s,
-            "samples_per_s": rows / epoch_s if epoch_s > 0 else None,
-            "paired_epoch_s": paired,
-            "rank0_steady_epoch_s": statistics.median(steady_logged) if steady_logged else None,
-            "overhead_s": t1 - epoch_s,  # launch + setup + result: what a 0-epoch fit would take
+            "epoch_s": epoch_s, "samples_per_s": rows / epoch_s, "step_ms": epoch_s / steps * 1e3,
+            "fit_1_s": t1, f"fit_{epochs}_s": te, "diff_epoch_s": diff_epoch_s,
+            "diff_samples_per_s": rows / diff_epoch_s if diff_epoch_s > 0 else None,
+            "fixed_s": te - epochs * epoch_s,  # launch, setup, first-epoch extras, teardown
         }
-        progress(f"throughput: {backend}: {epochs}-epoch fit {te:.2f}s, 1-epoch fit {t1:.2f}s "
-                 f"-> epoch {epoch_s:.2f}s = {rows / epoch_s:,.0f} samples/s")
+        progress(f"throughput: {backend}: epoch {epoch_s:.3f}s = {rows / epoch_s:,.0f} samples/s; "
+                 f"cross-check (fit_{epochs} {te:.2f}s - fit_1 {t1:.2f}s) / {epochs - 1} = "
+                 f"{diff_epoch_s:.3f}s")
 
     breakdown = step_breakdown(spark, args, state) if args.diag_steps > 0 else {}
 
     base = summary["torch"]
-    measure = (f"steady-state samples/s: {rows:,} rows / epoch s, epoch s = (median wall of "
-               f"{epochs}-epoch fit - median of 1-epoch fit) / {epochs - 1}; 2 ranks, MLP "
-               f"{args.features}->{HIDDEN}->{HIDDEN}->{CLASSES}, batch {args.batch_size}/rank "
-               f"({steps} steps/rank/epoch), shuffle=True, median of {repeats}")
+    measure = (f"steady-state samples/s = {rows:,} rows / epoch s; epoch s = median over "
+               f"{repeats} {epochs}-epoch fits of epochs 2..{epochs} (gaps between rank 0's "
+               f"epoch-end lines on the driver); 2 ranks, MLP {args.features}->{HIDDEN}->"
+               f"{HIDDEN}->{CLASSES}, batch {args.batch_size}/rank ({steps} steps/rank/epoch), "
+               f"shuffle=True")
     baseline_name = "TorchEstimator(backend='torch'): DDP over Gloo"
     results = []
     for backend in BACKENDS[1:]:
@@ -181,32 +189,33 @@ def bench_throughput(spark, df, tmp: str, args, state: Dict[str, Any]) -> List[D
         for name, entry in (("torch", base), (backend, s)):
             extras[f"{name}: wall of the {epochs}-epoch fit"] = {
                 "value": entry[f"fit_{epochs}_s"], "unit": "s",
-                "note": f"1-epoch fit {entry['fit_1_s']:.2f}s, epoch {entry['epoch_s']:.2f}s, "
-                        f"fixed cost per fit {entry['overhead_s']:.2f}s"}
+                "note": f"= {epochs} x {entry['epoch_s']:.3f}s epochs + {entry['fixed_s']:.2f}s "
+                        f"fixed; 1-epoch fit {entry['fit_1_s']:.2f}s"}
         for name, entry in (("torch", base), (backend, s)):
-            logged = entry["rank0_steady_epoch_s"]
-            extras[f"{name}: rank 0's own epoch time, epochs 2..{epochs} (cross-check)"] = {
-                "value": rows / logged if logged else None, "unit": "samples/s",
-                "note": f"median {logged}s (logged with 0.1 s resolution)"}
+            extras[f"{name}: cross-check (fit_{epochs} - fit_1) / {epochs - 1}"] = {
+                "value": entry["diff_samples_per_s"], "unit": "samples/s",
+                "note": f"epoch {entry['diff_epoch_s']:.3f}s (difference of two medians: "
+                        f"noisier)"}
         for name, entry in (("torch", base), (backend, s)):
-            extras[f"{name}: fit's time per step (epoch s / {steps} steps)"] = {
-                "value": entry["epoch_s"] / steps * 1e3, "unit": "ms"}
+            extras[f"{name}: time per step in the fit (epoch s / {steps})"] = {
+                "value": entry["step_ms"], "unit": "ms"}
         for name, entry in breakdown.items():
             if name == "torch" or name.startswith(backend):
                 extras[f"in-memory step, {name}"] = {
                     "value": entry["step_ms"], "unit": "ms",
-                    "note": f"of which compute {entry['compute_ms']:.2f} ms, so communication "
-                            f"{entry['step_ms'] - entry['compute_ms']:.2f} ms; a blocking "
-                            f"all-reduce alone {entry['allreduce_ms']:.2f} ms"}
+                    "note": f"compute alone {entry['compute_ms']:.2f} ms; one all-reduce of the "
+                            f"gradients' size {entry['allreduce_ms']:.2f} ms; CPU/step/rank "
+                            f"{entry['step_cpu_ms']:.2f} ms (compute alone "
+                            f"{entry['compute_cpu_ms']:.2f}); idle: "
+                            f"{entry['idle_cpu_share']:.0%} of a core per rank"}
         extras["final training loss (same seed, same data order)"] = {
             "value": None, "note": f"torch {statistics.median(runs['torch']['final_loss']):.4f}, "
                                    f"{backend} {statistics.median(runs[backend]['final_loss']):.4f}"}
         extras["runs"] = {"summary": summary, "per_backend": runs, "step_breakdown": breakdown}
         extras.update(hang_extras(hangs, "throughput:"))
-        ratio = (s["samples_per_s"] / base["samples_per_s"]
-                 if s["samples_per_s"] and base["samples_per_s"] else None)
         results.append(figure(f"throughput:{backend}", measure, "samples/s", s["samples_per_s"],
-                              base["samples_per_s"], baseline_name, ratio, 0.8, ">=", extras))
+                              base["samples_per_s"], baseline_name,
+                              s["samples_per_s"] / base["samples_per_s"], 0.8, ">=", extras))
     results.extend(keras_rows(base["samples_per_s"], baseline_name))
     return results
 
@@ -244,13 +253,22 @@ def step_breakdown_task(backend: str, env: Dict[str, str], features: int, batch_
             fn()
         ctx.all_gather("")  # both ranks start timing together
         laps = []
+        cpu = time.process_time()  # CPU of every thread of this rank (Horovod's included)
         for _ in range(steps):
             started = time.perf_counter()
             fn()
             laps.append((time.perf_counter() - started) * 1e3)
+        cpu = (time.process_time() - cpu) * 1e3 / steps
         laps.sort()
         return {"median_ms": laps[len(laps) // 2], "mean_ms": sum(laps) / len(laps),
-                "p90_ms": laps[int(len(laps) * 0.9)]}
+                "p90_ms": laps[int(len(laps) * 0.9)], "cpu_ms": cpu}
+
+    def idle_cpu_share(seconds: float = 1.0) -> float:
+        """Share of one core this rank burns while its main thread sleeps."""
+        ctx.all_gather("")
+        cpu, wall = time.process_time(), time.perf_counter()
+        time.sleep(seconds)
+        return (time.process_time() - cpu) / (time.perf_counter() - wall)
 
     result: Dict[str, Any] = {"rank": ctx.rank}
     try:
@@ -259,9 +277,15 @@ def step_breakdown_task(backend: str, env: Dict[str, str], features: int, batch_
         wrapped = None
         try:
             wrapped, wrapped_optimizer = dist.wrap(model, optimizer)
+            result["idle_cpu_share"] = idle_cpu_share()
             result["step"] = per_call_ms(lambda: step(wrapped, wrapped_optimizer))
             flat = torch.zeros(sum(p.numel() for p in model.parameters()))
-            result["allreduce"] = per_call_ms(lambda: dist.all_reduce_sum(flat.clone()))
+            if backend == "horovod":  # a fixed name, as DistributedOptimizer's gradients have
+                hvd = dist.hvd
+                reduce = lambda: hvd.allreduce(flat, name="bench.flat", op=hvd.Sum)  # noqa: E731
+            else:
+                reduce = lambda: torch.distributed.all_reduce(flat)  # noqa: E731
+            result["allreduce"] = per_call_ms(reduce)
             result["allreduce_floats"] = flat.numel()
         finally:
             wrapped = None  # the DDP reducer holds the process group: release it first
@@ -296,9 +320,14 @@ def step_breakdown(spark, args, state: Dict[str, Any]) -> Dict[str, Any]:
         summary = {part: max(r[part]["median_ms"] for r in ranks)
                    for part in ("compute", "step", "allreduce")}
         out[name].update({f"{part}_ms": value for part, value in summary.items()})
+        out[name]["step_cpu_ms"] = sum(r["step"]["cpu_ms"] for r in ranks) / len(ranks)
+        out[name]["compute_cpu_ms"] = sum(r["compute"]["cpu_ms"] for r in ranks) / len(ranks)
+        out[name]["idle_cpu_share"] = sum(r["idle_cpu_share"] for r in ranks) / len(ranks)
         progress(f"throughput: step breakdown {name}: " + ", ".join(
             f"{part} {value:.2f} ms" for part, value in summary.items()) + " (slowest rank's "
-            "median)")
+            f"median); CPU per step {out[name]['step_cpu_ms']:.2f} ms (compute alone "
+            f"{out[name]['compute_cpu_ms']:.2f} ms); idle, the rank burns "
+            f"{out[name]['idle_cpu_share']:.0%} of a core")
     return out
 
 
@@ -358,8 +387,9 @@ def _import_frameworks(_) -> Any:
 def rewarm(spark) -> float:
     """Seconds of a 2-task job that imports what a fit imports (torch, horovod.torch,
     sparktrain's worker modules) in the Python workers: milliseconds when they are warm."""
-    seconds, _ = timed(lambda: spark.sparkContext.parallelize(range(2), 2)
-                       .mapPartitions(_import_frameworks).collect())
+    seconds, pids = timed(lambda: spark.sparkContext.parallelize(range(2), 2)
+                          .mapPartitions(_import_frameworks).collect())
+    progress(f"rewarm: {seconds:.2f}s, worker pids {pids}")
     return seconds
 
 
@@ -459,7 +489,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="rows per rank of the single step in the overhead figure")
     parser.add_argument("--diag-steps", type=int, default=300,
                         help="steps per part of the in-memory step breakdown (0: skip it)")
-    parser.add_argument("--diag-cycle-times", default="0.1",
+    parser.add_argument("--diag-cycle-times", default="0.1,5",
                         help="comma-separated HOROVOD_CYCLE_TIME values (ms) to also run the "
                              "horovod step breakdown with (Horovod's default is 1 ms; '' = none)")
     parser.add_argument("--repeats", type=int, default=3,

@@ -17,6 +17,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "TorchEstimator": "sparktrain.estimators.torch",
     "TorchModel": "sparktrain.estimators.torch",
+    "KerasEstimator": "sparktrain.estimators.keras",
+    "KerasModel": "sparktrain.estimators.keras",
     "Store": "sparktrain.data.store",
     "TrainingError": "sparktrain.launch.barrier",
     "local_spark": "sparktrain.session",

@@ -1,0 +1,234 @@
+"""Keras training in one process of a ``MultiWorkerMirroredStrategy`` cluster (``TF_CONFIG``).
+
+Runs as ``python -m sparktrain.estimators.keras_worker DIR`` (see
+:mod:`sparktrain.launch.tf_multiworker`). Keras 3's ``model.fit`` fails under
+MultiWorkerMirroredStrategy (keras-team/keras#20585), so the loop is a distributed train step
+of its own, the pattern TensorFlow documents for custom training with ``tf.distribute``: the
+user's model is re-loaded from its ``.keras`` file inside ``strategy.scope()`` (so its variables
+are mirrored), ``strategy.run`` computes per-row losses and gradients, the Keras optimizer
+all-reduces and applies them, and ``strategy.reduce`` sums the epoch's statistics over workers.
+The user's model needs no change.
+
+Conventions as for torch: one input per feature column (``(batch, 1)`` for scalars), labels
+reshaped to the output when they hold as many values, class indices for ``(batch, classes)``
+outputs; per-row losses summed and divided by the global batch size; sample weights multiply
+per-row losses (Keras' own convention).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Tuple
+
+PROGRESS_PREFIX = "\x1esparktrain-progress "
+
+
+def _progress(**event: Any) -> None:
+    print(PROGRESS_PREFIX + json.dumps(event), flush=True)
+
+
+def _resolve_metrics(keras: Any, metrics: List[Any], custom_objects: Dict[str, Any]
+                     ) -> List[Tuple[str, Any]]:
+    """``[(name, fn(y_true, y_pred))]`` from names, functions or ``(name, fn)`` pairs."""
+    resolved = []
+    for item in metrics or []:
+        name, fn = item if isinstance(item, tuple) else (getattr(item, "__name__", item), item)
+        if isinstance(fn, str):
+            fn = _accuracy if fn in ("acc", "accuracy") else _metric_function(keras, fn)
+        if isinstance(fn, type) or hasattr(fn, "update_state"):
+            raise TypeError(f"metric {name!r} is a stateful Keras Metric; pass a function "
+                            f"(y_true, y_pred) -> values or its name instead")
+        resolved.append((str(name), fn))
+    return resolved
+
+
+def _metric_function(keras: Any, name: str) -> Any:
+    """A per-row function for a metric name: ``keras.metrics.<name>`` when that is a function
+    (``binary_accuracy``...), else the loss function of that name (``mae``, ``mse``...)."""
+    candidate = getattr(keras.metrics, name, None)
+    if callable(candidate) and not isinstance(candidate, type):
+        return candidate
+    candidate = keras.losses.get(name)
+    if hasattr(candidate, "reduction"):
+        candidate.reduction = None
+    return candidate
+
+
+def _accuracy(y_true: Any, y_pred: Any) -> Any:
+    """Keras' ``"accuracy"``: sparse categorical for (batch, classes) outputs, else binary."""
+    import tensorflow as tf
+
+    if y_pred.shape[-1] is not None and y_pred.shape[-1] > 1:
+        labels = tf.cast(tf.reshape(y_true, [-1]), tf.int64)
+        return tf.cast(tf.equal(tf.argmax(y_pred, axis=-1), labels), tf.float32)
+    return tf.cast(tf.equal(tf.cast(y_pred > 0.5, tf.float32),
+                            tf.cast(tf.reshape(y_true, tf.shape(y_pred)), tf.float32)), tf.float32)
+
+
+def _row_sum(tf: Any, value: Any, rows: Any) -> Any:
+    """Sum over rows of a metric given per row (``(batch, ...)``) or as a batch mean (scalar)."""
+    value = tf.cast(value, tf.float32)
+    if len(value.shape) == 0:
+        return value * rows
+    return tf.reduce_sum(tf.reduce_mean(tf.reshape(value, [tf.shape(value)[0], -1]), axis=1))
+
+
+def _match_label(tf: Any, output: Any, label: Any) -> Any:
+    if len(output.shape) >= 2 and output.shape[-1] is not None and output.shape[-1] > 1 \
+            and len(label.shape) == 1:
+        return tf.cast(label, tf.int64)
+    if label.shape.num_elements() == output.shape.num_elements() and label.shape != output.shape:
+        label = tf.reshape(label, tf.shape(output))
+    if output.dtype.is_floating and not label.dtype.is_floating:
+        label = tf.cast(label, output.dtype)
+    return label
+
+
+def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[str, Any]:
+    import numpy as np
+    import tensorflow as tf
+    import keras
+
+    from sparktrain.data.reader import ShardReader
+    from sparktrain.data.schema import ColumnSpec
+
+    rank, world = spec["rank"], spec["world_size"]
+    if spec.get("seed") is not None:
+        keras.utils.set_random_seed(spec["seed"])
+    custom = payload["custom_objects"] or {}
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    model_path = os.path.join(workdir, "model.keras")
+    with open(model_path, "wb") as f:
+        f.write(payload["model"])
+    with strategy.scope():
+        model = keras.saving.load_model(model_path, custom_objects=custom, compile=False)
+        optimizer = keras.optimizers.get(payload["optimizer"])
+        loss_fn = keras.losses.get(payload["loss"])
+        if hasattr(loss_fn, "reduction"):
+            loss_fn.reduction = None  # per-row values; we divide by the global batch ourselves
+    metrics = _resolve_metrics(keras, payload["metrics"], custom)
+    features, labels = spec["feature_cols"], spec["label_cols"]
+    weight_col = spec["sample_weight_col"]
+    columns = [ColumnSpec.from_json(c) for c in spec["columns"]]
+
+    def reader(split: str, batch: int, shuffle: bool) -> ShardReader:
+        return ShardReader(spec["dataset_root"], spec["layouts"][split], columns, rank, world,
+                           batch, shuffle, spec["seed"], spec["storage_options"])
+
+    train_reader = reader("train", spec["batch_size"], spec["shuffle"])
+    val_reader = reader("val", spec["val_batch_size"], False) if spec["layouts"].get("val") else None
+    n_stats = 2 + len(metrics) * len(labels)
+
+    def forward(x: Any, y: Any, w: Any, training: bool) -> Tuple[Any, Any, List[Any]]:
+        outputs = model(x if len(features) > 1 else x[0], training=training)
+        outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        y = [_match_label(tf, o, l) for o, l in zip(outputs, y)]
+        per_row = 0.0
+        for o, l in zip(outputs, y):
+            value = loss_fn(l, o)
+            per_row += tf.reshape(value, [tf.shape(o)[0], -1]) if len(value.shape) > 1 else value
+        per_row = tf.reduce_mean(per_row, axis=-1) if len(per_row.shape) > 1 else per_row
+        if w is not None:
+            per_row = per_row * w
+        stats = [tf.cast(tf.shape(per_row)[0], tf.float32), tf.reduce_sum(per_row)]
+        for o, l in zip(outputs, y):
+            stats += [_row_sum(tf, fn(l, o), stats[0]) for _, fn in metrics]
+        return per_row, tf.stack(stats), outputs
+
+    @tf.function(reduce_retracing=True)
+    def train_step(x: Any, y: Any, w: Any) -> Any:
+        def replica(x: Any, y: Any, w: Any) -> Any:
+            with tf.GradientTape() as tape:
+                per_row, stats, _ = forward(x, y, w, True)
+                loss = tf.reduce_sum(per_row) / (tf.cast(tf.shape(per_row)[0], tf.float32) * world)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return stats
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica, args=(x, y, w)), axis=None)
+
+    @tf.function(reduce_retracing=True)
+    def eval_step(x: Any, y: Any, w: Any) -> Any:
+        def replica(x: Any, y: Any, w: Any) -> Any:
+            return forward(x, y, w, False)[1]
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica, args=(x, y, w)), axis=None)
+
+    def tensors(batch: Dict[str, np.ndarray]) -> Tuple[List[Any], List[Any], Any]:
+        def col(name: str) -> Any:
+            value = batch[name]
+            return tf.constant(value.reshape(-1, 1) if value.ndim == 1 and name in features else value)
+        w = tf.constant(batch[weight_col], tf.float32) if weight_col else None
+        return [col(c) for c in features], [col(c) for c in labels], w
+
+    names = [n if len(labels) == 1 else f"{l}_{n}" for l in labels for n, _ in metrics]
+
+    def run_epoch(step_fn: Callable, source: ShardReader, epoch: int, report: bool) -> Dict[str, float]:
+        totals = np.zeros(n_stats)
+        last = 0.0
+        for i, batch in enumerate(source.epoch(epoch)):
+            x, y, w = tensors(batch)
+            stats = step_fn(x, y, w).numpy()
+            totals += stats
+            if report and (time.monotonic() - last > 0.25 or i + 1 == len(source)):
+                last = time.monotonic()
+                _progress(event="step", epoch=epoch, step=i + 1, loss=float(stats[1] / max(stats[0], 1)))
+        rows = max(totals[0], 1.0)
+        return {"loss": totals[1] / rows, **{n: v / rows for n, v in zip(names, totals[2:])}}
+
+    lead = rank == 0 and spec["verbose"] >= 1
+    if lead:
+        print(f"{world} worker(s), backend 'tensorflow' (MultiWorkerMirroredStrategy): "
+              f"{len(train_reader)} steps/epoch of {spec['batch_size']} rows per worker", flush=True)
+        _progress(event="start", epochs=spec["epochs"], steps=len(train_reader))
+    history: Dict[str, List[float]] = {}
+    for epoch in range(spec["epochs"]):
+        started = time.perf_counter()
+        logs = run_epoch(train_step, train_reader, epoch, lead)
+        if val_reader is not None:
+            logs.update({f"val_{k}": v for k, v in run_epoch(eval_step, val_reader, 0, False).items()})
+        for key, value in logs.items():
+            history.setdefault(key, []).append(float(value))
+        if lead:
+            _progress(event="epoch", epoch=epoch, logs=logs)
+            values = "  ".join(f"{k}={v:.4g}" for k, v in logs.items())
+            print(f"epoch {epoch + 1}/{spec['epochs']}  {values}  "
+                  f"({time.perf_counter() - started:.1f}s)", flush=True)
+    sample = next(iter(train_reader.epoch(0)))
+    outputs = model([tf.constant(sample[c][:1].reshape(1, -1)) for c in features]
+                    if len(features) > 1 else tf.constant(sample[features[0]][:1].reshape(1, -1)))
+    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    if rank != 0:
+        return {}
+    trained = os.path.join(workdir, "trained.keras")
+    model.save(trained)
+    with open(trained, "rb") as f:
+        weights = f.read()
+    return {"model": weights, "history": history,
+            "output_shapes": [list(o.shape[1:]) for o in outputs]}
+
+
+def main(workdir: str) -> int:
+    try:
+        import cloudpickle
+
+        with open(os.path.join(workdir, "spec.json")) as f:
+            spec = json.load(f)
+        with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
+            payload = cloudpickle.load(f)
+        result = train(spec, payload, workdir)
+        with open(os.path.join(workdir, "result.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        return 0
+    except BaseException:
+        text = traceback.format_exc()
+        with open(os.path.join(workdir, "error.txt"), "w") as f:
+            f.write(text)
+        print(text, file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
