@@ -53,8 +53,22 @@ def _model_bytes(model: Any) -> bytes:
             return f.read()
 
 
+def loading_objects(keras: Any, custom_objects: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """``custom_objects`` keyed by name *and* by Keras' registered name (``package>Name``):
+    a class registered with ``register_keras_serializable`` is saved under the latter, and its
+    registration does not survive pickling to another process, so this runs on the driver."""
+    objects = dict(custom_objects or {})
+    for obj in list(objects.values()):
+        try:
+            objects.setdefault(keras.saving.get_registered_name(obj), obj)
+        except Exception:  # not a class or function Keras can name
+            pass
+    return objects
+
+
 def _load_model(data: bytes, custom_objects: Optional[Dict[str, Any]]) -> Any:
     keras = _keras()
+    custom_objects = loading_objects(keras, custom_objects)
     with tempfile.TemporaryDirectory(prefix="sparktrain-keras-") as tmp:
         path = os.path.join(tmp, "model.keras")
         with open(path, "wb") as f:
@@ -127,7 +141,7 @@ class KerasEstimator(EstimatorBase):
         try:
             return dumps({"model": _model_bytes(self.getModel()), "optimizer": optimizer,
                           "loss": loss, "metrics": list(self.getMetrics() or []),
-                          "custom_objects": self.getCustomObjects()})
+                          "custom_objects": loading_objects(keras, self.getCustomObjects())})
         except Exception as exc:
             raise TypeError(f"model, loss, metrics and custom_objects must be saveable "
                             f"(.keras) and picklable to reach the executors: {exc}") from exc
@@ -153,7 +167,7 @@ class KerasEstimator(EstimatorBase):
         return results[0]
 
     def _create_model(self, result: Dict[str, Any], data: MaterializedDataset) -> "KerasModel":
-        model = KerasModel(result["model"], self.getCustomObjects())
+        model = KerasModel(result["model"], loading_objects(_keras(), self.getCustomObjects()))
         model._history = result["history"]
         model._columns = [c for c in data.columns if c.name in self.getFeatureCols()]
         model._output_shapes = result["output_shapes"]

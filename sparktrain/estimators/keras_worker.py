@@ -99,7 +99,9 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
     rank, world = spec["rank"], spec["world_size"]
     if spec.get("seed") is not None:
         keras.utils.set_random_seed(spec["seed"])
-    custom = payload["custom_objects"] or {}
+    from sparktrain.estimators.keras import loading_objects
+
+    custom = loading_objects(keras, payload["custom_objects"])
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     model_path = os.path.join(workdir, "model.keras")
     with open(model_path, "wb") as f:
