@@ -9,9 +9,13 @@ Figures (see bench/README.md for what each one compares and why):
 
   throughput:<backend>  steady-state samples/s of the same 2-rank job (MLP 32->64->64->2,
                         batch 256/rank, shuffle=True) with TorchEstimator(backend=<backend>),
-                        against backend="torch" (DDP over Gloo): one epoch's seconds are
-                        (wall of an E-epoch fit - wall of a 1-epoch fit) / (E - 1), medians of
-                        the repeats; the Keras backends print as "not implemented yet"
+                        against backend="torch" (DDP over Gloo). One epoch's seconds: the gaps
+                        between rank 0's epoch-end log lines as they reach the driver, epochs
+                        2..E of E-epoch fits, median (cross-check: (E-epoch fit - 1-epoch fit) /
+                        (E - 1)). Extras: a per-step breakdown run inside the barrier tasks
+                        (compute, wrapped step, all-reduce, CPU per step, idle CPU) that says
+                        what limits a slower backend. The Keras backends print as "not
+                        implemented yet".
   overhead:horovod      wall time of a warm 1-step 2-rank fit with backend="horovod" against
                         horovod.spark.run(fn, num_proc=2) running the same step
                         (extra: the torch backend's 1-step fit)
@@ -521,8 +525,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     # sparktrain's INFO lines ("fit done in ...") to stderr; rank lines captured, not printed
     fit_log = logging.StreamHandler(sys.stderr)
     fit_log.setFormatter(logging.Formatter("[sparktrain] %(message)s"))
-    logging.getLogger("sparktrain").addHandler(fit_log)
-    logging.getLogger("sparktrain").setLevel(logging.INFO)
+    sparktrain_logger = logging.getLogger("sparktrain")
+    sparktrain_logger.addHandler(fit_log)
+    sparktrain_logger.setLevel(logging.INFO)
+    sparktrain_logger.propagate = False  # horovod.spark.run configures the root logger
     rank_log = RankLog()
     rank_logger = logging.getLogger("sparktrain.rank")
     rank_logger.addHandler(rank_log)
@@ -544,7 +550,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         spark.stop()
         rank_logger.removeHandler(rank_log)
-        logging.getLogger("sparktrain").removeHandler(fit_log)
+        sparktrain_logger.removeHandler(fit_log)
         if args.keep_tmp:
             progress(f"kept {tmp}")
         else:

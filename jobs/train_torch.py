@@ -2,7 +2,7 @@
 """Train an MLP on a Spark DataFrame with sparktrain's TorchEstimator (spark-submit entry point).
 
     # the demo: scikit-learn's bundled digits, 2 ranks on embedded Spark, no download
-    python jobs/train_torch.py --demo
+    python jobs/train_torch.py --demo [--backend horovod]
 
     # your data: a Parquet path or a table, feature and label columns
     spark-submit --master yarn jobs/train_torch.py --input hdfs:///data/train.parquet \\
@@ -15,178 +15,13 @@ predict, and the job fails if the reloaded model predicts differently.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import tempfile
-import time
-from typing import List, Sequence
+from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pyspark.ml import Pipeline, PipelineModel  # noqa: E402
-from pyspark.ml.feature import StandardScaler, VectorAssembler  # noqa: E402
-from pyspark.sql import DataFrame, SparkSession  # noqa: E402
-from pyspark.sql import functions as F  # noqa: E402
-
-
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--demo", action="store_true",
-                        help="train on scikit-learn's bundled digits (needs scikit-learn)")
-    source.add_argument("--input", help="Parquet path (any Hadoop filesystem) to train on")
-    source.add_argument("--table", help="table name to train on")
-    p.add_argument("--feature-cols", default=None,
-                   help="comma-separated feature columns (numeric, vector or array)")
-    p.add_argument("--label-col", default="label", help="label column (default: label)")
-    p.add_argument("--task", choices=["classification", "regression"], default="classification")
-    p.add_argument("--hidden", default="128", help="hidden layer sizes, e.g. 128,64")
-    p.add_argument("--num-proc", type=int, default=2, help="training processes (barrier tasks)")
-    p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=64, help="rows per batch per process")
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
-    p.add_argument("--test-fraction", type=float, default=0.2)
-    p.add_argument("--validation", type=float, default=0.1,
-                   help="fraction of training rows held out for per-epoch validation")
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--store", default=None, help="sparktrain store (default: a local temp dir)")
-    p.add_argument("--output", default=None, help="where to save the fitted PipelineModel")
-    p.add_argument("--use-gpu", choices=["auto", "yes", "no"], default="auto",
-                   help="train on the GPUs Spark assigns to tasks (auto: when tasks have GPUs)")
-    p.add_argument("--master", default=None,
-                   help="Spark master when not set by spark-submit (default: local[*])")
-    p.add_argument("--min-accuracy", type=float, default=None,
-                   help="fail if test accuracy is lower (the demo uses 0.95)")
-    args = p.parse_args(argv)
-    if not (args.demo or args.input or args.table):
-        p.error("one of --demo, --input or --table is required")
-    if (args.input or args.table) and not args.feature_cols:
-        p.error("--feature-cols is required with --input/--table")
-    return args
-
-
-def get_spark(master: str | None) -> SparkSession:
-    """Under spark-submit (which starts the JVM and sets PYSPARK_GATEWAY_PORT) use its master;
-    run as a plain script, start embedded Spark on ``master`` (default ``local[*]``)."""
-    from sparktrain import local_spark
-
-    if master is None and "PYSPARK_GATEWAY_PORT" not in os.environ:
-        master = "local[*]"
-    return local_spark(master, app_name="sparktrain-train-torch")
-
-
-def digits_frame(spark: SparkSession) -> DataFrame:
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    rows = [tuple(float(v) for v in x) + (int(y),) for x, y in zip(digits.data, digits.target)]
-    names = [f"pixel_{i}" for i in range(digits.data.shape[1])]
-    return spark.createDataFrame(rows, names + ["label"])
-
-
-def build_model(n_in: int, hidden: List[int], n_out: int):
-    import torch
-
-    layers, width = [], n_in
-    for size in hidden:
-        layers += [torch.nn.Linear(width, size), torch.nn.ReLU()]
-        width = size
-    layers.append(torch.nn.Linear(width, n_out))
-    return torch.nn.Sequential(*layers)
-
-
-def feature_width(df: DataFrame, cols: List[str]) -> int:
-    from pyspark.ml.linalg import VectorUDT
-    from pyspark.sql import types as T
-
-    width = 0
-    first = None
-    for name in cols:
-        dtype = df.schema[name].dataType
-        if isinstance(dtype, (VectorUDT, T.ArrayType)):
-            first = first or df.select(*cols).first()
-            width += len(first[name])
-        else:
-            width += 1
-    return width
-
-
-def main(argv: Sequence[str] = ()) -> int:
-    args = parse_args(list(argv))
-    if args.demo and args.min_accuracy is None:
-        args.min_accuracy = 0.95
-    import torch
-
-    from sparktrain import TorchEstimator
-
-    spark = get_spark(args.master)
-    if args.demo:
-        df = digits_frame(spark)
-        feature_cols = [c for c in df.columns if c != "label"]
-    else:
-        df = spark.read.parquet(args.input) if args.input else spark.table(args.table)
-        feature_cols = args.feature_cols.split(",")
-    label = args.label_col
-    train_df, test_df = df.randomSplit([1 - args.test_fraction, args.test_fraction], args.seed)
-    train_df, test_df = train_df.cache(), test_df.cache()
-
-    n_in = feature_width(df, feature_cols)
-    n_out = 1
-    if args.task == "classification":
-        n_out = int(train_df.agg(F.max(label)).first()[0]) + 1
-    torch.manual_seed(args.seed)
-    net = build_model(n_in, [int(h) for h in args.hidden.split(",") if h], n_out)
-    loss = torch.nn.CrossEntropyLoss() if args.task == "classification" else torch.nn.MSELoss()
-    metrics = [accuracy] if args.task == "classification" else []
-    store = args.store or os.path.join(tempfile.gettempdir(), "sparktrain-store")
-
-    estimator = TorchEstimator(
-        num_proc=args.num_proc, model=net, optimizer=torch.optim.Adam(net.parameters(), lr=args.lr),
-        loss=loss, metrics=metrics, feature_cols=["scaled"], label_cols=[label],
-        batch_size=args.batch_size, epochs=args.epochs, validation=args.validation or None,
-        random_seed=args.seed, store=store, verbose=1,
-        use_gpu={"auto": None, "yes": True, "no": False}[args.use_gpu])
-    pipeline = Pipeline(stages=[
-        VectorAssembler(inputCols=feature_cols, outputCol="assembled"),
-        StandardScaler(inputCol="assembled", outputCol="scaled", withMean=True, withStd=True),
-        estimator])
-
-    started = time.perf_counter()
-    fitted = pipeline.fit(train_df)
-    fit_seconds = time.perf_counter() - started
-    history = fitted.stages[-1].getHistory()
-    print("\nhistory (per epoch):")
-    for key, values in history.items():
-        print(f"  {key:>14}: " + " ".join(f"{v:.4f}" for v in values))
-
-    output_col = f"{label}__output"
-    predictions = fitted.transform(test_df)
-    score = evaluate(predictions, label, output_col, args.task)
-    name = "accuracy" if args.task == "classification" else "rmse"
-    print(f"\ntest {name}: {score:.4f} on {test_df.count()} rows (fit {fit_seconds:.1f}s, "
-          f"{args.num_proc} ranks)")
-
-    output = args.output or os.path.join(tempfile.mkdtemp(prefix="sparktrain-model-"), "model")
-    fitted.write().overwrite().save(output)
-    reloaded = PipelineModel.load(output)
-    again = evaluate(reloaded.transform(test_df), label, output_col, args.task)
-    print(f"saved to {output}; reloaded model's test {name}: {again:.4f}")
-    sample = reloaded.transform(test_df).select(label, output_col).limit(3).collect()
-    for row in sample:
-        print(f"  {label}={row[label]}  prediction={_prediction(row[output_col], args.task)}")
-    print(json.dumps({"test_" + name: score, "reloaded_test_" + name: again,
-                      "fit_seconds": round(fit_seconds, 2), "model_path": output}))
-
-    if abs(again - score) > 1e-6:
-        print("error: the reloaded model predicts differently", file=sys.stderr)
-        return 1
-    if args.min_accuracy is not None and args.task == "classification" and score < args.min_accuracy:
-        print(f"error: test accuracy {score:.4f} < {args.min_accuracy}", file=sys.stderr)
-        return 1
-    return 0
+from jobs.common import digits_frame, parse_args, run, use_gpu  # noqa: E402,F401
 
 
 def accuracy(output, label):
@@ -194,17 +29,31 @@ def accuracy(output, label):
     return (output.argmax(dim=1) == label).float().mean()
 
 
-def evaluate(predictions: DataFrame, label: str, output_col: str, task: str) -> float:
-    if task == "classification":
-        predicted = F.expr(f"array_position(`{output_col}`, array_max(`{output_col}`)) - 1")
-        return predictions.select(F.avg((predicted == F.col(label)).cast("double"))).first()[0]
-    return predictions.select(F.sqrt(F.avg((F.col(output_col) - F.col(label)) ** 2))).first()[0]
+def build_estimator(args, n_in: int, n_out: int, store: str):
+    import torch
+
+    from sparktrain import TorchEstimator
+
+    torch.manual_seed(args.seed)
+    layers, width = [], n_in
+    for size in [int(h) for h in args.hidden.split(",") if h]:
+        layers += [torch.nn.Linear(width, size), torch.nn.ReLU()]
+        width = size
+    net = torch.nn.Sequential(*layers, torch.nn.Linear(width, n_out))
+    classification = args.task == "classification"
+    return TorchEstimator(
+        num_proc=args.num_proc, model=net,
+        optimizer=torch.optim.Adam(net.parameters(), lr=args.lr),
+        loss=torch.nn.CrossEntropyLoss() if classification else torch.nn.MSELoss(),
+        metrics=[accuracy] if classification else [], feature_cols=["features"],
+        label_cols=[args.label_col], batch_size=args.batch_size, epochs=args.epochs,
+        validation=args.validation or None, random_seed=args.seed, store=store, verbose=1,
+        backend=args.backend, use_gpu=use_gpu(args))
 
 
-def _prediction(value, task: str):
-    if task == "classification":
-        return max(range(len(value)), key=value.__getitem__)
-    return round(value, 4)
+def main(argv: Sequence[str] = ()) -> int:
+    args = parse_args(list(argv), __doc__, backends=["torch", "horovod"])
+    return run(args, build_estimator, "sparktrain-train-torch")
 
 
 if __name__ == "__main__":

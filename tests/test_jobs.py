@@ -10,10 +10,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
-def test_train_torch_demo(tmp_path):
+@pytest.mark.parametrize("job", ["train_torch.py", "train_keras.py"])
+def test_demo(tmp_path, job):
     output = tmp_path / "digits-model"
     result = subprocess.run(
-        [sys.executable, "jobs/train_torch.py", "--demo", "--output", str(output),
+        [sys.executable, f"jobs/{job}", "--demo", "--output", str(output),
          "--store", str(tmp_path / "store")],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -21,11 +22,14 @@ def test_train_torch_demo(tmp_path):
     assert summary["test_accuracy"] >= 0.95
     assert summary["reloaded_test_accuracy"] == summary["test_accuracy"]
     assert (output / "metadata").exists() and (output / "stages").exists()
-    assert "[rank 0] epoch 30/30" in result.stderr  # rank logs reached the driver
+    assert "[rank 0] epoch 30/30" in result.stderr  # rank logs reached the driver, live
 
 
-def test_job_rejects_missing_arguments():
+def test_job_rejects_missing_arguments_and_unknown_backends():
     result = subprocess.run([sys.executable, "jobs/train_torch.py", "--input", "x.parquet"],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "--feature-cols is required" in result.stderr
+    result = subprocess.run([sys.executable, "jobs/train_keras.py", "--demo", "--backend", "mpi"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "invalid choice: 'mpi'" in result.stderr

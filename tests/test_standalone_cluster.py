@@ -101,7 +101,7 @@ def test_spark_submit_to_standalone_cluster(standalone_cluster, tmp_path, spark)
 
     from pyspark.ml import PipelineModel
 
-    from jobs.train_torch import digits_frame
+    from jobs.common import digits_frame
 
     model = PipelineModel.load(str(output))
     predictions = model.transform(digits_frame(spark).limit(50)).select("label__output").collect()
