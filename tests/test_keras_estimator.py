@@ -45,6 +45,12 @@ def test_fit_transform_save_load_classification(spark, store, classification_df,
     history = model.getHistory()
     assert set(history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
     assert history["val_accuracy"][-1] > 0.95
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(f"{store}/runs/{model.getOrDefault('run_id')}/tensorboard/validation")
+    events.Reload()
+    tags = events.Tags()
+    assert any("epoch/accuracy" in t for t in tags.get("tensors", []) + tags.get("scalars", [])), tags
     out = model.transform(classification_df)
     assert out.columns == classification_df.columns + ["label__output"]
     predicted = F.expr("array_position(label__output, array_max(label__output)) - 1")
@@ -109,3 +115,15 @@ def test_keras_input_checks_run_before_launch(store, regression_df, monkeypatch)
     with pytest.raises(TypeError, match="optimizer must be a keras optimizer"):
         KerasEstimator(num_proc=2, model=net, optimizer=3, loss="mse",
                        feature_cols=["features"], store=store).fit(regression_df)
+
+
+def test_sample_weights_weight_the_loss(spark, store):
+    """A bias-only model converges to the weighted mean of the labels: (3*1 + 1*5) / 4 = 2."""
+    rows = [(0.0, 1.0, 3.0)] * 64 + [(0.0, 5.0, 1.0)] * 64
+    df = spark.createDataFrame(rows, "x double, y double, w double")
+    net = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    est = KerasEstimator(num_proc=2, model=net, optimizer=keras.optimizers.SGD(0.2), loss="mse",
+                         feature_cols=["x"], label_cols=["y"], sample_weight_col="w",
+                         batch_size=32, epochs=30, store=store, verbose=0)
+    bias = float(est.fit(df).getModel().layers[0].bias.numpy()[0])
+    assert abs(bias - 2.0) < 0.05, bias

@@ -154,7 +154,8 @@ class KerasEstimator(EstimatorBase):
                 "sample_weight_col": self.getSampleWeightCol(), "batch_size": self.getBatchSize(),
                 "val_batch_size": self.getValBatchSize(), "epochs": self.getEpochs(),
                 "shuffle": self.getShuffle(), "seed": self.getRandomSeed(),
-                "verbose": self.getVerbose(), "storage_options": run.store.storage_options}
+                "verbose": self.getVerbose(), "run_path": run.run_path,
+                "storage_options": run.store.storage_options}
         payload = run.spark.sparkContext.broadcast(self._payload())
         try:
             results = run_barrier(run.spark, self.getNumProc(),

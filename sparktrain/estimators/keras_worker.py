@@ -88,6 +88,33 @@ def _match_label(tf: Any, output: Any, label: Any) -> Any:
     return label
 
 
+class _TensorBoard:
+    """Rank 0's event files under ``<run>/tensorboard/{train,validation}`` (tf.summary), written
+    locally and copied to the store after every epoch when the store is remote."""
+
+    def __init__(self, tf: Any, run_path: str, storage_options: Dict[str, Any]) -> None:
+        import tempfile
+
+        from sparktrain.data.store import filesystem
+
+        self.tf = tf
+        self.fs, remote = filesystem(run_path + "/tensorboard", storage_options)
+        self.remote = remote if "://" in run_path else None
+        self.local = tempfile.mkdtemp(prefix="sparktrain-tb-") if self.remote else remote
+        self.writers = {s: tf.summary.create_file_writer(f"{self.local}/{s}")
+                        for s in ("train", "validation")}
+
+    def write(self, epoch: int, logs: Dict[str, float]) -> None:
+        for key, value in logs.items():
+            split, name = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
+            with self.writers[split].as_default():
+                self.tf.summary.scalar(f"epoch/{name}", value, step=epoch + 1)
+        for writer in self.writers.values():
+            writer.flush()
+        if self.remote:
+            self.fs.put(self.local + "/", self.remote, recursive=True)
+
+
 def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[str, Any]:
     import numpy as np
     import tensorflow as tf
@@ -186,6 +213,8 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
               f"{len(train_reader)} steps/epoch of {spec['batch_size']} rows per worker", flush=True)
         _progress(event="start", epochs=spec["epochs"], steps=len(train_reader))
     history: Dict[str, List[float]] = {}
+    board = _TensorBoard(tf, spec["run_path"], spec["storage_options"]) \
+        if rank == 0 and spec.get("run_path") else None
     for epoch in range(spec["epochs"]):
         started = time.perf_counter()
         logs = run_epoch(train_step, train_reader, epoch, lead)
@@ -193,6 +222,8 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
             logs.update({f"val_{k}": v for k, v in run_epoch(eval_step, val_reader, 0, False).items()})
         for key, value in logs.items():
             history.setdefault(key, []).append(float(value))
+        if board is not None:
+            board.write(epoch, logs)
         if lead:
             _progress(event="epoch", epoch=epoch, logs=logs)
             values = "  ".join(f"{k}={v:.4g}" for k, v in logs.items())
