@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional
 
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.gpus import gpu_environment, rank_gpu
@@ -59,21 +59,29 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec (Linu
 
 
 def run_tf_worker(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gpu: bool) -> Any:
-    """Run the Keras training child for this rank; return what it returned."""
+    """Run the Keras training child for this barrier task; return what it returned."""
     host = ctx.hosts[ctx.rank]
     workers = ctx.all_gather(f"{host}:{_free_port(host)}")
-    workdir = tempfile.mkdtemp(prefix=f"sparktrain-tf-rank{ctx.rank}-")
+    return spawn_keras_worker(ctx.rank, ctx.world_size, tf_config(workers, ctx.rank), spec,
+                              payload, rank_gpu(ctx.resources, use_gpu), ctx.progress)
+
+
+def spawn_keras_worker(rank: int, world_size: int, config: str, spec: Dict[str, Any],
+                       payload: bytes, gpu: Optional[str],
+                       progress: Callable[..., None]) -> Any:
+    """Train in ``python -m sparktrain.estimators.keras_worker`` with ``TF_CONFIG=config``;
+    relay its output (progress events to ``progress``), raise with its traceback on failure."""
+    workdir = tempfile.mkdtemp(prefix=f"sparktrain-tf-rank{rank}-")
     try:
         with open(os.path.join(workdir, "spec.json"), "w") as f:
-            json.dump(dict(spec, rank=ctx.rank, world_size=ctx.world_size), f)
+            json.dump(dict(spec, rank=rank, world_size=world_size), f)
         with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
             f.write(payload)
-        address = rank_gpu(ctx.resources, use_gpu)
-        env = dict(os.environ, TF_CONFIG=tf_config(workers, ctx.rank), KERAS_BACKEND="tensorflow",
+        env = dict(os.environ, TF_CONFIG=config, KERAS_BACKEND="tensorflow",
                    TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
                    CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-        env.update(gpu_environment(address))
+        env.update(gpu_environment(gpu))
         child = subprocess.Popen(
             [sys.executable, "-m", "sparktrain.estimators.keras_worker", workdir], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
@@ -81,8 +89,8 @@ def run_tf_worker(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gp
         try:
             for line in child.stdout:
                 if line.startswith(PROGRESS_PREFIX):
-                    ctx.progress(**json.loads(line[len(PROGRESS_PREFIX):]))
-                elif not _noise(line, address):
+                    progress(**json.loads(line[len(PROGRESS_PREFIX):]))
+                elif not _noise(line, gpu):
                     sys.stdout.write(line)
             code = child.wait()
         finally:
@@ -92,7 +100,7 @@ def run_tf_worker(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gp
         error = os.path.join(workdir, "error.txt")
         if code != 0:
             detail = open(error).read() if os.path.exists(error) else f"exit code {code}"
-            raise RuntimeError(f"the TensorFlow worker process of rank {ctx.rank} failed:\n{detail}")
+            raise RuntimeError(f"the TensorFlow worker process of rank {rank} failed:\n{detail}")
         with open(os.path.join(workdir, "result.pkl"), "rb") as f:
             return pickle.load(f)
     finally:
