@@ -27,13 +27,9 @@ from pyspark.sql import SparkSession
 
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
+from sparktrain.launch import KERAS_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext, run_barrier
 from sparktrain.pickling import dumps
-
-# backend name -> ("module:Class", the framework module it needs)
-KERAS_BACKENDS = {
-    "tensorflow": ("sparktrain.launch.tf_multiworker:TensorFlowMultiWorker", "tensorflow"),
-}
 
 
 def _keras() -> Any:
@@ -154,7 +150,7 @@ class KerasEstimator(EstimatorBase):
                 "sample_weight_col": self.getSampleWeightCol(), "batch_size": self.getBatchSize(),
                 "val_batch_size": self.getValBatchSize(), "epochs": self.getEpochs(),
                 "shuffle": self.getShuffle(), "seed": self.getRandomSeed(),
-                "verbose": self.getVerbose(), "run_path": run.run_path,
+                "verbose": self.getVerbose(), "run_path": run.run_path, "backend": self.getBackend(),
                 "storage_options": run.store.storage_options}
         payload = run.spark.sparkContext.broadcast(self._payload())
         try:
@@ -176,9 +172,8 @@ class KerasEstimator(EstimatorBase):
 
 
 def _keras_rank(spec: Dict[str, Any], payload: Any, use_gpu: bool, ctx: RankContext) -> Any:
-    from sparktrain.launch.tf_multiworker import run_tf_worker
-
-    return run_tf_worker(ctx, spec, payload.value, use_gpu)
+    backend = load_backend(KERAS_BACKENDS, spec["backend"])
+    return backend.run(ctx, spec, payload.value, use_gpu)
 
 
 class KerasModel(ModelBase):

@@ -14,7 +14,12 @@ TORCH_BACKENDS: Dict[str, Tuple[str, str]] = {
     "horovod": ("sparktrain.launch.horovod_torch:HorovodTorch", "horovod.torch"),
 }
 
+KERAS_BACKENDS: Dict[str, Tuple[str, str]] = {
+    "tensorflow": ("sparktrain.launch.tf_multiworker:TensorFlowMultiWorker", "tensorflow"),
+}
+
 INSTALL_HINTS = {
+    "tensorflow": "TensorFlow and Keras 3: pip install 'sparktrain[tf]'",
     "horovod.torch": "Horovod compiled for PyTorch with Gloo: run ./scripts/setup.sh, or "
                      "HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 "
                      "pip install --no-build-isolation horovod==0.28.1 (after torch)",

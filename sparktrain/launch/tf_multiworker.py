@@ -108,7 +108,7 @@ def spawn_keras_worker(rank: int, world_size: int, config: str, spec: Dict[str, 
 
 
 class TensorFlowMultiWorker:
-    """Backend marker for the registry: training happens in :func:`run_tf_worker`."""
+    """The registry's entry for ``backend="tensorflow"``: ``run(ctx, spec, payload, use_gpu)``."""
 
     name = "tensorflow"
     run = staticmethod(run_tf_worker)
