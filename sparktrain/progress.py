@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from typing import Any, Dict, Optional
 
@@ -24,7 +25,7 @@ class TqdmLogHandler(logging.Handler):
         from tqdm.auto import tqdm
 
         try:
-            tqdm.write(self.format(record))
+            tqdm.write(self.format(record), file=sys.stderr)  # logs go to stderr, like the bar
         except Exception:  # logging must never break training
             self.handleError(record)
 
