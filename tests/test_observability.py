@@ -36,7 +36,7 @@ def test_channel_accepts_only_the_fits_own_token():
         assert _wait_for(lambda: channel.lines and events and channel.errors)
         client.close()
         intruder.close()
-    assert channel.lines == [(1, "hello")]
+    assert list(channel.lines) == [(1, "hello")]
     assert events == [{"event": "start", "epochs": 1, "steps": 2}]
     assert channel.first_error() == (1, "Traceback: boom")
 

@@ -23,7 +23,8 @@ import secrets
 import socket
 import socketserver
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 log = logging.getLogger("sparktrain.rank")
 _MAX_LINE = 1 << 20
@@ -57,7 +58,7 @@ class RankChannel:
         self.echo = echo
         self.on_progress = on_progress
         self.errors: List[Tuple[int, str]] = []
-        self.lines: List[Tuple[int, str]] = []
+        self.lines: Deque[Tuple[int, str]] = deque(maxlen=1000)  # the latest, for inspection
         self._lock = threading.Lock()
         self._server = _Server((host, 0), _Handler)
         self._server.channel = self  # type: ignore[attr-defined]
