@@ -38,8 +38,9 @@ import threading
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from common import (HERE, cached, figure, guarded, hang_extras, make_frame, print_json_lines,
-                    print_table, progress, versions, write_results)
+from common import (add_common_args, cached, figure, guarded, hang_extras, make_frame,
+                    parse_common, print_json_lines, print_table, progress, versions,
+                    write_results)
 
 FIGURES = ("throughput", "overhead")
 BACKENDS = ("torch", "horovod")  # TorchEstimator backends measured; "torch" is the baseline
@@ -480,23 +481,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--diag-cycle-times", default="0.1,5",
                         help="comma-separated HOROVOD_CYCLE_TIME values (ms) to also run the "
                              "horovod step breakdown with (Horovod's default is 1 ms; '' = none)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed runs per variant after the warm-up (median reported)")
-    parser.add_argument("--master", default="local[2]", help="Spark master (>= 2 task slots)")
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--skip", action="append", default=[],
-                        help=f"figures to skip, comma-separated or repeated: {', '.join(FIGURES)}")
-    parser.add_argument("--json-out", default=os.path.join(HERE, "results", "bench_backends.json"))
-    parser.add_argument("--fit-timeout", type=float, default=300.0,
-                        help="seconds after which a fit/horovod.spark.run counts as hung: its "
-                             "Spark jobs are cancelled, the hang is reported and it is retried")
-    parser.add_argument("--keep-tmp", action="store_true", help="leave the temp directory")
-    args = parser.parse_args(argv)
-    args.skip = {s.strip() for item in args.skip for s in item.split(",") if s.strip()}
+    add_common_args(parser, FIGURES, "bench_backends.json", fit_timeout=300.0)
+    args = parse_common(parser, argv, FIGURES)
     args.diag_cycle_times = [v.strip() for v in args.diag_cycle_times.split(",") if v.strip()]
-    unknown = args.skip - set(FIGURES)
-    if unknown:
-        parser.error(f"unknown figure(s) {sorted(unknown)}; expected some of {FIGURES}")
     if args.epochs < 2:
         parser.error("--epochs must be at least 2")
     if args.rows < 2 * args.batch_size:

@@ -31,8 +31,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from common import (HERE, cached, figure, guarded, hang_extras, make_frame,
-                    print_json_lines, print_table, progress, timed, versions, write_results)
+from common import (add_common_args, cached, figure, guarded, hang_extras, make_frame,
+                    parse_common, print_json_lines, print_table, progress, timed, versions,
+                    write_results)
 
 FIGURES = ("read", "materialize", "fit", "inference")
 READ_BATCH = 1024
@@ -393,22 +394,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows of the main frame")
     parser.add_argument("--features", type=int, default=32, help="floats per row")
     parser.add_argument("--partitions", type=int, default=2, help="partitions of the main frame")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed runs per variant after the warm-up (median reported)")
-    parser.add_argument("--master", default="local[2]", help="Spark master")
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--skip", action="append", default=[],
-                        help=f"figures to skip, comma-separated or repeated: {', '.join(FIGURES)}")
-    parser.add_argument("--json-out", default=os.path.join(HERE, "results", "bench_torch.json"))
-    parser.add_argument("--fit-timeout", type=float, default=120.0,
-                        help="seconds after which a fit/TorchDistributor run counts as hung: its "
-                             "Spark jobs are cancelled, the hang is reported and it is retried")
-    parser.add_argument("--keep-tmp", action="store_true", help="leave the temp directory")
-    args = parser.parse_args(argv)
-    args.skip = {s.strip() for item in args.skip for s in item.split(",") if s.strip()}
-    unknown = args.skip - set(FIGURES)
-    if unknown:
-        parser.error(f"unknown figure(s) {sorted(unknown)}; expected some of {FIGURES}")
+    add_common_args(parser, FIGURES, "bench_torch.json", fit_timeout=120.0)
+    args = parse_common(parser, argv, FIGURES)
     if args.rows < 2 * READ_BATCH:
         parser.error(f"--rows must be at least {2 * READ_BATCH}")
     return args

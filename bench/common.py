@@ -25,6 +25,32 @@ if REPO not in sys.path:  # normally installed editable in .venv; this makes a b
 _T0 = time.perf_counter()
 
 
+def add_common_args(parser, figures: List[str], json_name: str, fit_timeout: float) -> None:
+    """Flags every benchmark has: repeats, master, seed, --skip, --json-out, --fit-timeout."""
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per variant after the warm-up (median reported)")
+    parser.add_argument("--master", default="local[2]", help="Spark master (>= 2 task slots)")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--skip", action="append", default=[],
+                        help=f"figures to skip, comma-separated or repeated: {', '.join(figures)}")
+    parser.add_argument("--json-out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                           "results", json_name))
+    parser.add_argument("--fit-timeout", type=float, default=fit_timeout,
+                        help="seconds after which a run counts as hung: its Spark jobs are "
+                             "cancelled, the hang is reported and it is retried")
+    parser.add_argument("--keep-tmp", action="store_true", help="leave the temp directory")
+
+
+def parse_common(parser, argv: Optional[List[str]], figures: List[str]):
+    """Parse, normalising ``--skip`` to a set and rejecting unknown figure names."""
+    args = parser.parse_args(argv)
+    args.skip = {s.strip() for item in args.skip for s in item.split(",") if s.strip()}
+    unknown = args.skip - set(figures)
+    if unknown:
+        parser.error(f"unknown figure(s) {sorted(unknown)}; expected some of {figures}")
+    return args
+
+
 def progress(message: str) -> None:
     print(f"[bench {time.perf_counter() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
 
