@@ -177,13 +177,20 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return stats
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica, args=(x, y, w)), axis=None)
+        # this worker's statistics only: they are summed over workers once per epoch, not per
+        # step (an all-reduce per step cost as much as the gradients' own)
+        return strategy.experimental_local_results(strategy.run(replica, args=(x, y, w)))[0]
 
     @tf.function(reduce_retracing=True)
     def eval_step(x: Any, y: Any, w: Any) -> Any:
         def replica(x: Any, y: Any, w: Any) -> Any:
             return forward(x, y, w, False)[1]
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica, args=(x, y, w)), axis=None)
+        return strategy.experimental_local_results(strategy.run(replica, args=(x, y, w)))[0]
+
+    @tf.function
+    def sum_over_workers(local: Any) -> Any:
+        return strategy.reduce(tf.distribute.ReduceOp.SUM,
+                               strategy.run(tf.identity, args=(local,)), axis=None)
 
     def tensors(batch: Dict[str, np.ndarray]) -> Tuple[List[Any], List[Any], Any]:
         def col(name: str) -> Any:
@@ -195,15 +202,18 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
     names = [n if len(labels) == 1 else f"{l}_{n}" for l in labels for n, _ in metrics]
 
     def run_epoch(step_fn: Callable, source: ShardReader, epoch: int, report: bool) -> Dict[str, float]:
-        totals = np.zeros(n_stats)
+        local = tf.zeros([n_stats], tf.float32)
         last = 0.0
         for i, batch in enumerate(source.epoch(epoch)):
             x, y, w = tensors(batch)
-            stats = step_fn(x, y, w).numpy()
-            totals += stats
+            stats = step_fn(x, y, w)
+            local += stats
             if report and (time.monotonic() - last > 0.25 or i + 1 == len(source)):
                 last = time.monotonic()
-                _progress(event="step", epoch=epoch, step=i + 1, loss=float(stats[1] / max(stats[0], 1)))
+                values = stats.numpy()
+                _progress(event="step", epoch=epoch, step=i + 1,
+                          loss=float(values[1] / max(values[0], 1)))
+        totals = sum_over_workers(local).numpy().astype(np.float64)
         rows = max(totals[0], 1.0)
         return {"loss": totals[1] / rows, **{n: v / rows for n, v in zip(names, totals[2:])}}
 
