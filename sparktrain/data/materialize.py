@@ -61,9 +61,6 @@ class MaterializedDataset:
     def path(self, split: str) -> str:
         return f"{self.root}/{SPLIT_COL}={split}"
 
-    def column(self, name: str) -> ColumnSpec:
-        return next(c for c in self.columns if c.name == name)
-
 
 def plan_key(df: DataFrame, columns: Sequence[ColumnSpec], validation: Union[None, float, str],
              seed: Optional[int]) -> str:

@@ -88,12 +88,6 @@ class Store:
     def __repr__(self) -> str:  # never shows storage_options: they may hold credentials
         return f"Store({self.prefix!r})"
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Store) and other.prefix == self.prefix
-
-    def __hash__(self) -> int:
-        return hash(self.prefix)
-
     @property
     def is_local(self) -> bool:
         return "://" not in self.prefix
@@ -119,6 +113,3 @@ class Store:
 
     def run_path(self, run_id: str) -> str:
         return self.path("runs", run_id)
-
-    def exists(self, *parts: str) -> bool:
-        return self.fs.exists(filesystem(self.path(*parts), self._storage_options)[1])

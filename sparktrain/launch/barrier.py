@@ -60,15 +60,6 @@ class RankContext:
     barrier: Any = field(repr=False)  # the pyspark BarrierTaskContext
     client: Optional[RankClient] = field(default=None, repr=False)
 
-    @property
-    def local_rank(self) -> int:
-        """Index of this rank among the ranks on the same host."""
-        return self.hosts[:self.rank].count(self.hosts[self.rank])
-
-    @property
-    def local_size(self) -> int:
-        return self.hosts.count(self.hosts[self.rank])
-
     def log(self, text: str) -> None:
         """Send ``text`` to the driver's log as ``[rank N] text``."""
         if self.client is not None:
