@@ -11,7 +11,10 @@ from pyspark.ml.param import Param, Params, TypeConverters
 
 # Params whose values are Python objects (modules, optimizers, callables): they are pickled with
 # cloudpickle on save, never written into the JSON metadata.
-OBJECT_PARAMS = ("model", "optimizer", "loss", "metrics", "callbacks", "store", "custom_objects")
+OBJECT_PARAMS = ("model", "optimizer", "loss", "metrics", "callbacks", "store", "custom_objects",
+                 "transformation_fn")
+
+MIXED_PRECISION = ("bf16", "fp16")
 
 
 def _to_validation(value: Any) -> Any:
@@ -25,6 +28,22 @@ def _to_validation(value: Any) -> Any:
 
 def _to_optional_bool(value: Any) -> Optional[bool]:
     return None if value is None else TypeConverters.toBoolean(value)
+
+
+def _to_optional_int(value: Any) -> Optional[int]:
+    return None if value is None else TypeConverters.toInt(value)
+
+
+def _to_optional_float(value: Any) -> Optional[float]:
+    return None if value is None else TypeConverters.toFloat(value)
+
+
+def _to_mixed_precision(value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    if value not in MIXED_PRECISION:
+        raise ValueError(f"mixed_precision={value!r}; expected None, 'bf16' or 'fp16'")
+    return value
 
 
 class EstimatorParams(Params):
@@ -64,13 +83,45 @@ class EstimatorParams(Params):
     use_gpu = Param(Params._dummy(), "use_gpu",
                     "train on the GPU Spark assigned to each task (default: when tasks have GPUs)",
                     _to_optional_bool)
+    train_steps_per_epoch = Param(Params._dummy(), "train_steps_per_epoch",
+                                  "training batches per epoch and rank (default: one pass over "
+                                  "the rank's rows)", _to_optional_int)
+    validation_steps_per_epoch = Param(Params._dummy(), "validation_steps_per_epoch",
+                                       "validation batches per epoch and rank (default: all)",
+                                       _to_optional_int)
+    transformation_fn = Param(Params._dummy(), "transformation_fn",
+                              "function applied on the worker to every batch, a dict of numpy "
+                              "arrays by column name, before training and validation steps")
+    inmemory_cache_all = Param(Params._dummy(), "inmemory_cache_all",
+                               "keep each rank's whole shard in memory after the first epoch",
+                               TypeConverters.toBoolean)
+    backward_passes_per_step = Param(Params._dummy(), "backward_passes_per_step",
+                                     "batches whose gradients are accumulated before each "
+                                     "optimizer step", TypeConverters.toInt)
+    scale_learning_rate = Param(Params._dummy(), "scale_learning_rate",
+                                "multiply the learning rate by num_proc * "
+                                "backward_passes_per_step (linear scaling rule)",
+                                TypeConverters.toBoolean)
+    mixed_precision = Param(Params._dummy(), "mixed_precision",
+                            "autocast precision: None (off), 'bf16' (CPU or GPU) or 'fp16' (GPU)",
+                            _to_mixed_precision)
+    max_time = Param(Params._dummy(), "max_time",
+                     "seconds after which training stops at the end of an epoch",
+                     _to_optional_float)
+    max_attempts = Param(Params._dummy(), "max_attempts",
+                         "attempts of the training stage before a fit fails (default and upper "
+                         "bound: spark.stage.maxConsecutiveAttempts)", _to_optional_int)
 
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(num_proc=1, metrics=[], label_cols=["label"], sample_weight_col=None,
                          validation=None, batch_size=32, val_batch_size=None, epochs=1,
                          shuffle=True, random_seed=None, store=None, run_id=None, verbose=1,
-                         callbacks=[], use_gpu=None)
+                         callbacks=[], use_gpu=None, train_steps_per_epoch=None,
+                         validation_steps_per_epoch=None, transformation_fn=None,
+                         inmemory_cache_all=False, backward_passes_per_step=1,
+                         scale_learning_rate=False, mixed_precision=None, max_time=None,
+                         max_attempts=None)
 
     def getNumProc(self) -> int:
         return self.getOrDefault(self.num_proc)
@@ -131,6 +182,33 @@ class EstimatorParams(Params):
 
     def getUseGpu(self) -> Optional[bool]:
         return self.getOrDefault(self.use_gpu)
+
+    def getTrainStepsPerEpoch(self) -> Optional[int]:
+        return self.getOrDefault(self.train_steps_per_epoch)
+
+    def getValidationStepsPerEpoch(self) -> Optional[int]:
+        return self.getOrDefault(self.validation_steps_per_epoch)
+
+    def getTransformationFn(self) -> Any:
+        return self.getOrDefault(self.transformation_fn)
+
+    def getInmemoryCacheAll(self) -> bool:
+        return self.getOrDefault(self.inmemory_cache_all)
+
+    def getBackwardPassesPerStep(self) -> int:
+        return self.getOrDefault(self.backward_passes_per_step)
+
+    def getScaleLearningRate(self) -> bool:
+        return self.getOrDefault(self.scale_learning_rate)
+
+    def getMixedPrecision(self) -> Optional[str]:
+        return self.getOrDefault(self.mixed_precision)
+
+    def getMaxTime(self) -> Optional[float]:
+        return self.getOrDefault(self.max_time)
+
+    def getMaxAttempts(self) -> Optional[int]:
+        return self.getOrDefault(self.max_attempts)
 
 
 class ModelParams(Params):

@@ -18,6 +18,7 @@ def spark():
     session = local_spark("local[2]", app_name="sparktrain-tests", conf={
         "spark.sparktrain.slotWaitSeconds": "1",
         "spark.default.parallelism": "2",
+        "spark.stage.maxConsecutiveAttempts": "3",  # Spark retries a failed training stage
     })
     yield session
     session.stop()

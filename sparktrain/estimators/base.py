@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -23,6 +24,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from sparktrain.checkpoint import Checkpoints
 from sparktrain.data.materialize import MaterializedDataset, materialize
 from sparktrain.data.schema import SCALAR, VECTOR, ColumnSpec, check_validation_column, \
     column_spec, training_columns
@@ -70,10 +72,11 @@ class FitRun:
     use_gpu: bool
     run_id: str
     progress: FitProgress
+    started: float  # time.time() when fit began: max_time counts from here, across retries
 
     @property
     def run_path(self) -> str:
-        """The run's directory in the store (TensorBoard events, later checkpoints)."""
+        """The run's directory in the store (checkpoints, TensorBoard events)."""
         return self.store.run_path(self.run_id)
 
 
@@ -91,18 +94,40 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         """Run training in barrier tasks; return rank 0's result."""
         raise NotImplementedError
 
+    def _loop_options(self, run: FitRun) -> Dict[str, Any]:
+        """The training-loop settings every framework's worker understands (plain values)."""
+        max_time = self.getMaxTime()
+        return {"train_steps": self.getTrainStepsPerEpoch(),
+                "val_steps": self.getValidationStepsPerEpoch(),
+                "inmemory_cache_all": self.getInmemoryCacheAll(),
+                "backward_passes_per_step": self.getBackwardPassesPerStep(),
+                "scale_learning_rate": self.getScaleLearningRate(),
+                "mixed_precision": self.getMixedPrecision(),
+                "deadline": run.started + max_time if max_time else None,
+                "run_path": run.run_path}
+
     def _create_model(self, result: Dict[str, Any], dataset: MaterializedDataset) -> "ModelBase":
         raise NotImplementedError
 
     # -- fit ------------------------------------------------------------------------------------
     def _check_params(self, df: DataFrame) -> List[ColumnSpec]:
-        for name, low in (("num_proc", 1), ("batch_size", 1), ("epochs", 1)):
+        for name, low in (("num_proc", 1), ("batch_size", 1), ("epochs", 1),
+                          ("backward_passes_per_step", 1)):
             value = self.getOrDefault(name)
             if value is None or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        val_batch = self.getOrDefault(self.val_batch_size)
-        if val_batch is not None and val_batch < 1:
-            raise ValueError(f"val_batch_size must be >= 1, got {val_batch!r}")
+        for name in ("val_batch_size", "train_steps_per_epoch", "validation_steps_per_epoch",
+                     "max_attempts"):
+            value = self.getOrDefault(name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+        max_time = self.getMaxTime()
+        if max_time is not None and not max_time > 0:
+            raise ValueError(f"max_time must be None or a number of seconds > 0, got {max_time!r}")
+        fn = self.getTransformationFn()
+        if fn is not None and not callable(fn):
+            raise TypeError(f"transformation_fn must be a function taking and returning a dict "
+                            f"of numpy arrays by column name, got {type(fn).__name__}")
         backend = self.getBackend()
         if backend not in self.backends:
             raise ValueError(f"backend={backend!r} is not available for {type(self).__name__}; "
@@ -128,18 +153,32 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         specs = self._check_params(dataset)
         sc = dataset.sparkSession.sparkContext
         use_gpu = check_gpu_conf(dict(sc.getConf().getAll()), sc.master, self.getUseGpu())
+        if self.getMixedPrecision() == "fp16" and not use_gpu:
+            raise ValueError("mixed_precision='fp16' needs GPU ranks (CPU autocast supports "
+                             "bfloat16 only); use mixed_precision='bf16' or train on GPUs")
         check_slots(sc, self.getNumProc())
         store = Store.create(self.getStore())
         validation = self.getValidation() or None
-        run_id = self.getRunId() or f"{self.uid}_{time.strftime('%Y%m%d-%H%M%S')}"
+        # uid + time + random: copies of one estimator (CrossValidator) never share a run.
+        run_id = self.getRunId() or \
+            f"{self.uid}_{time.strftime('%Y%m%d-%H%M%S')}_{uuid.uuid4().hex[:6]}"
         with _FitLogging(self.getVerbose()), FitProgress(self.getVerbose()) as progress:
             started = time.perf_counter()
+            latest = Checkpoints(store.run_path(run_id), store.storage_options).latest()
+            if latest is not None:
+                log.info("run %s has a checkpoint after epoch %d: resuming from it", run_id,
+                         latest.epochs_done)
             data = materialize(dataset, store, specs, validation, self.getRandomSeed())
             result = self._train(FitRun(dataset.sparkSession, data, store, use_gpu, run_id,
-                                        progress))
+                                        progress, time.time()))
             progress.close()
             log.info("fit done in %.1fs (materialize %.1fs%s); run %s", time.perf_counter() - started,
                      data.seconds, ", reused" if data.reused else "", store.run_path(run_id))
+        if result.get("stop_reason") == "max_time":
+            warnings.warn(f"training stopped after {len(next(iter(result['history'].values()), []))} "
+                          f"of {self.getEpochs()} epochs: max_time={self.getMaxTime():g}s reached. "
+                          f"The model is the last epoch's; fit again with run_id={run_id!r} to "
+                          f"continue from its checkpoint.", RuntimeWarning, stacklevel=3)
         model = self._create_model(result, data)
         model._set(feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),
                    run_id=run_id)

@@ -55,7 +55,14 @@ class TorchEstimator(EstimatorBase):
                  random_seed: Optional[int] = None, store: Any = None,
                  run_id: Optional[str] = None, verbose: Optional[int] = None,
                  callbacks: Optional[List[Any]] = None, backend: Optional[str] = None,
-                 use_gpu: Optional[bool] = None) -> None:
+                 use_gpu: Optional[bool] = None, train_steps_per_epoch: Optional[int] = None,
+                 validation_steps_per_epoch: Optional[int] = None,
+                 transformation_fn: Optional[Callable] = None,
+                 inmemory_cache_all: Optional[bool] = None,
+                 backward_passes_per_step: Optional[int] = None,
+                 scale_learning_rate: Optional[bool] = None,
+                 mixed_precision: Optional[str] = None, max_time: Optional[float] = None,
+                 max_attempts: Optional[int] = None) -> None:
         super().__init__()
         self._setDefault(backend="torch")
         self._set(**{k: v for k, v in self._input_kwargs.items() if v is not None})
@@ -92,14 +99,23 @@ class TorchEstimator(EstimatorBase):
             if not callable(fn):
                 raise TypeError(f"metric {name!r} is not callable; metrics are functions "
                                 f"(output, label) -> tensor")
+        for callback in self.getCallbacks() or []:
+            if not any(hasattr(callback, hook) for hook in
+                       ("on_train_begin", "on_epoch_end", "on_train_end")):
+                raise TypeError(f"callback {callback!r} has none of on_train_begin, "
+                                f"on_epoch_end, on_train_end (see sparktrain.callbacks)")
+        if self.getMixedPrecision() == "fp16" and self.getBackend() == "horovod":
+            raise ValueError("mixed_precision='fp16' is not supported with backend='horovod' "
+                             "(its gradient all-reduce would need unscaling first); use 'bf16'")
 
     def _payload(self) -> bytes:
         try:
             return dumps((self.getModel(), self.getOptimizer(), self.getLoss(),
-                          self.getMetrics(), self.getCallbacks()))
+                          self.getMetrics(), self.getCallbacks(), self.getTransformationFn()))
         except Exception as exc:
-            raise TypeError(f"model, optimizer, loss, metrics and callbacks must be picklable "
-                            f"with cloudpickle to reach the executors: {exc}") from exc
+            raise TypeError(f"model, optimizer, loss, metrics, callbacks and transformation_fn "
+                            f"must be picklable with cloudpickle to reach the executors: "
+                            f"{exc}") from exc
 
     def _train(self, run: FitRun) -> Dict[str, Any]:
         from sparktrain.estimators.torch_worker import TorchTrainSpec
@@ -112,14 +128,15 @@ class TorchEstimator(EstimatorBase):
             batch_size=self.getBatchSize(), val_batch_size=self.getValBatchSize(),
             epochs=self.getEpochs(), shuffle=self.getShuffle(), seed=self.getRandomSeed(),
             backend=self.getBackend(), use_gpu=run.use_gpu, verbose=self.getVerbose(),
-            run_path=run.run_path, storage_options=run.store.storage_options)
+            storage_options=run.store.storage_options, **self._loop_options(run))
         payload = run.spark.sparkContext.broadcast(self._payload())
         try:
             results = run_barrier(run.spark, self.getNumProc(),
                                   functools.partial(_train_rank, spec, payload),
                                   description=f"sparktrain TorchEstimator {self.uid}",
                                   echo_logs=self.getVerbose() >= 1,
-                                  on_progress=run.progress.update)
+                                  on_progress=run.progress.update,
+                                  max_attempts=self.getMaxAttempts())
         finally:
             payload.destroy()
         return results[0]

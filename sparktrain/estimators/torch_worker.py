@@ -16,18 +16,20 @@ Conventions (shared with :class:`~sparktrain.estimators.torch.TorchModel`):
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import cloudpickle
 import numpy as np
 import torch
 
+from sparktrain.checkpoint import Checkpoint, Checkpoints
 from sparktrain.data.reader import ShardReader
 from sparktrain.data.schema import ColumnSpec
 from sparktrain.launch import TORCH_BACKENDS, load_backend
@@ -55,6 +57,13 @@ class TorchTrainSpec:
     verbose: int
     run_path: str = ""
     storage_options: Dict[str, Any] = field(default_factory=dict, repr=False)
+    train_steps: Optional[int] = None
+    val_steps: Optional[int] = None
+    inmemory_cache_all: bool = False
+    backward_passes_per_step: int = 1
+    scale_learning_rate: bool = False
+    mixed_precision: Optional[str] = None
+    deadline: Optional[float] = None  # time.time() after which training stops at an epoch end
 
 
 def select_device(ctx: RankContext, use_gpu: bool) -> torch.device:
@@ -160,37 +169,95 @@ def _as_outputs(result: Any) -> List[torch.Tensor]:
     return list(result) if isinstance(result, (list, tuple)) else [result]
 
 
-def _run_epoch(model: torch.nn.Module, reader: ShardReader, epoch: int, to_tensors: _Batches,
-               compute_loss: _LossComputer, metrics: List[Tuple[str, Callable]],
-               label_cols: List[str], optimizer: Any = None,
+@dataclass
+class _Step:
+    """How one training step runs: gradient accumulation, autocast, loss scaling."""
+
+    optimizer: Any
+    passes: int = 1  # backward_passes_per_step
+    autocast: Optional[torch.dtype] = None
+    scaler: Any = None  # torch.amp.GradScaler for fp16
+
+    def autocasting(self, device: torch.device) -> Any:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.autocast)
+
+    def backward(self, model: Any, loss: torch.Tensor, step: int, steps: int) -> None:
+        """Backward pass of ``step``; the optimizer steps after every ``passes`` batches (and
+        after the last). Each group's gradient is the mean of its batches' gradients."""
+        group_start = step - step % self.passes
+        group = min(self.passes, steps - group_start)
+        last = step + 1 == group_start + group
+        scaled = loss / group if group > 1 else loss
+        if self.scaler is not None:
+            scaled = self.scaler.scale(scaled)
+        # DDP all-reduces gradients in backward: skip that until the group's last batch.
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") \
+            else model.no_sync()
+        with sync:
+            scaled.backward()
+        if last:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad()  # set_to_none by default in torch 2; Horovod takes no args
+
+
+def _limited(reader: ShardReader, epoch: int, steps: Optional[int]) -> Iterator[Dict]:
+    """``steps`` batches of ``reader`` for ``epoch`` (all of one pass when ``None``); more
+    steps than one pass has continue into further passes, shuffled afresh."""
+    if steps is None:
+        yield from reader.epoch(epoch)
+        return
+    done, extra = 0, 0
+    while True:
+        batches = reader.epoch(epoch + extra * 1_000_003)
+        try:
+            for batch in batches:
+                yield batch
+                done += 1
+                if done == steps:
+                    return
+        finally:
+            batches.close()
+        extra += 1
+
+
+def _run_epoch(model: torch.nn.Module, batches: Iterator[Dict], steps: int,
+               to_tensors: _Batches, compute_loss: _LossComputer,
+               metrics: List[Tuple[str, Callable]], label_cols: List[str],
+               step_rule: Optional[_Step] = None, autocast: Optional[torch.dtype] = None,
                on_step: Optional[Callable[[int, torch.Tensor], None]] = None
                ) -> Tuple[torch.Tensor, List[str], List]:
-    """One pass; returns summed ``[rows, loss*rows, metric*rows...]`` and the output shapes."""
-    training = optimizer is not None
+    """One pass over ``steps`` batches (training when ``step_rule`` is given); returns summed
+    ``[rows, loss*rows, metric*rows...]`` and the output shapes."""
+    training = step_rule is not None
     model.train(training)
     names = [f"{name}" if len(label_cols) == 1 else f"{label}_{name}"
              for label in label_cols for name, _ in metrics]
     sums = torch.zeros(2 + len(names), dtype=torch.float64, device=to_tensors.device)
     shapes: List = []
+    casting = _Step(None, autocast=autocast).autocasting(to_tensors.device)
     with torch.set_grad_enabled(training):
-        for step, batch in enumerate(reader.epoch(epoch)):
+        for step, batch in enumerate(batches):
             features, labels, weights = to_tensors(batch)
+            with casting:
+                outputs = _as_outputs(model(*features))
+                if len(outputs) != len(labels):
+                    raise ValueError(f"the model returned {len(outputs)} outputs for "
+                                     f"{len(labels)} label columns {label_cols}")
+                labels = [match_label(o, l) for o, l in zip(outputs, labels)]
+                loss = compute_loss(outputs, labels, weights)
             if training:
-                optimizer.zero_grad()  # set_to_none by default in torch 2; Horovod takes no args
-            outputs = _as_outputs(model(*features))
-            if len(outputs) != len(labels):
-                raise ValueError(f"the model returned {len(outputs)} outputs for "
-                                 f"{len(labels)} label columns {label_cols}")
-            labels = [match_label(o, l) for o, l in zip(outputs, labels)]
-            loss = compute_loss(outputs, labels, weights)
-            if training:
-                loss.backward()
-                optimizer.step()
+                step_rule.backward(model, loss, step, steps)
             rows = features[0].shape[0]
-            values = [loss.detach()]
+            values = [loss.detach().float()]
             with torch.no_grad():
                 for output, label in zip(outputs, labels):
-                    values += [torch.as_tensor(fn(output, label)).detach().float().mean()
+                    values += [torch.as_tensor(fn(output.float(), label)).detach().float().mean()
                                for _, fn in metrics]
             sums[0] += rows
             sums[1:] += torch.stack([v.to(sums.dtype) for v in values]) * rows
@@ -267,9 +334,52 @@ def _format_epoch(epoch: int, epochs: int, logs: Dict[str, float], seconds: floa
     return f"epoch {epoch + 1}/{epochs}  {values}  ({seconds:.1f}s)"
 
 
+def _checkpoint_bytes(model: torch.nn.Module, optimizer: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                "optimizer": optimizer.state_dict()}, buffer)
+    return buffer.getvalue()
+
+
+def _resume_point(ctx: RankContext, checkpoints: Optional[Checkpoints]) -> Optional[Checkpoint]:
+    """The checkpoint every rank resumes from: rank 0 picks the latest, the others load that
+    one (a newer one could appear meanwhile, from a rank 0 of an attempt being torn down)."""
+    if checkpoints is None:
+        return None
+    latest = checkpoints.latest() if ctx.rank == 0 else None
+    chosen = int(ctx.all_gather(str(latest.epochs_done if latest else -1))[0])
+    if chosen < 0:
+        return None
+    return latest if ctx.rank == 0 else checkpoints.at(chosen)
+
+
+def _restore(checkpoint: bytes, model: torch.nn.Module, optimizer: Any) -> None:
+    state = torch.load(io.BytesIO(checkpoint), map_location="cpu", weights_only=True)
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise RuntimeError(f"the run's checkpoint does not fit this model/optimizer ({exc}); "
+                           f"pass a new run_id to start a fresh run") from None
+
+
+def _autocast_dtype(spec: TorchTrainSpec) -> Optional[torch.dtype]:
+    return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.mixed_precision]
+
+
+def _stop_votes(dist: Any, device: torch.device, vote: bool) -> bool:
+    """True when any rank votes to stop (callbacks or the time limit): all ranks stop alike."""
+    flag = torch.tensor([1.0 if vote else 0.0], dtype=torch.float64, device=device)
+    return bool(dist.all_reduce_sum(flag).item() > 0)
+
+
 def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict[str, Any]]:
-    """Train on this rank; rank 0 returns weights (``torch.save`` bytes), history and the
-    model's output shapes, the other ranks ``None``."""
+    """Train on this rank; rank 0 returns weights (``torch.save`` bytes), history, the model's
+    output shapes and why training stopped, the other ranks ``None``.
+
+    Resumes from the run's latest checkpoint when there is one (a retried attempt, or a fit
+    with the ``run_id`` of an earlier run); rank 0 writes a checkpoint after every epoch.
+    """
     if spec.seed is not None:
         torch.manual_seed(spec.seed)
         np.random.seed(spec.seed)
@@ -278,49 +388,81 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     # again, so torch's warning about read-only arrays does not apply.
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     blob = payload.value if hasattr(payload, "value") else payload
-    model, optimizer, loss, metrics, callbacks = cloudpickle.loads(blob)
+    model, optimizer, loss, metrics, callbacks, transform = cloudpickle.loads(blob)
+    callbacks = list(callbacks or [])
+    checkpoints = Checkpoints(spec.run_path, spec.storage_options) if spec.run_path else None
+    resume = _resume_point(ctx, checkpoints)
+    meta: Dict[str, Any] = resume.meta if resume is not None else {}
+    if resume is not None:
+        _restore(checkpoints.read(resume), model, optimizer)
+    elif spec.scale_learning_rate:
+        factor = ctx.world_size * spec.backward_passes_per_step
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
     device = select_device(ctx, spec.use_gpu)
     model.to(device)
     for state in optimizer.state.values():  # optimizer state (e.g. Adam moments) follows
         for key, value in state.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and key != "step":
                 state[key] = value.to(device)
 
     columns = [ColumnSpec.from_json(c) for c in spec.columns]
     make_reader = lambda split, batch, shuffle: ShardReader(  # noqa: E731
-        spec.dataset_root, spec.layouts[split], columns, ctx.rank,
-        ctx.world_size, batch, shuffle, spec.seed, spec.storage_options)
+        spec.dataset_root, spec.layouts[split], columns, ctx.rank, ctx.world_size, batch,
+        shuffle, spec.seed, spec.storage_options, inmemory_cache_all=spec.inmemory_cache_all)
     train_reader = make_reader("train", spec.batch_size, spec.shuffle)
     val_reader = make_reader("val", spec.val_batch_size, False) if spec.layouts.get("val") else None
+    train_steps = spec.train_steps or len(train_reader)
+    val_steps = spec.val_steps or (len(val_reader) if val_reader is not None else 0)
+
+    def batches(reader: ShardReader, epoch: int, steps: Optional[int]) -> Iterator[Dict]:
+        source = _limited(reader, epoch, steps)
+        return source if transform is None else (transform(batch) for batch in source)
 
     dist = load_backend(TORCH_BACKENDS, spec.backend)(ctx, device)
     ddp_model = board = None
     try:
-        ddp_model, optimizer = dist.wrap(model, optimizer)
+        passes = spec.backward_passes_per_step
+        ddp_model, optimizer = dist.wrap(model, optimizer, **(
+            {"backward_passes_per_step": passes} if passes > 1 else {}))
+        autocast = _autocast_dtype(spec)
+        scaler = torch.amp.GradScaler(device.type) if autocast == torch.float16 else None
+        step_rule = _Step(optimizer, spec.backward_passes_per_step, autocast, scaler)
         compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col))
         metric_fns = named_metrics(metrics)
         to_tensors = _Batches(spec, device)
-        if spec.verbose >= 2 or (ctx.rank == 0 and spec.verbose >= 1):
-            ctx.log(f"{ctx.world_size} rank(s), backend {spec.backend!r}, this rank on "
-                    f"{ctx.hosts[ctx.rank]} {device}: {len(train_reader)} steps/epoch of "
-                    f"{spec.batch_size} rows per rank")
-        history: Dict[str, List[float]] = {}
-        shapes: List = []
+        history: Dict[str, List[float]] = {k: list(v) for k, v in meta.get("history", {}).items()}
+        shapes: List = meta.get("output_shapes", [])
+        first = meta.get("epochs_done", 0)
+        attempts = meta.get("attempts", []) + [{"attempt": ctx.attempt, "start_epoch": first}]
         lead = ctx.rank == 0 and spec.verbose >= 1
+        if spec.verbose >= 2 or lead:
+            ctx.log(f"{ctx.world_size} rank(s), backend {spec.backend!r}, this rank on "
+                    f"{ctx.hosts[ctx.rank]} {device}: {train_steps} steps/epoch of "
+                    f"{spec.batch_size} rows per rank")
+        if ctx.rank == 0 and resume is not None:
+            ctx.log(f"resuming from the checkpoint after epoch {first} (attempt "
+                    f"{ctx.attempt + 1})")
         if lead:
-            ctx.progress(event="start", epochs=spec.epochs, steps=len(train_reader))
+            ctx.progress(event="start", epochs=spec.epochs, steps=train_steps, first=first)
         if ctx.rank == 0 and spec.run_path:
             board = _TensorBoard(spec.run_path, spec.storage_options)
-        for epoch in range(spec.epochs):
+        for callback in callbacks:
+            if hasattr(callback, "on_train_begin"):
+                callback.on_train_begin(model, {k: list(v) for k, v in history.items()})
+        stop_reason = None
+        for epoch in range(first, spec.epochs):
             started = time.perf_counter()
-            reporter = _StepReporter(ctx, epoch, len(train_reader)) if lead else None
-            sums, names, shapes = _run_epoch(ddp_model, train_reader, epoch, to_tensors,
-                                             compute_loss, metric_fns, spec.label_cols, optimizer,
-                                             reporter)
+            reporter = _StepReporter(ctx, epoch, train_steps) if lead else None
+            sums, names, shapes = _run_epoch(
+                ddp_model, batches(train_reader, epoch, spec.train_steps), train_steps,
+                to_tensors, compute_loss, metric_fns, spec.label_cols, step_rule, autocast,
+                reporter)
             logs = _averaged(dist, sums, names, "")
             if val_reader is not None:
-                val_sums, names, _ = _run_epoch(ddp_model, val_reader, 0, to_tensors,
-                                                compute_loss, metric_fns, spec.label_cols)
+                val_sums, names, _ = _run_epoch(
+                    ddp_model, batches(val_reader, 0, spec.val_steps), val_steps, to_tensors,
+                    compute_loss, metric_fns, spec.label_cols, autocast=autocast)
                 logs.update(_averaged(dist, val_sums, names, "val_"))
             if not all(math.isfinite(v) for v in logs.values()):
                 raise FloatingPointError(f"non-finite metrics at epoch {epoch + 1}: {logs}")
@@ -331,17 +473,29 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
             if lead:
                 ctx.progress(event="epoch", epoch=epoch, logs=logs)
                 ctx.log(_format_epoch(epoch, spec.epochs, logs, time.perf_counter() - started))
-            stop = [bool(cb.on_epoch_end(epoch, dict(logs)))
-                    for cb in callbacks or [] if hasattr(cb, "on_epoch_end")]
-            if any(stop):
+            asked = [bool(cb.on_epoch_end(epoch, dict(logs)))
+                     for cb in callbacks if hasattr(cb, "on_epoch_end")]
+            late = spec.deadline is not None and time.time() >= spec.deadline
+            if ctx.rank == 0 and checkpoints is not None:
+                checkpoints.write(epoch + 1, _checkpoint_bytes(model, optimizer),
+                                  {"history": history, "output_shapes": shapes,
+                                   "attempts": attempts, "framework": "torch"})
+            if epoch + 1 < spec.epochs and _stop_votes(dist, device, any(asked) or late):
+                stop_reason = "callback" if any(asked) else "max_time"
                 if ctx.rank == 0:
-                    ctx.log(f"a callback stopped training after epoch {epoch + 1}")
+                    ctx.log(f"training stopped after epoch {epoch + 1}: "
+                            + ("a callback asked to stop" if stop_reason == "callback"
+                               else "max_time reached"))
                 break
+        for callback in callbacks:
+            if hasattr(callback, "on_train_end"):
+                callback.on_train_end(model)
         if ctx.rank != 0:
             return None
         buffer = io.BytesIO()
         torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buffer)
-        return {"weights": buffer.getvalue(), "history": history, "output_shapes": shapes}
+        return {"weights": buffer.getvalue(), "history": history, "output_shapes": shapes,
+                "stop_reason": stop_reason, "attempts": attempts}
     finally:
         if board is not None:
             board.close()

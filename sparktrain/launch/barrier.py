@@ -5,6 +5,14 @@ barrier check retries for minutes before failing), opens the driver's :class:`Ra
 live rank logs and failures, and turns a failed stage into a :class:`TrainingError` carrying the
 traceback of the rank that failed first.
 
+Retries: Spark never retries a failed barrier *result* stage ("Could not recover from a failed
+barrier ResultStage"), but it re-runs a failed barrier *shuffle map* stage as a whole, up to
+``spark.stage.maxConsecutiveAttempts`` times (default 4), whether a task raised, its Python
+worker was killed or its executor was lost. So the barrier tasks' results go through a one-
+partition shuffle, every rank learns its attempt number (``RankContext.attempt``) and a training
+loop can resume from its last checkpoint. ``max_attempts`` caps the attempts below Spark's limit:
+the driver cancels the job once that many attempts have failed.
+
 Example::
 
     def task(rank: RankContext) -> int:
@@ -42,10 +50,12 @@ _FAILURE_TAG = "sparktrain-rank-failure"
 class TrainingError(RuntimeError):
     """A training rank failed; ``rank`` and ``remote_traceback`` say where and how."""
 
-    def __init__(self, message: str, rank: Optional[int] = None, remote_traceback: str = "") -> None:
+    def __init__(self, message: str, rank: Optional[int] = None, remote_traceback: str = "",
+                 attempts: int = 1) -> None:
         super().__init__(message)
         self.rank = rank
         self.remote_traceback = remote_traceback
+        self.attempts = attempts  # attempts of the training stage that failed
 
 
 @dataclass
@@ -59,6 +69,7 @@ class RankContext:
     resources: Dict[str, List[str]]
     barrier: Any = field(repr=False)  # the pyspark BarrierTaskContext
     client: Optional[RankClient] = field(default=None, repr=False)
+    attempt: int = 0  # 0 on the first run of the stage, n on Spark's n-th retry
 
     def log(self, text: str) -> None:
         """Send ``text`` to the driver's log as ``[rank N] text``."""
@@ -123,26 +134,57 @@ def driver_host(sc: SparkContext) -> str:
     return sc.getConf().get("spark.driver.host", None) or "127.0.0.1"
 
 
+def stage_attempts(sc: SparkContext) -> int:
+    """How many times Spark runs a failing stage (``spark.stage.maxConsecutiveAttempts``)."""
+    return int(sc.getConf().get("spark.stage.maxConsecutiveAttempts", "4"))
+
+
 def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext], Any],
                 description: str = "sparktrain", echo_logs: bool = True,
-                on_progress: Optional[Callable[[Dict[str, Any]], None]] = None) -> List[Any]:
+                on_progress: Optional[Callable[[Dict[str, Any]], None]] = None,
+                max_attempts: Optional[int] = None) -> List[Any]:
     """Run ``task(RankContext)`` in ``num_proc`` barrier tasks; results in rank order.
 
-    ``task`` must be picklable with plain values only (no SparkSession, no ``self``).
-    Raises :class:`TrainingError` with the first failing rank's traceback.
+    ``task`` must be picklable with plain values only (no SparkSession, no ``self``). A failed
+    attempt is retried as a whole (see the module docstring) up to ``max_attempts`` times
+    (default and upper bound: ``spark.stage.maxConsecutiveAttempts``). Raises
+    :class:`TrainingError` with the first failing rank's traceback.
     """
     if num_proc < 1:
         raise ValueError(f"num_proc must be >= 1, got {num_proc}")
     sc = spark.sparkContext
     check_slots(sc, num_proc)
+    spark_limit = stage_attempts(sc)
+    attempts = min(max_attempts or spark_limit, spark_limit)
     group = f"sparktrain-{uuid.uuid4().hex[:12]}"
-    with RankChannel(driver_host(sc), echo=echo_logs, on_progress=on_progress) as channel:
+    gave_up = threading.Event()
+    reported: set = set()  # attempts already logged: one line per failed attempt
+
+    def on_error(rank: int, attempt: int, remote: str) -> None:
+        if gave_up.is_set() or attempt in reported:
+            return
+        reported.add(attempt)
+        last = remote.strip().splitlines()[-1] if remote.strip() else "unknown error"
+        if attempt + 1 >= attempts:
+            gave_up.set()
+            log.error("rank %d failed on attempt %d of %d: %s; giving up", rank, attempt + 1,
+                      attempts, last)
+            sc.cancelJobGroup(group)
+        else:
+            log.warning("rank %d failed on attempt %d of %d: %s; Spark re-runs all ranks, "
+                        "which resume from the last checkpoint", rank, attempt + 1, attempts,
+                        last)
+
+    with RankChannel(driver_host(sc), echo=echo_logs, on_progress=on_progress,
+                     on_error=on_error) as channel:
         address = (*channel.address, sc.master.startswith("local"))
 
         def partition(_: Iterator[int]) -> Iterator[Tuple[int, Any]]:
             yield run_rank(task, address)
 
-        rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(partition)
+        # partitionBy(1) makes the barrier stage a shuffle map stage: Spark retries those.
+        rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(partition) \
+            .partitionBy(1)
         sc.setJobGroup(group, description, interruptOnCancel=True)
         try:
             pairs = rdd.collect()
@@ -150,14 +192,16 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
             sc.cancelJobGroup(group)
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            raise _training_error(channel.first_error(), exc) from None
+            raise _training_error(channel.first_error(), exc,
+                                  max(1, channel.failed_attempts())) from None
         finally:
             sc.setLocalProperty("spark.jobGroup.id", None)
             sc.setLocalProperty("spark.job.description", None)
     return [result for _, result in sorted(pairs, key=lambda pair: pair[0])]
 
 
-def _training_error(reported: Optional[Tuple[int, str]], exc: BaseException) -> TrainingError:
+def _training_error(reported: Optional[Tuple[int, str]], exc: BaseException,
+                    attempts: int = 1) -> TrainingError:
     if reported is None:  # the rank could not report (killed, lost executor): use Spark's text
         match = re.search(_FAILURE_TAG + r" rank=(\d+)\n(.*?)\n" + _FAILURE_TAG + " end",
                           str(exc), re.S)
@@ -166,10 +210,13 @@ def _training_error(reported: Optional[Tuple[int, str]], exc: BaseException) -> 
     if reported is not None:
         rank, remote = reported
         last = remote.strip().splitlines()[-1] if remote.strip() else "unknown error"
-        return TrainingError(f"training failed on rank {rank}: {last}\n\n"
-                             f"Traceback from rank {rank}:\n{remote}", rank, remote)
+        tries = f" ({attempts} attempts)" if attempts > 1 else ""
+        return TrainingError(f"training failed on rank {rank}{tries}: {last}\n\n"
+                             f"Traceback from rank {rank} (first failure):\n{remote}", rank,
+                             remote, attempts)
     summary = _spark_summary(str(exc))
-    return TrainingError(f"training failed in Spark before a rank could report: {summary}")
+    return TrainingError(f"training failed in Spark before a rank could report: {summary}",
+                         attempts=attempts)
 
 
 def _spark_summary(text: str) -> str:
@@ -253,6 +300,7 @@ def run_rank(task: Callable[[RankContext], Any], address: Sequence) -> Tuple[int
     try:
         with _captured_output(client, mirror=not address[3]):
             context = rank_context(barrier, client)
+            context.attempt = client.attempt
             return rank, task(context)
     except BaseException as exc:
         remote = traceback.format_exc()

@@ -1,0 +1,111 @@
+"""Checkpoints, resume and retries with real failures: a SIGKILLed Python worker, an exception
+on every attempt, a time limit, a second fit of the same run."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from sparktrain import TorchEstimator, TrainingError
+from sparktrain.checkpoint import Checkpoints
+from sparktrain.data.store import Store
+
+
+def _estimator(store, run_id, **kwargs):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    params = dict(num_proc=2, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.05),
+                  loss=torch.nn.MSELoss(), feature_cols=["features"], label_cols=["label"],
+                  batch_size=100, epochs=4, random_seed=1, store=store, run_id=run_id,
+                  verbose=1)
+    params.update(kwargs)
+    return TorchEstimator(**params)
+
+
+def _checkpoint(store, run_id):
+    return Checkpoints(Store.create(store).run_path(run_id)).latest()
+
+
+class KillRankOnce:
+    """A transformation_fn that SIGKILLs rank 1's Python worker at its ``at``-th batch, once
+    per marker file (so the retried attempt runs through)."""
+
+    def __init__(self, marker: str, at: int) -> None:
+        self.marker, self.at, self.seen = marker, at, 0
+
+    def __call__(self, batch):
+        from pyspark import BarrierTaskContext
+
+        self.seen += 1
+        if BarrierTaskContext.get().partitionId() == 1 and self.seen == self.at \
+                and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return batch
+
+
+@pytest.mark.slow
+def test_killed_rank_resumes_from_last_checkpoint(spark, regression_df, store, tmp_path):
+    # 1000 rows per rank, batch 100: 10 steps per epoch; batch 24 is the 4th of epoch 3.
+    est = _estimator(store, "kill-run", transformation_fn=KillRankOnce(str(tmp_path / "m"), 24))
+    model = est.fit(regression_df.select("features", "label"))
+    assert os.path.exists(tmp_path / "m"), "the fault was not injected"
+    history = model.getHistory()["loss"]
+    assert len(history) == 4 and history[-1] < history[0]
+    latest = _checkpoint(store, "kill-run")
+    assert latest.epochs_done == 4
+    # attempt 2 started at epoch 3 (index 2): only the killed part of epoch 3 was repeated
+    assert [(a["attempt"], a["start_epoch"]) for a in latest.meta["attempts"]] == [(0, 0), (1, 2)]
+    predictions = model.transform(regression_df).select("label", "label__output").toPandas()
+    mse = ((predictions["label"] - predictions["label__output"]) ** 2).mean()
+    assert mse < 1.0
+
+
+def _always_fails(batch):
+    raise ValueError("this batch is always bad")
+
+
+def test_repeating_error_gives_up_after_max_attempts(spark, regression_df, store):
+    est = _estimator(store, "fail-run", transformation_fn=_always_fails, max_attempts=2)
+    with pytest.raises(TrainingError, match="this batch is always bad") as info:
+        est.fit(regression_df.select("features", "label"))
+    assert info.value.attempts == 2
+    assert "ValueError: this batch is always bad" in info.value.remote_traceback
+    spark.range(3).count()  # the session still works
+
+
+def test_max_time_stops_at_epoch_end_with_checkpoint(spark, regression_df, store):
+    est = _estimator(store, "timed-run", epochs=50, max_time=0.01)
+    with pytest.warns(RuntimeWarning, match="max_time=0.01s reached"):
+        model = est.fit(regression_df.select("features", "label"))
+    assert len(model.getHistory()["loss"]) == 1
+    assert _checkpoint(store, "timed-run").epochs_done == 1
+    assert model.transform(regression_df).count() == 2000
+
+
+def test_fit_with_existing_run_id_resumes(spark, regression_df, store):
+    df = regression_df.select("features", "label")
+    first = _estimator(store, "resumed-run", epochs=2).fit(df)
+    assert _checkpoint(store, "resumed-run").epochs_done == 2
+    second = _estimator(store, "resumed-run", epochs=3).fit(df)
+    assert second.getHistory()["loss"][:2] == first.getHistory()["loss"]
+    assert len(second.getHistory()["loss"]) == 3
+    attempts = _checkpoint(store, "resumed-run").meta["attempts"]
+    assert [a["start_epoch"] for a in attempts] == [0, 2]
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    ckpts = Checkpoints(str(tmp_path / "run"), keep=2)
+    assert ckpts.latest() is None
+    for epoch in (1, 2, 3):
+        ckpts.write(epoch, f"weights {epoch}".encode(), {"history": {"loss": [1.0] * epoch}})
+    # a crash while writing epoch 4: payload written, marker never renamed into place
+    root = tmp_path / "run" / "checkpoints"
+    (root / "epoch-000004.ckpt").write_bytes(b"half")
+    (root / "epoch-000004.json.tmp-dead").write_bytes(b"{")
+    latest = ckpts.latest()
+    assert latest.epochs_done == 3 and ckpts.read(latest) == b"weights 3"
+    assert sorted(p.name for p in root.glob("*.json")) == ["epoch-000002.json",
+                                                             "epoch-000003.json"]
