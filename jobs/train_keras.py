@@ -3,6 +3,7 @@
 
     # the demo: scikit-learn's bundled digits, 2 workers on embedded Spark, no download
     python jobs/train_keras.py --demo --backend tensorflow
+    python jobs/train_keras.py --demo --backend tfos     # the same on a TensorFlowOnSpark cluster
 
     # your data (same flags as jobs/train_torch.py)
     spark-submit --master yarn jobs/train_keras.py --input hdfs:///data/train.parquet \\
@@ -42,7 +43,7 @@ def build_estimator(args, n_in: int, n_out: int, store: str):
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    args = parse_args(list(argv), __doc__, backends=["tensorflow"])
+    args = parse_args(list(argv), __doc__, backends=["tensorflow", "tfos"])
     return run(args, build_estimator, "sparktrain-train-keras")
 
 

@@ -81,7 +81,8 @@ class KerasEstimator(EstimatorBase):
     functions ``(y_true, y_pred)``; ``custom_objects``: as for ``keras.saving.load_model``.
     ``backend="tensorflow"``: ``tf.distribute.MultiWorkerMirroredStrategy`` with a distributed
     train step of sparktrain's own (Keras 3's ``model.fit`` fails under it,
-    keras-team/keras#20585), so any Keras 3 model trains unchanged.
+    keras-team/keras#20585), so any Keras 3 model trains unchanged. ``backend="tfos"``: the same
+    loop on a TensorFlowOnSpark cluster (:mod:`sparktrain.launch.tfos`).
     """
 
     backends = KERAS_BACKENDS
@@ -153,12 +154,16 @@ class KerasEstimator(EstimatorBase):
                 "verbose": self.getVerbose(), "run_path": run.run_path, "backend": self.getBackend(),
                 "storage_options": run.store.storage_options}
         payload = run.spark.sparkContext.broadcast(self._payload())
+        launch = dict(description=f"sparktrain KerasEstimator {self.uid}",
+                      echo_logs=self.getVerbose() >= 1, on_progress=run.progress.update)
+        backend = load_backend(KERAS_BACKENDS, self.getBackend())
         try:
+            if getattr(backend, "launches_itself", False):  # tfos: starts its own cluster
+                return backend.launch(run.spark, self.getNumProc(), spec, payload, run.use_gpu,
+                                      **launch)
             results = run_barrier(run.spark, self.getNumProc(),
                                   functools.partial(_keras_rank, spec, payload, run.use_gpu),
-                                  description=f"sparktrain KerasEstimator {self.uid}",
-                                  echo_logs=self.getVerbose() >= 1,
-                                  on_progress=run.progress.update)
+                                  **launch)
         finally:
             payload.destroy()
         return results[0]

@@ -1,0 +1,207 @@
+"""The ``tfos`` backend: TensorFlowOnSpark (``InputMode.TENSORFLOW``) for ``KerasEstimator``.
+
+TensorFlowOnSpark (TFoS) 2.2.5 forms the TensorFlow cluster; sparktrain's Keras worker trains
+in it, each node reading its own shard of the materialized Petastorm dataset (the same training
+loop as ``backend="tensorflow"``):
+
+1. the driver starts TFoS's reservation server and builds the cluster metadata as
+   ``TFCluster.run(sc, fn, args, num_proc, num_ps=0, input_mode=InputMode.TENSORFLOW,
+   master_node="chief")`` does: node 0 is ``chief:0``, node ``i`` is ``worker:i-1``;
+2. one Spark barrier task per node runs TFoS's own node start-up, ``TFSparkNode.run``: it
+   reserves a port, registers it with the server, waits for every node, and calls the main
+   function with a ``TFNodeContext`` (``cluster_spec``, ``job_name``, ``task_index``);
+3. the main function turns that into ``TF_CONFIG`` and trains in a child process
+   (:func:`~sparktrain.launch.tf_multiworker.spawn_keras_worker`); rank 0 returns the model.
+
+Only TFoS's driver side is replaced, because a fit must leave the user's session alone:
+``TFCluster.run``/``shutdown`` stop the SparkContext and ``sys.exit(1)`` when a node fails,
+keep the failure in a module-global dict that fails every later cluster of the process, install
+a ``SIGALRM`` handler, poll in 5 s sleeps and drop the nodes' return values. Here the start job
+is a barrier stage run by :func:`~sparktrain.launch.barrier.run_barrier` (rank logs, progress,
+``TrainingError`` with the failing node's traceback, the job group cancelled on failure), and
+the driver stops the reservation server in a ``finally``.
+
+Example (what ``KerasEstimator._train`` does for ``backend="tfos"``)::
+
+    result = TensorFlowOnSpark.launch(spark, 2, spec, payload_broadcast, use_gpu=False)
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import shutil
+import socket
+import tempfile
+from typing import Any, Dict, Tuple
+
+from sparktrain.launch import import_quietly
+from sparktrain.launch.barrier import RankContext, driver_host, run_barrier
+from sparktrain.launch.gpus import rank_gpu
+from sparktrain.launch.tf_multiworker import spawn_keras_worker
+
+CHIEF = "chief"  # TFCluster.run's master_node: TFoS then exports TF_CONFIG with chief + workers
+
+
+def _tfos(module: str) -> Any:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TFSparkNode imports TensorFlow
+    return import_quietly(f"tensorflowonspark.{module}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver side
+# ---------------------------------------------------------------------------------------------
+
+def cluster_template(num_nodes: int) -> Dict[str, list]:
+    """TFCluster.run's template for ``num_ps=0, master_node="chief"``: node -> role."""
+    template = {CHIEF: [0]}
+    if num_nodes > 1:
+        template["worker"] = list(range(1, num_nodes))
+    return template
+
+
+def _default_fs(sc: Any) -> str:
+    """``fs.defaultFS`` as TFCluster.run passes it to the nodes (``TFNodeContext.defaultFS``)."""
+    fs = sc._jsc.hadoopConfiguration().get("fs.defaultFS")
+    return fs[:-1] if fs.startswith("file://") and len(fs) > 7 and fs.endswith("/") else fs
+
+
+def start_reservations(sc: Any, num_nodes: int) -> Tuple[Any, Dict[str, Any]]:
+    """Start TFoS's reservation server; return it and the cluster metadata for the nodes."""
+    reservation = _tfos("reservation")
+    server = reservation.Server(num_nodes)
+    _, port = server.start()  # binds all interfaces (a port from TFOS_SERVER_PORT if set)
+    # TFoS advertises the address its 8.8.8.8 probe finds; executors reach the driver at
+    # spark.driver.host for sure (loopback in local mode). TFOS_SERVER_HOST still wins.
+    host = os.environ.get(reservation.TFOS_SERVER_HOST) or driver_host(sc)
+    meta = {"id": random.getrandbits(64), "cluster_template": cluster_template(num_nodes),
+            "num_executors": num_nodes, "default_fs": _default_fs(sc),
+            "working_dir": os.getcwd(), "server_addr": (host, port), "release_port": True}
+    return server, meta
+
+
+def stop_reservations(server: Any, address: Tuple[str, int]) -> None:
+    """Stop the server's listener thread now, not at its next 60 s ``select`` timeout: set
+    ``done`` (``Server.stop``) and wake the ``select`` with a connection, so the thread exits
+    and closes the listening socket."""
+    server.stop()
+    try:
+        socket.create_connection(address, timeout=2).close()
+    except OSError:
+        pass
+
+
+def launch(spark: Any, num_proc: int, spec: Dict[str, Any], payload: Any, use_gpu: bool,
+           description: str = "sparktrain tfos", echo_logs: bool = True,
+           on_progress: Any = None) -> Any:
+    """Train on a TFoS cluster of ``num_proc`` nodes; return rank 0's result.
+
+    ``payload`` is a broadcast of the pickled model/optimizer/loss. Raises
+    :class:`~sparktrain.launch.barrier.TrainingError` if a node fails; the SparkSession keeps
+    working either way.
+    """
+    server, meta = start_reservations(spark.sparkContext, num_proc)
+    try:
+        results = run_barrier(spark, num_proc,
+                              functools.partial(_node_task, dict(spec, tfos_cluster=meta),
+                                                payload, use_gpu),
+                              description=description, echo_logs=echo_logs,
+                              on_progress=on_progress)
+    finally:
+        stop_reservations(server, meta["server_addr"])
+    return results[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Executor side
+# ---------------------------------------------------------------------------------------------
+
+def _node_task(spec: Dict[str, Any], payload: Any, use_gpu: bool, ctx: RankContext) -> Any:
+    return run_node(ctx, spec, payload.value, use_gpu)
+
+
+def _stop_manager(node_module: Any) -> None:
+    """Stop the node's TFManager. ``TFSparkNode.run`` starts one (a multiprocessing manager
+    server process) for InputMode.SPARK's feed queues; InputMode.TENSORFLOW never uses it, and a
+    node that Spark kills would leave the process behind. State ``'stopped'`` is what
+    ``TFSparkNode.shutdown`` sets; ``mgr = None`` lets the next cluster in this Python worker
+    start a fresh one (``run`` reads the old one's state first)."""
+    mgr = node_module.TFSparkNode.mgr
+    node_module.TFSparkNode.mgr = None
+    if mgr is None:
+        return
+    try:
+        mgr.set("state", "stopped")
+        mgr.shutdown()
+    except Exception:  # already gone
+        pass
+
+
+def node_tf_config(cluster_spec: Dict[str, list], job_name: str, task_index: int) -> str:
+    """``TF_CONFIG`` from TFoS's node context (what TFoS exports itself when there is a chief)."""
+    return json.dumps({"cluster": cluster_spec, "task": {"type": job_name, "index": task_index}})
+
+
+def node_rank(job_name: str, task_index: int) -> int:
+    """The training rank of a TFoS node: ``chief:0`` is 0, ``worker:i`` is ``i + 1``."""
+    return 0 if job_name == CHIEF else task_index + 1
+
+
+def run_node(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gpu: bool) -> Any:
+    """One TFoS node in barrier task ``ctx.rank``: TFoS's node start-up, then the Keras worker.
+
+    The task's process is a Spark Python worker that later tasks reuse, so what TFoS changes in
+    it is undone afterwards: its working directory (TFoS writes an ``executor_id`` file there,
+    which in local mode is the driver's own directory), ``TF_CONFIG`` and
+    ``CUDA_VISIBLE_DEVICES`` (TFoS exports both), and the TFManager.
+    """
+    spec = dict(spec)
+    meta = spec.pop("tfos_cluster")
+    node_module = _tfos("TFSparkNode")
+    result: Dict[str, Any] = {}
+
+    def main_fun(args: Dict[str, Any], node: Any) -> None:  # TFoS's contract: (tf_args, ctx)
+        _stop_manager(node_module)
+        rank = node_rank(node.job_name, node.task_index)
+        if rank != ctx.rank or node.executor_id != ctx.rank:
+            raise RuntimeError(f"TFoS node {node.executor_id} ({node.job_name}:"
+                               f"{node.task_index}) is not barrier task {ctx.rank}")
+        if rank == 0 and args["verbose"] >= 1:
+            print(f"TensorFlowOnSpark cluster: {json.dumps(node.cluster_spec)}", flush=True)
+        # sparktrain's GPU rule, not TFoS's: the child sees the GPU Spark gave this task (TFoS
+        # would pick any free GPU with nvidia-smi when Spark assigned none)
+        result["value"] = spawn_keras_worker(
+            rank, ctx.world_size, node_tf_config(node.cluster_spec, node.job_name, node.task_index),
+            args["spec"], payload, rank_gpu(ctx.resources, use_gpu), ctx.progress)
+
+    saved_env = {key: os.environ.get(key) for key in ("TF_CONFIG", "CUDA_VISIBLE_DEVICES")}
+    cwd = os.getcwd()
+    workdir = tempfile.mkdtemp(prefix=f"sparktrain-tfos-node{ctx.rank}-")
+    os.chdir(workdir)
+    try:
+        # tf_args as a dict: TFoS replaces sys.argv when they are a list, and looks up
+        # "num_gpus" in them; background=False runs main_fun in this task (InputMode.TENSORFLOW)
+        start = node_module.run(main_fun, {"spec": spec, "verbose": spec.get("verbose", 1)}, meta,
+                                False, None, ["error"], False)
+        start(iter([ctx.rank]))  # the node RDD's partition holds its executor_id: the rank
+    finally:
+        _stop_manager(node_module)
+        os.chdir(cwd)
+        shutil.rmtree(workdir, ignore_errors=True)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return result["value"]
+
+
+class TensorFlowOnSpark:
+    """The registry's entry for ``backend="tfos"``: it starts its own cluster around the Spark
+    job (``launch``, driver side); ``run(ctx, spec, payload, use_gpu)`` is one node."""
+
+    name = "tfos"
+    launches_itself = True
+    launch = staticmethod(launch)
+    run = staticmethod(run_node)
