@@ -1,8 +1,22 @@
 """The ``torch`` backend: a ``torch.distributed`` process group formed from the barrier tasks.
 
-Rendezvous needs no port guessing: rank 0 opens a ``TCPStore`` on port 0 (the OS picks a free
-one), the port travels to the other ranks through ``BarrierTaskContext.allGather``, and every
-rank joins with ``init_process_group(store=...)``. Gloo on CPU, NCCL when the rank has a GPU.
+Rendezvous needs no port guessing: rank 0 opens a ``TCPStore`` on a free port of its
+executor's address, the port and a per-fit secret travel to the other ranks through
+``BarrierTaskContext.allGather``, and every rank joins with ``init_process_group(store=...)``.
+Gloo on CPU, NCCL when the rank has a GPU.
+
+What listens, and where (see "Security" in the README):
+
+- rank 0's ``TCPStore`` listens on its executor's address only (the address Spark gives for the
+  task), never on all interfaces: sparktrain binds the socket itself and hands it to the store.
+- Gloo's own sockets bind to the interface that holds the rank's executor address
+  (``GLOO_SOCKET_IFNAME``, unless you set it or ``TORCH_GLOO_SOCKET_IFNAME`` yourself).
+- Every rendezvous key lives under a random per-fit prefix (``PrefixStore``). This keeps fits
+  and stray clients from colliding with this fit's keys; it is *not* authentication:
+  ``TCPStore`` has no access control and answers ``list_keys`` to any client that connects,
+  and Gloo's connections are unauthenticated plain TCP. Anyone who can reach an executor's
+  address while a fit runs can read or disturb it; keep executors on a network only the
+  cluster reaches, as for any ``torch.distributed`` job.
 
 Example (executor side)::
 
@@ -13,9 +27,13 @@ Example (executor side)::
 """
 from __future__ import annotations
 
+import os
+import secrets
+import socket
 from collections import deque
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Deque, Tuple
+from typing import Any, Deque, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +41,7 @@ import torch.distributed as dist
 from sparktrain.launch.barrier import RankContext
 
 TIMEOUT = timedelta(minutes=30)
+_GLOO_IFNAME_VARS = ("TORCH_GLOO_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
 # Tensors handed to our own collectives stay referenced here, beyond the group's lifetime.
 # Gloo's worker threads drop their reference to a finished op's tensors a moment after the op
@@ -30,6 +49,68 @@ TIMEOUT = timedelta(minutes=30)
 # process group is destroyed at that moment (its destructor joins the threads while holding the
 # GIL), the two wait for each other forever. Seen here as a hang at the end of a fit.
 _KEEP_ALIVE: Deque[torch.Tensor] = deque(maxlen=16)
+
+
+def interface_for(host: str) -> Optional[str]:
+    """Name of the network interface that holds ``host``'s IPv4 address, or ``None``."""
+    import psutil
+
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == ip for a in addresses):
+            return name
+    return "lo" if ip.startswith("127.") else None
+
+
+def listen_on(host: str) -> socket.socket:
+    """A TCP socket bound to ``host`` (not to all interfaces) on a free port, listening."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"rank 0 cannot listen on its executor's address {host!r} (the "
+                           f"address Spark reports for the task): {exc}") from None
+    return sock
+
+
+def _master_store(host: str, world_size: int) -> dist.TCPStore:
+    """Rank 0's ``TCPStore`` server, listening on ``host`` only.
+
+    ``TCPStore`` binds all interfaces when it opens its own socket; given ``master_listen_fd``
+    it serves on a socket bound here instead (both its libuv and its classic backend honour
+    it) and takes the descriptor over: it closes it when the store goes away.
+    """
+    sock = listen_on(host)
+    port = sock.getsockname()[1]
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(host, port, world_size, is_master=True, timeout=TIMEOUT,
+                             wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+@contextmanager
+def _gloo_interface(host: str) -> Iterator[None]:
+    """Make Gloo bind its sockets to the interface of ``host`` (the rank's executor address)
+    while the group forms, unless the user chose an interface; without it Gloo uses whatever
+    the machine's hostname resolves to."""
+    name = None if any(os.environ.get(v) for v in _GLOO_IFNAME_VARS) else interface_for(host)
+    if name is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 class TorchDDP:
@@ -40,21 +121,29 @@ class TorchDDP:
     def __init__(self, ctx: RankContext, device: torch.device) -> None:
         self.rank, self.world_size, self.device = ctx.rank, ctx.world_size, device
         master = ctx.hosts[0]
-        store = None
-        if ctx.rank == 0:
-            store = dist.TCPStore(master, 0, ctx.world_size, is_master=True,
-                                  timeout=TIMEOUT, wait_for_workers=False)
-        ports = ctx.all_gather(str(store.port) if store is not None else "")
-        if store is None:
-            store = dist.TCPStore(master, int(ports[0]), ctx.world_size, is_master=False,
-                                  timeout=TIMEOUT)
+        server = _master_store(master, ctx.world_size) if ctx.rank == 0 else None
+        # allGather goes through Spark's driver (authenticated when spark.authenticate is on):
+        # the port and the secret prefix reach exactly this fit's tasks.
+        sent = f"{server.port} {secrets.token_hex(16)}" if server is not None else ""
+        port, secret = ctx.all_gather(sent)[0].split()
+        base = server if server is not None else dist.TCPStore(
+            master, int(port), ctx.world_size, is_master=False, timeout=TIMEOUT)
+        store = dist.PrefixStore(f"sparktrain-{secret}", base)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=ctx.rank, world_size=ctx.world_size,
-                                timeout=TIMEOUT)
-        self._store = store  # rank 0's store must outlive the group
+        with _gloo_interface(ctx.hosts[ctx.rank]):
+            dist.init_process_group(backend, store=store, rank=ctx.rank,
+                                    world_size=ctx.world_size, timeout=TIMEOUT)
+        self._store = store  # rank 0's store server must outlive the group
 
-    def wrap(self, model: torch.nn.Module, optimizer: Any) -> Tuple[torch.nn.Module, Any]:
-        """DDP-wrap ``model`` (rank 0's parameters are broadcast on construction)."""
+    def wrap(self, model: torch.nn.Module, optimizer: Any,
+             backward_passes_per_step: int = 1) -> Tuple[torch.nn.Module, Any]:
+        """DDP-wrap ``model`` (rank 0's parameters are broadcast on construction).
+
+        ``backward_passes_per_step`` is accepted for the shared interface; with DDP the
+        training loop accumulates gradients itself (``no_sync`` on all but the last pass).
+        """
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if self.world_size == 1 or not any(p.requires_grad for p in model.parameters()):
             return model, optimizer
         ids = [self.device.index] if self.device.type == "cuda" else None
