@@ -1,12 +1,25 @@
 """The ``horovod`` backend for PyTorch: Horovod over Gloo inside the Spark barrier tasks.
 
 No home-made rendezvous: the barrier task of partition 0 runs Horovod's own HTTP
-``RendezvousServer`` (what ``horovodrun``'s Gloo launcher runs on its driver), initialised with
-Horovod's ``get_host_assignments`` over the hosts of the barrier tasks; its port reaches the
+rendezvous server (what ``horovodrun``'s Gloo launcher runs on its driver), initialised with
+Horovod's ``get_host_assignments`` over the hosts of the barrier tasks; its address reaches the
 other tasks through ``BarrierTaskContext.allGather``; each task takes the environment Horovod's
 launcher would give it (``create_slot_env_vars`` + ``create_run_env_vars``: rank, size,
 local/cross rank and size, hostname, rendezvous address, controller and CPU operations
 ``gloo``, network interface) and calls ``hvd.init()``.
+
+What listens, and where (see "Security" in the README):
+
+- The rendezvous server listens on rank 0's executor address only (Horovod's own server binds
+  all interfaces on a random port), and answers only requests that carry a per-fit secret.
+  Horovod's Gloo store builds its URLs as ``http://`` + ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` +
+  ``:`` + port + ``/<scope>/<key>``, so an address of ``<ip>:<port>/<secret>`` makes every
+  request ``/<secret>:<port>/<scope>/<key>``; the server checks and strips that first
+  segment and refuses anything else (403), HEAD requests included. The secret reaches the
+  ranks through ``allGather`` and their environment; it travels in plain HTTP, so it keeps
+  out whoever cannot see the fit's traffic, not an eavesdropper on the executors' network.
+- Gloo's sockets bind to the interface of each rank's executor address (``HOROVOD_GLOO_IFACE``).
+  They are unauthenticated plain TCP, as in any Horovod job.
 
 Learning rate: used as given, as Horovod's Spark estimators do (no scaling by the number of
 processes). ``hvd.DistributedOptimizer`` averages gradients; parameters and optimizer state are
@@ -14,25 +27,25 @@ broadcast from rank 0 before the first step.
 """
 from __future__ import annotations
 
+import hmac
 import os
+import secrets
 import socket
-from typing import Any, Dict, List, Tuple
+import threading
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from sparktrain.launch.barrier import RankContext
+from sparktrain.launch.torch_ddp import interface_for
 
 
 def _interface_for(ip: str) -> str:
     """Name of the network interface that holds ``ip`` (Gloo binds its devices to it)."""
-    import psutil
-
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == ip for a in addresses):
-            return name
-    if ip.startswith("127."):
-        return "lo"
-    raise RuntimeError(f"no network interface holds {ip}; set HOROVOD_GLOO_IFACE")
+    name = interface_for(ip)
+    if name is None:
+        raise RuntimeError(f"no network interface holds {ip}; set HOROVOD_GLOO_IFACE")
+    return name
 
 
 def slot_for(hosts: List[str], rank: int) -> Tuple[Any, List[Any]]:
@@ -50,6 +63,70 @@ def slot_for(hosts: List[str], rank: int) -> Tuple[Any, List[Any]]:
     return slot, plan
 
 
+class RendezvousServer:
+    """Horovod's HTTP rendezvous (its ``RendezvousHTTPServer`` and ``RendezvousHandler``),
+    bound to the IPv4 address ``host`` on a free port, answering only requests under
+    ``/<secret>:<port>/``.
+
+    Example::
+
+        server = RendezvousServer("10.0.0.5", plan)
+        os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"] = server.rendezvous_address
+        os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"] = str(server.port)
+        ...
+        server.stop()
+    """
+
+    def __init__(self, host: str, plan: List[Any], secret: Optional[str] = None) -> None:
+        from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+
+        class Handler(RendezvousHandler):
+            def _authorized(self) -> bool:
+                prefix = self.server.path_prefix.encode()
+                path = self.path.encode("utf-8", "replace")
+                if not hmac.compare_digest(path[:len(prefix)], prefix):
+                    self.send_status_code(403)
+                    return False
+                self.path = "/" + path[len(prefix):].decode("utf-8", "replace")
+                return True
+
+            def do_GET(self) -> None:
+                if self._authorized():
+                    super().do_GET()
+
+            def do_PUT(self) -> None:
+                if self._authorized():
+                    super().do_PUT()
+
+            def do_DELETE(self) -> None:
+                if self._authorized():
+                    super().do_DELETE()
+
+            def do_HEAD(self) -> None:  # SimpleHTTPRequestHandler's would describe local files
+                self.send_status_code(403)
+
+        self.host = host
+        self.secret = secret or secrets.token_urlsafe(24)
+        self._httpd = RendezvousHTTPServer((host, 0), Handler, 0)
+        self.port = self._httpd.server_address[1]
+        self._httpd.path_prefix = f"/{self.secret}:{self.port}/"
+        self._httpd.init(plan)
+        self._thread = threading.Thread(target=self._httpd.serve_forever,
+                                        name="sparktrain-horovod-rendezvous", daemon=True)
+        self._thread.start()
+
+    @property
+    def rendezvous_address(self) -> str:
+        """The value for ``HOROVOD_GLOO_RENDEZVOUS_ADDR``: host, port and secret."""
+        return f"{self.host}:{self.port}/{self.secret}"
+
+    def stop(self) -> None:
+        """Stop serving and close the listening socket (Horovod's own ``stop`` leaves it open)."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
+
+
 class HorovodTorch:
     """Horovod (Gloo) for one rank; same interface as :class:`~.torch_ddp.TorchDDP`."""
 
@@ -58,31 +135,37 @@ class HorovodTorch:
     def __init__(self, ctx: RankContext, device: torch.device) -> None:
         import horovod.torch as hvd
         from horovod.runner.gloo_run import create_run_env_vars, create_slot_env_vars
-        from horovod.runner.http.http_server import RendezvousServer
 
-        self.device = device
+        self.device, self.hvd = device, hvd
         ips = [socket.gethostbyname(h) for h in ctx.hosts]
         slot, plan = slot_for(ips, ctx.rank)
-        self._server = None
-        if ctx.rank == 0:
-            self._server = RendezvousServer()
-            port = self._server.start()
-            self._server.init(plan)
-        ports = ctx.all_gather(str(port) if self._server is not None else "")
-        env: Dict[str, str] = {k: str(v) for k, v in create_slot_env_vars(slot).items()}
-        env.update({k: str(v) for k, v in create_run_env_vars(
-            ips[0], [_interface_for(ips[ctx.rank])], int(ports[0])).items()})
-        self._saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        hvd.init()
-        self.hvd = hvd
+        self._server = RendezvousServer(ips[0], plan) if ctx.rank == 0 else None
+        self._saved: Dict[str, Optional[str]] = {}
+        try:
+            # allGather goes through Spark's driver: address and secret reach this fit's tasks.
+            server = self._server
+            sent = f"{server.port} {server.rendezvous_address}" if server is not None else ""
+            port, address = ctx.all_gather(sent)[0].split()
+            env = {k: str(v) for k, v in create_slot_env_vars(slot).items()}
+            env.update({k: str(v) for k, v in create_run_env_vars(
+                address, [_interface_for(ips[ctx.rank])], int(port)).items()})
+            self._saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            hvd.init()
+        except BaseException:
+            self._release()
+            raise
         self.rank, self.world_size = hvd.rank(), hvd.size()
 
-    def wrap(self, model: torch.nn.Module, optimizer: Any) -> Tuple[torch.nn.Module, Any]:
+    def wrap(self, model: torch.nn.Module, optimizer: Any,
+             backward_passes_per_step: int = 1) -> Tuple[torch.nn.Module, Any]:
+        """Broadcast rank 0's parameters and optimizer state; ``hvd.DistributedOptimizer``
+        averages gradients once every ``backward_passes_per_step`` backward passes."""
         hvd = self.hvd
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-        return model, hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        return model, hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                               backward_passes_per_step=backward_passes_per_step)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.hvd.allreduce(tensor, op=self.hvd.Sum)
@@ -91,11 +174,16 @@ class HorovodTorch:
         try:
             self.hvd.shutdown()
         finally:
-            if self._server is not None:
-                self._server.stop()
-                self._server = None
-            for key, value in self._saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+            self._release()
+
+    def _release(self) -> None:
+        """Stop rank 0's rendezvous server and give the process its environment back."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        for key, value in self._saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved = {}
