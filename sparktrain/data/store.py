@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import posixpath
 import tempfile
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 DEFAULT_LOCAL_STORE = os.path.join(tempfile.gettempdir(), "sparktrain-store")
 
@@ -57,16 +57,64 @@ def to_spark_url(url: str) -> str:
     return f"{_FSSPEC_TO_SPARK.get(scheme, scheme)}://{rest}"
 
 
+def _secret_strings(options: Any) -> List[str]:
+    """Every string value (at any depth) of ``storage_options``: all of them may be secrets."""
+    if isinstance(options, dict):
+        return [s for value in options.values() for s in _secret_strings(value)]
+    if isinstance(options, (list, tuple, set)):
+        return [s for value in options for s in _secret_strings(value)]
+    if isinstance(options, bytes):
+        options = options.decode("utf-8", "replace")
+    return [options] if isinstance(options, str) and len(options) >= 4 else []
+
+
+def redact(text: str, storage_options: Optional[Dict[str, Any]]) -> str:
+    """``text`` with every string value of ``storage_options`` replaced by ``***``."""
+    for secret in sorted(_secret_strings(storage_options), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
 def filesystem(url: str, storage_options: Optional[Dict[str, Any]] = None):
-    """``(fsspec filesystem, path within it)`` for any URL this module understands."""
+    """``(fsspec filesystem, path within it)`` for any URL this module understands.
+
+    A filesystem that fails to start may quote its options in the error (e.g. a token taken
+    for a file name): such an error is raised again, same type where possible, with every
+    option value replaced by ``***`` and without the original attached.
+    """
     import fsspec
 
-    fs, path = fsspec.core.url_to_fs(to_fsspec_url(url), **(storage_options or {}))
-    return fs, path
+    options = dict(storage_options or {})
+    try:
+        return fsspec.core.url_to_fs(to_fsspec_url(url), **options)
+    except Exception as exc:  # noqa: BLE001 - re-raised below, redacted if it quotes a secret
+        text = str(exc)
+        cleaned = redact(text, options)
+        if cleaned == text:
+            raise
+        error = _same_kind(exc, f"cannot open the store {to_fsspec_url(url)!r}: {cleaned}")
+    raise error  # outside the except block: the original (with the secret) is not chained
+
+
+def _same_kind(exc: Exception, message: str) -> Exception:
+    try:
+        error = type(exc)(message)
+        if str(error) == message:
+            return error
+    except Exception:  # noqa: BLE001 - the type needs other arguments
+        pass
+    return RuntimeError(f"{type(exc).__name__}: {message}")
 
 
 class Store:
-    """A root directory for datasets (``datasets/<key>``) and runs (``runs/<run_id>``)."""
+    """A root directory for datasets (``datasets/<key>``) and runs (``runs/<run_id>``).
+
+    ``storage_options`` (fsspec's keyword arguments: keys, tokens, endpoints) are passed to the
+    filesystem on the driver and the executors and nowhere else: not in ``repr``, logs or
+    Params, not in a saved estimator (it keeps the prefix only: set the Store again after
+    loading), and filesystem errors that quote them come out with ``***``. Credentials written
+    into the URL itself are not hidden: the prefix appears in logs and paths.
+    """
 
     def __init__(self, prefix: str, storage_options: Optional[Dict[str, Any]] = None) -> None:
         self.prefix = to_fsspec_url(prefix).rstrip("/") or "/"
