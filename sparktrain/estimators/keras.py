@@ -99,7 +99,15 @@ class KerasEstimator(EstimatorBase):
                  random_seed: Optional[int] = None, store: Any = None,
                  run_id: Optional[str] = None, verbose: Optional[int] = None,
                  callbacks: Optional[List[Any]] = None, custom_objects: Optional[Dict] = None,
-                 backend: Optional[str] = None, use_gpu: Optional[bool] = None) -> None:
+                 backend: Optional[str] = None, use_gpu: Optional[bool] = None,
+                 train_steps_per_epoch: Optional[int] = None,
+                 validation_steps_per_epoch: Optional[int] = None,
+                 transformation_fn: Optional[Callable] = None,
+                 inmemory_cache_all: Optional[bool] = None,
+                 backward_passes_per_step: Optional[int] = None,
+                 scale_learning_rate: Optional[bool] = None,
+                 mixed_precision: Optional[str] = None, max_time: Optional[float] = None,
+                 max_attempts: Optional[int] = None) -> None:
         super().__init__()
         self._setDefault(backend="tensorflow", custom_objects={})
         self._set(**{k: v for k, v in self._input_kwargs.items() if v is not None})
@@ -124,9 +132,18 @@ class KerasEstimator(EstimatorBase):
         loss = self.getLoss()
         if not (isinstance(loss, str) or callable(loss)):
             raise TypeError(f"loss must be a Keras loss, its name or a function, got {loss!r}")
-        if self.getCallbacks():
-            raise ValueError("callbacks are not supported by KerasEstimator yet; "
-                             "leave callbacks empty")
+        for callback in self.getCallbacks() or []:
+            if not isinstance(callback, keras.callbacks.Callback):
+                raise TypeError(f"callbacks must be keras.callbacks.Callback objects, got "
+                                f"{type(callback).__name__}")
+        if self.getBackwardPassesPerStep() != 1:
+            raise ValueError("backward_passes_per_step is not supported by KerasEstimator; "
+                             "Keras 3 optimizers accumulate gradients themselves: pass "
+                             "gradient_accumulation_steps=N to the optimizer")
+        if self.getMixedPrecision() is not None:
+            raise ValueError("mixed_precision is not a KerasEstimator param: a Keras model "
+                             "carries its dtype policy; build it under "
+                             "keras.mixed_precision.set_dtype_policy('mixed_bfloat16')")
 
     def _payload(self) -> bytes:
         keras = _keras()
@@ -138,10 +155,13 @@ class KerasEstimator(EstimatorBase):
         try:
             return dumps({"model": _model_bytes(self.getModel()), "optimizer": optimizer,
                           "loss": loss, "metrics": list(self.getMetrics() or []),
-                          "custom_objects": loading_objects(keras, self.getCustomObjects())})
+                          "custom_objects": loading_objects(keras, self.getCustomObjects()),
+                          "callbacks": list(self.getCallbacks() or []),
+                          "transformation_fn": self.getTransformationFn()})
         except Exception as exc:
-            raise TypeError(f"model, loss, metrics and custom_objects must be saveable "
-                            f"(.keras) and picklable to reach the executors: {exc}") from exc
+            raise TypeError(f"model, loss, metrics, custom_objects, callbacks and "
+                            f"transformation_fn must be saveable (.keras) and picklable to "
+                            f"reach the executors: {exc}") from exc
 
     def _train(self, run: FitRun) -> Dict[str, Any]:
         data = run.data
@@ -151,8 +171,8 @@ class KerasEstimator(EstimatorBase):
                 "sample_weight_col": self.getSampleWeightCol(), "batch_size": self.getBatchSize(),
                 "val_batch_size": self.getValBatchSize(), "epochs": self.getEpochs(),
                 "shuffle": self.getShuffle(), "seed": self.getRandomSeed(),
-                "verbose": self.getVerbose(), "run_path": run.run_path, "backend": self.getBackend(),
-                "storage_options": run.store.storage_options}
+                "verbose": self.getVerbose(), "backend": self.getBackend(),
+                "storage_options": run.store.storage_options, **self._loop_options(run)}
         payload = run.spark.sparkContext.broadcast(self._payload())
         launch = dict(description=f"sparktrain KerasEstimator {self.uid}",
                       echo_logs=self.getVerbose() >= 1, on_progress=run.progress.update)
@@ -163,7 +183,7 @@ class KerasEstimator(EstimatorBase):
                                       **launch)
             results = run_barrier(run.spark, self.getNumProc(),
                                   functools.partial(_keras_rank, spec, payload, run.use_gpu),
-                                  **launch)
+                                  max_attempts=self.getMaxAttempts(), **launch)
         finally:
             payload.destroy()
         return results[0]

@@ -115,11 +115,57 @@ class _TensorBoard:
             self.fs.put(self.local + "/", self.remote, recursive=True)
 
 
+def _checkpoint_bytes(model_file: str, optimizer: Any) -> bytes:
+    """The model's ``.keras`` file and the optimizer's variables in one ``.npz`` (read back
+    with ``allow_pickle=False``: a checkpoint cannot run code)."""
+    import io
+
+    import numpy as np
+
+    with open(model_file, "rb") as f:
+        arrays = {"model_keras": np.frombuffer(f.read(), dtype=np.uint8)}
+    for i, variable in enumerate(optimizer.variables):
+        arrays[f"optimizer_{i:05d}"] = np.asarray(variable.numpy())
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def _read_checkpoint(data: bytes) -> Tuple[bytes, List[Any]]:
+    import io
+
+    import numpy as np
+
+    with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
+        names = sorted(n for n in arrays.files if n.startswith("optimizer_"))
+        return arrays["model_keras"].tobytes(), [arrays[n] for n in names]
+
+
+def _limited(reader: Any, epoch: int, steps: Any) -> Any:
+    """``steps`` batches of ``epoch`` (one pass when ``None``), continuing into further passes."""
+    if steps is None:
+        yield from reader.epoch(epoch)
+        return
+    done, extra = 0, 0
+    while True:
+        batches = reader.epoch(epoch + extra * 1_000_003)
+        try:
+            for batch in batches:
+                yield batch
+                done += 1
+                if done == steps:
+                    return
+        finally:
+            batches.close()
+        extra += 1
+
+
 def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[str, Any]:
     import numpy as np
     import tensorflow as tf
     import keras
 
+    from sparktrain.checkpoint import Checkpoints
     from sparktrain.data.reader import ShardReader
     from sparktrain.data.schema import ColumnSpec
 
@@ -130,12 +176,32 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
 
     custom = loading_objects(keras, payload["custom_objects"])
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    run_path = spec.get("run_path")
+    checkpoints = Checkpoints(run_path, spec["storage_options"]) if run_path else None
+    resume = checkpoints.latest() if checkpoints is not None else None
+    meta: Dict[str, Any] = resume.meta if resume is not None else {}
+    model_bytes, optimizer_state = payload["model"], None
+    if resume is not None:
+        model_bytes, optimizer_state = _read_checkpoint(checkpoints.read(resume))
     model_path = os.path.join(workdir, "model.keras")
     with open(model_path, "wb") as f:
-        f.write(payload["model"])
+        f.write(model_bytes)
     with strategy.scope():
         model = keras.saving.load_model(model_path, custom_objects=custom, compile=False)
         optimizer = keras.optimizers.get(payload["optimizer"])
+        if optimizer_state is not None:
+            optimizer.build(model.trainable_variables)
+            if len(optimizer.variables) != len(optimizer_state):
+                raise RuntimeError("the run's checkpoint does not fit this optimizer; pass a new "
+                                   "run_id to start a fresh run")
+            for variable, value in zip(optimizer.variables, optimizer_state):
+                variable.assign(value)
+        elif spec.get("scale_learning_rate"):
+            if not isinstance(optimizer.learning_rate, (float, int)) and \
+                    not hasattr(optimizer.learning_rate, "assign"):
+                raise TypeError("scale_learning_rate needs a constant learning rate, not a "
+                                "schedule; scale the schedule yourself")
+            optimizer.learning_rate = float(optimizer.learning_rate) * world
         loss_fn = keras.losses.get(payload["loss"])
         if hasattr(loss_fn, "reduction"):
             loss_fn.reduction = None  # per-row values; we divide by the global batch ourselves
@@ -146,10 +212,13 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
 
     def reader(split: str, batch: int, shuffle: bool) -> ShardReader:
         return ShardReader(spec["dataset_root"], spec["layouts"][split], columns, rank, world,
-                           batch, shuffle, spec["seed"], spec["storage_options"])
+                           batch, shuffle, spec["seed"], spec["storage_options"],
+                           inmemory_cache_all=bool(spec.get("inmemory_cache_all")))
 
     train_reader = reader("train", spec["batch_size"], spec["shuffle"])
     val_reader = reader("val", spec["val_batch_size"], False) if spec["layouts"].get("val") else None
+    train_steps = spec.get("train_steps") or len(train_reader)
+    transform = payload.get("transformation_fn")
     n_stats = 2 + len(metrics) * len(labels)
 
     def forward(x: Any, y: Any, w: Any, training: bool) -> Tuple[Any, Any, List[Any]]:
@@ -201,14 +270,16 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
 
     names = [n if len(labels) == 1 else f"{l}_{n}" for l in labels for n, _ in metrics]
 
-    def run_epoch(step_fn: Callable, source: ShardReader, epoch: int, report: bool) -> Dict[str, float]:
+    def run_epoch(step_fn: Callable, source: ShardReader, epoch: int, report: bool,
+                  steps: Any) -> Dict[str, float]:
         local = tf.zeros([n_stats], tf.float32)
         last = 0.0
-        for i, batch in enumerate(source.epoch(epoch)):
-            x, y, w = tensors(batch)
+        total = steps or len(source)
+        for i, batch in enumerate(_limited(source, epoch, steps)):
+            x, y, w = tensors(batch if transform is None else transform(batch))
             stats = step_fn(x, y, w)
             local += stats
-            if report and (time.monotonic() - last > 0.25 or i + 1 == len(source)):
+            if report and (time.monotonic() - last > 0.25 or i + 1 == total):
                 last = time.monotonic()
                 values = stats.numpy()
                 _progress(event="step", epoch=epoch, step=i + 1,
@@ -218,18 +289,37 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
         return {"loss": totals[1] / rows, **{n: v / rows for n, v in zip(names, totals[2:])}}
 
     lead = rank == 0 and spec["verbose"] >= 1
+    first = meta.get("epochs_done", 0)
+    # every worker must resume from the same epoch (a checkpoint could appear meanwhile)
+    agreed = sum_over_workers(tf.constant([float(first)])).numpy()[0]
+    if agreed != first * world:
+        raise RuntimeError("workers found different latest checkpoints; the attempt is retried")
+    attempts = meta.get("attempts", []) + [{"attempt": spec.get("attempt", 0),
+                                            "start_epoch": first}]
     if lead:
-        print(f"{world} worker(s), backend 'tensorflow' (MultiWorkerMirroredStrategy): "
-              f"{len(train_reader)} steps/epoch of {spec['batch_size']} rows per worker", flush=True)
-        _progress(event="start", epochs=spec["epochs"], steps=len(train_reader))
-    history: Dict[str, List[float]] = {}
+        print(f"{world} worker(s), backend {spec['backend']!r} (MultiWorkerMirroredStrategy): "
+              f"{train_steps} steps/epoch of {spec['batch_size']} rows per worker", flush=True)
+        if resume is not None:
+            print(f"resuming from the checkpoint after epoch {first}", flush=True)
+        _progress(event="start", epochs=spec["epochs"], steps=train_steps, first=first)
+    history: Dict[str, List[float]] = {k: list(v) for k, v in meta.get("history", {}).items()}
     board = _TensorBoard(tf, spec["run_path"], spec["storage_options"]) \
         if rank == 0 and spec.get("run_path") else None
-    for epoch in range(spec["epochs"]):
+    callbacks = list(payload.get("callbacks") or [])
+    model.stop_training = False
+    for callback in callbacks:
+        callback.set_model(model)
+        callback.on_train_begin({k: v[-1] for k, v in history.items()})
+    stop_reason = None
+    checkpoint_file = os.path.join(workdir, "checkpoint.keras")
+    for epoch in range(first, spec["epochs"]):
         started = time.perf_counter()
-        logs = run_epoch(train_step, train_reader, epoch, lead)
+        for callback in callbacks:
+            callback.on_epoch_begin(epoch)
+        logs = run_epoch(train_step, train_reader, epoch, lead, spec.get("train_steps"))
         if val_reader is not None:
-            logs.update({f"val_{k}": v for k, v in run_epoch(eval_step, val_reader, 0, False).items()})
+            logs.update({f"val_{k}": v for k, v in
+                         run_epoch(eval_step, val_reader, 0, False, spec.get("val_steps")).items()})
         for key, value in logs.items():
             history.setdefault(key, []).append(float(value))
         if board is not None:
@@ -239,6 +329,25 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
             values = "  ".join(f"{k}={v:.4g}" for k, v in logs.items())
             print(f"epoch {epoch + 1}/{spec['epochs']}  {values}  "
                   f"({time.perf_counter() - started:.1f}s)", flush=True)
+        for callback in callbacks:
+            callback.on_epoch_end(epoch, dict(logs))
+        if rank == 0 and checkpoints is not None:
+            model.save(checkpoint_file)
+            checkpoints.write(epoch + 1, _checkpoint_bytes(checkpoint_file, optimizer),
+                              {"history": history, "attempts": attempts, "framework": "keras"})
+        late = spec.get("deadline") is not None and time.time() >= spec["deadline"]
+        asked = bool(getattr(model, "stop_training", False))
+        if epoch + 1 < spec["epochs"]:
+            votes = sum_over_workers(tf.constant([1.0 if asked or late else 0.0])).numpy()[0]
+            if votes > 0:
+                stop_reason = "callback" if asked else "max_time"
+                if rank == 0:
+                    print(f"training stopped after epoch {epoch + 1}: "
+                          + ("a callback asked to stop" if asked else "max_time reached"),
+                          flush=True)
+                break
+    for callback in callbacks:
+        callback.on_train_end({k: v[-1] for k, v in history.items()})
     sample = next(iter(train_reader.epoch(0)))
     outputs = model([tf.constant(sample[c][:1].reshape(1, -1)) for c in features]
                     if len(features) > 1 else tf.constant(sample[features[0]][:1].reshape(1, -1)))
@@ -249,8 +358,8 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
     model.save(trained)
     with open(trained, "rb") as f:
         weights = f.read()
-    return {"model": weights, "history": history,
-            "output_shapes": [list(o.shape[1:]) for o in outputs]}
+    return {"model": weights, "history": history, "stop_reason": stop_reason,
+            "attempts": attempts, "output_shapes": [list(o.shape[1:]) for o in outputs]}
 
 
 def main(workdir: str) -> int:

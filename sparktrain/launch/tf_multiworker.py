@@ -62,8 +62,9 @@ def run_tf_worker(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gp
     """Run the Keras training child for this barrier task; return what it returned."""
     host = ctx.hosts[ctx.rank]
     workers = ctx.all_gather(f"{host}:{_free_port(host)}")
-    return spawn_keras_worker(ctx.rank, ctx.world_size, tf_config(workers, ctx.rank), spec,
-                              payload, rank_gpu(ctx.resources, use_gpu), ctx.progress)
+    return spawn_keras_worker(ctx.rank, ctx.world_size, tf_config(workers, ctx.rank),
+                              dict(spec, attempt=ctx.attempt), payload,
+                              rank_gpu(ctx.resources, use_gpu), ctx.progress)
 
 
 def spawn_keras_worker(rank: int, world_size: int, config: str, spec: Dict[str, Any],
