@@ -29,10 +29,12 @@ def df(regression_df):
     return regression_df.select("features", "label", "is_val")
 
 
-def test_gradient_accumulation_equals_a_larger_batch(df, store):
+@pytest.mark.parametrize("backend", ["torch", "horovod"])
+def test_gradient_accumulation_equals_a_larger_batch(df, store, backend):
     # same rows per optimizer step: 2 passes of 50 rows == 1 pass of 100 rows (mean gradients)
-    accumulated = _fit(df, store, batch_size=50, backward_passes_per_step=2).getHistory()
-    large = _fit(df, store, batch_size=100).getHistory()
+    accumulated = _fit(df, store, batch_size=50, backward_passes_per_step=2,
+                       backend=backend).getHistory()
+    large = _fit(df, store, batch_size=100, backend=backend).getHistory()
     np.testing.assert_allclose(accumulated["loss"], large["loss"], rtol=1e-5)
 
 

@@ -422,9 +422,8 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     dist = load_backend(TORCH_BACKENDS, spec.backend)(ctx, device)
     ddp_model = board = None
     try:
-        passes = spec.backward_passes_per_step
-        ddp_model, optimizer = dist.wrap(model, optimizer, **(
-            {"backward_passes_per_step": passes} if passes > 1 else {}))
+        ddp_model, optimizer = dist.wrap(model, optimizer,
+                                         backward_passes_per_step=spec.backward_passes_per_step)
         autocast = _autocast_dtype(spec)
         scaler = torch.amp.GradScaler(device.type) if autocast == torch.float16 else None
         step_rule = _Step(optimizer, spec.backward_passes_per_step, autocast, scaler)
