@@ -1,6 +1,7 @@
 """The driver's live view of a fit: one progress bar fed by rank 0's events.
 
-Rank 0 sends ``{"event": "start", "epochs", "steps"}``, ``{"event": "step", "epoch", "step",
+Rank 0 sends ``{"event": "start", "epochs", "steps", "first"}`` (``first``: epochs already done
+by a resumed run; a retried attempt sends it again), ``{"event": "step", "epoch", "step",
 "loss"}`` (at most a few per second) and ``{"event": "epoch", "epoch", "logs"}``; this turns
 them into a tqdm bar (``tqdm.auto``: a widget in Jupyter, text in a terminal). Log lines are
 written through ``tqdm.write`` so they do not tear the bar.
@@ -49,8 +50,12 @@ class FitProgress:
                 from tqdm.auto import tqdm
 
                 self._epochs, self._steps = int(event["epochs"]), int(event["steps"])
-                self._bar = tqdm(total=self._epochs * self._steps, unit="step",
-                                 desc=f"epoch 1/{self._epochs}", leave=True, dynamic_ncols=True)
+                first = int(event.get("first", 0))
+                if self._bar is not None:  # a retried attempt starts over from its checkpoint
+                    self._bar.close()
+                self._bar = tqdm(total=self._epochs * self._steps, initial=first * self._steps,
+                                 unit="step", desc=f"epoch {first + 1}/{self._epochs}",
+                                 leave=True, dynamic_ncols=True)
             elif self._bar is None:
                 return
             elif kind == "step":

@@ -49,6 +49,9 @@ def test_progress_bar_follows_rank_events(capsys):
     assert progress._bar.n == 3
     progress.update({"event": "epoch", "epoch": 1, "logs": {"loss": 0.2}})
     assert progress._bar.n == 6 and progress._bar.total == 6
+    # a retried attempt resumes after epoch 1: the bar restarts there
+    progress.update({"event": "start", "epochs": 2, "steps": 3, "first": 1})
+    assert progress._bar.n == 3 and progress._bar.desc.startswith("epoch 2/2")
     progress.close()
     quiet = FitProgress(verbose=0)
     quiet.update({"event": "start", "epochs": 2, "steps": 3})
