@@ -13,7 +13,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Callable, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 from pyspark.ml import Pipeline, PipelineModel
 from pyspark.ml.feature import StandardScaler, VectorAssembler
@@ -44,6 +44,13 @@ def parse_args(argv: Sequence[str], doc: str, backends: Sequence[str]) -> argpar
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--store", default=None, help="sparktrain store (default: a local temp dir)")
     p.add_argument("--output", default=None, help="where to save the fitted PipelineModel")
+    p.add_argument("--run-id", default=None,
+                   help="name of the run in the store; run again with the same id to resume "
+                        "from its last checkpoint (e.g. after the job was pre-empted)")
+    p.add_argument("--max-time", type=float, default=None,
+                   help="stop training at the end of the epoch after this many seconds")
+    p.add_argument("--max-attempts", type=int, default=None,
+                   help="attempts of the training stage (default: spark.stage.maxConsecutiveAttempts)")
     p.add_argument("--use-gpu", choices=["auto", "yes", "no"], default="auto",
                    help="train on the GPUs Spark assigns to tasks (auto: when tasks have GPUs)")
     p.add_argument("--backend", choices=list(backends), default=backends[0],
@@ -58,6 +65,11 @@ def parse_args(argv: Sequence[str], doc: str, backends: Sequence[str]) -> argpar
     if (args.input or args.table) and not args.feature_cols:
         p.error("--feature-cols is required with --input/--table")
     return args
+
+
+def run_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """The estimator params for checkpointed runs, from ``--run-id/--max-time/--max-attempts``."""
+    return {"run_id": args.run_id, "max_time": args.max_time, "max_attempts": args.max_attempts}
 
 
 def get_spark(master: str | None, app_name: str) -> SparkSession:

@@ -21,7 +21,7 @@ from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jobs.common import digits_frame, parse_args, run, use_gpu  # noqa: E402,F401
+from jobs.common import digits_frame, parse_args, run, run_options, use_gpu  # noqa: E402,F401
 
 
 def accuracy(output, label):
@@ -48,7 +48,7 @@ def build_estimator(args, n_in: int, n_out: int, store: str):
         metrics=[accuracy] if classification else [], feature_cols=["features"],
         label_cols=[args.label_col], batch_size=args.batch_size, epochs=args.epochs,
         validation=args.validation or None, random_seed=args.seed, store=store, verbose=1,
-        backend=args.backend, use_gpu=use_gpu(args))
+        backend=args.backend, use_gpu=use_gpu(args), **run_options(args))
 
 
 def main(argv: Sequence[str] = ()) -> int:
