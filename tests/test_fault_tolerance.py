@@ -109,3 +109,11 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     assert latest.epochs_done == 3 and ckpts.read(latest) == b"weights 3"
     assert sorted(p.name for p in root.glob("*.json")) == ["epoch-000002.json",
                                                              "epoch-000003.json"]
+
+
+def test_run_of_another_framework_is_refused_before_training(spark, regression_df, store):
+    Checkpoints(Store.create(store).run_path("keras-made")).write(
+        1, b"npz", {"history": {}, "framework": "keras"})
+    with pytest.raises(ValueError, match="holds a keras run's checkpoints; TorchEstimator "
+                                         "cannot resume it"):
+        _estimator(store, "keras-made").fit(regression_df.select("features", "label"))

@@ -85,6 +85,8 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
 
     #: backend name -> ("module:Class", requirement), set by each framework's estimator
     backends: Dict[str, Tuple[str, str]] = {}
+    #: what the framework's checkpoints are tagged with ("torch", "keras")
+    framework = ""
 
     def _check_framework(self) -> None:
         """Raise ``ValueError``/``TypeError`` for framework params that cannot work."""
@@ -165,6 +167,10 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         with _FitLogging(self.getVerbose()), FitProgress(self.getVerbose()) as progress:
             started = time.perf_counter()
             latest = Checkpoints(store.run_path(run_id), store.storage_options).latest()
+            if latest is not None and latest.meta.get("framework") != self.framework:
+                raise ValueError(f"run_id={run_id!r} holds a {latest.meta.get('framework')} "
+                                 f"run's checkpoints; {type(self).__name__} cannot resume it. "
+                                 f"Pass another run_id.")
             if latest is not None:
                 log.info("run %s has a checkpoint after epoch %d: resuming from it", run_id,
                          latest.epochs_done)

@@ -86,6 +86,7 @@ class KerasEstimator(EstimatorBase):
     """
 
     backends = KERAS_BACKENDS
+    framework = "keras"
     custom_objects = Param(Params._dummy(), "custom_objects",
                            "custom layers/functions by name, for loading the model")
 

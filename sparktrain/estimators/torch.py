@@ -44,6 +44,7 @@ class TorchEstimator(EstimatorBase):
     """
 
     backends = TORCH_BACKENDS
+    framework = "torch"
 
     @keyword_only
     def __init__(self, *, num_proc: Optional[int] = None, model: Any = None,
