@@ -1,6 +1,8 @@
 """Sharding: every rank runs the same steps, rows are read once, nothing hangs on odd layouts."""
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -194,6 +196,20 @@ def test_materialized_skewed_layouts(skewed, name, split, worlds, batch):
 
 
 # -- inmemory_cache_all ---------------------------------------------------------------------------
+def owner(array):
+    """What holds ``array``'s memory: the numpy array that owns it, or a mapping."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    base = array.base.obj if isinstance(array.base, memoryview) else array.base
+    return array if base is None else base
+
+
+def owner_bytes(array):
+    """Size of the memory that ``array`` keeps alive."""
+    root = owner(array)
+    return root.nbytes if isinstance(root, np.ndarray) else len(root)
+
+
 def epochs_of(reader, epochs):
     return [[{k: v.copy() for k, v in b.items()} for b in reader.epoch(e)] for e in range(epochs)]
 
@@ -240,7 +256,7 @@ def test_inmemory_cache_all_yields_the_same_batches_and_reads_files_once(tmp_pat
         assert got[0][0]["id"].tolist() != got[1][0]["id"].tolist()
     # the cache holds the shard, not whole row groups around its ends (compact arrays)
     assert sum(len(chunk["id"]) for chunk in cached._cache.values()) == cached.rows_per_epoch
-    assert all(v.base is None for chunk in cached._cache.values() for v in chunk.values())
+    assert all(owner_bytes(v) == v.nbytes for chunk in cached._cache.values() for v in chunk.values())
     cached.close()
     assert not cached._cache
     with pytest.raises(FileNotFoundError):  # after close() the files are needed again
@@ -255,6 +271,21 @@ def test_writing_to_a_batch_does_not_change_the_cache(tmp_path, shuffle):
         b["x"][:] = -1  # e.g. a model whose first layer is ReLU(inplace=True)
     for b in reader.epoch(1):
         np.testing.assert_array_equal(b["x"][:, 0], b["id"].astype(np.float32))
+
+
+def test_large_row_groups_live_in_their_own_mappings(tmp_path):
+    layout = write_dataset(tmp_path, [150_000], row_group_size=100_000)
+    reader = ShardReader(str(tmp_path), layout, COLUMNS, 0, 1, 4096, shuffle=True,
+                         inmemory_cache_all=True)
+    ids = np.concatenate([b["id"] for b in reader.epoch(0)])
+    assert sorted(ids.tolist()) == list(range(150_000))
+    big, small = sorted(reader._cache.values(), key=lambda chunk: -len(chunk["id"]))
+    assert isinstance(owner(big["x"]), mmap.mmap)  # 1.2 MB: a mapping of its own
+    assert owner_bytes(big["x"]) == 100_000 * 12
+    assert isinstance(owner(small["x"]), np.ndarray)  # 600 KB: an ordinary array
+    assert owner_bytes(small["x"]) == 50_000 * 12
+    np.testing.assert_array_equal(big["x"][:, 0], big["id"].astype(np.float32))
+    assert sum(len(b["id"]) for b in reader.epoch(1)) == 150_000
 
 
 # -- open files -----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import math
+import mmap
 import queue
 import threading
 from collections import OrderedDict
@@ -239,7 +240,7 @@ class ShardReader:
                 for spec in self.columns:
                     values = column_to_numpy(batch.column(spec.name), spec)
                     if spec.name not in out:
-                        out[spec.name] = np.empty((rows,) + values.shape[1:], values.dtype)
+                        out[spec.name] = _empty((rows,) + values.shape[1:], values.dtype)
                     out[spec.name][filled:filled + len(values)] = values
                 filled += hi - lo
             if offset >= piece.hi:
@@ -289,6 +290,25 @@ class ShardReader:
 
 READ_BUFFER = 1 << 20  # bytes per read while decoding a column chunk
 READ_BYTES = 4 << 20  # decoded bytes per record batch while reading a row group
+
+
+MMAP_BYTES = 1 << 20  # arrays at least this large get pages of their own
+
+
+def _empty(shape: Tuple[int, ...], dtype: Any) -> np.ndarray:
+    """``np.empty``, but a large array is an anonymous mapping of its own, unmapped (given back
+    to the OS) as soon as the array is dropped.
+
+    Row groups are about 32 MB (``materialize.ROW_GROUP_BYTES``): just under glibc's largest
+    mmap threshold, so after the first one is freed ``malloc`` serves them from its heap, which
+    keeps up to 2x that threshold of freed memory untrimmed and fragments as group sizes vary
+    (measured: the reader's peak RSS grew from +146 MiB at 1M rows to +160-190 MiB at 4M; with
+    this, +136 and +145, and RSS falls back after the epoch).
+    """
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if nbytes < MMAP_BYTES:
+        return np.empty(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
 
 
 def _is_local(fs: Any) -> bool:
