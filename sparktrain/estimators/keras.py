@@ -176,7 +176,8 @@ class KerasEstimator(EstimatorBase):
                 "storage_options": run.store.storage_options, **self._loop_options(run)}
         payload = run.spark.sparkContext.broadcast(self._payload())
         launch = dict(description=f"sparktrain KerasEstimator {self.uid}",
-                      echo_logs=self.getVerbose() >= 1, on_progress=run.progress.update)
+                      echo_logs=self.getVerbose() >= 1, on_progress=run.progress.update,
+                      max_attempts=self.getMaxAttempts())
         backend = load_backend(KERAS_BACKENDS, self.getBackend())
         try:
             if getattr(backend, "launches_itself", False):  # tfos: starts its own cluster
@@ -184,7 +185,7 @@ class KerasEstimator(EstimatorBase):
                                       **launch)
             results = run_barrier(run.spark, self.getNumProc(),
                                   functools.partial(_keras_rank, spec, payload, run.use_gpu),
-                                  max_attempts=self.getMaxAttempts(), **launch)
+                                  **launch)
         finally:
             payload.destroy()
         return results[0]

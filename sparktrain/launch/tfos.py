@@ -13,6 +13,12 @@ loop as ``backend="tensorflow"``):
 3. the main function turns that into ``TF_CONFIG`` and trains in a child process
    (:func:`~sparktrain.launch.tf_multiworker.spawn_keras_worker`); rank 0 returns the model.
 
+Spark re-runs a failed training stage as a whole (see :mod:`sparktrain.launch.barrier`); each
+attempt gets a cluster of its own (its own reservation server and cluster id, as a new
+``TFCluster.run`` would), so a node retried on another host cannot meet its old reservation
+(TFoS's retry path matches reservations by host and node id, and a second one for the same node
+fails its "Duplicate worker/task" check). The Keras worker resumes from the last checkpoint.
+
 Only TFoS's driver side is replaced, because a fit must leave the user's session alone:
 ``TFCluster.run``/``shutdown`` stop the SparkContext and ``sys.exit(1)`` when a node fails,
 keep the failure in a module-global dict that fails every later cluster of the process, install
@@ -34,10 +40,10 @@ import random
 import shutil
 import socket
 import tempfile
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from sparktrain.launch import import_quietly
-from sparktrain.launch.barrier import RankContext, driver_host, run_barrier
+from sparktrain.launch.barrier import RankContext, driver_host, run_barrier, stage_attempts
 from sparktrain.launch.gpus import rank_gpu
 from sparktrain.launch.tf_multiworker import spawn_keras_worker
 
@@ -94,22 +100,27 @@ def stop_reservations(server: Any, address: Tuple[str, int]) -> None:
 
 def launch(spark: Any, num_proc: int, spec: Dict[str, Any], payload: Any, use_gpu: bool,
            description: str = "sparktrain tfos", echo_logs: bool = True,
-           on_progress: Any = None) -> Any:
+           on_progress: Any = None, max_attempts: Optional[int] = None) -> Any:
     """Train on a TFoS cluster of ``num_proc`` nodes; return rank 0's result.
 
     ``payload`` is a broadcast of the pickled model/optimizer/loss. Raises
-    :class:`~sparktrain.launch.barrier.TrainingError` if a node fails; the SparkSession keeps
-    working either way.
+    :class:`~sparktrain.launch.barrier.TrainingError` if a node fails (after up to
+    ``max_attempts`` attempts); the SparkSession keeps working either way.
     """
-    server, meta = start_reservations(spark.sparkContext, num_proc)
+    sc = spark.sparkContext
+    attempts = min(max_attempts or stage_attempts(sc), stage_attempts(sc))
+    clusters: List[Tuple[Any, Dict[str, Any]]] = []
     try:
-        results = run_barrier(spark, num_proc,
-                              functools.partial(_node_task, dict(spec, tfos_cluster=meta),
-                                                payload, use_gpu),
-                              description=description, echo_logs=echo_logs,
-                              on_progress=on_progress)
+        for _ in range(attempts):  # one per attempt of the stage: a thread and a socket each
+            clusters.append(start_reservations(sc, num_proc))
+        task = functools.partial(_node_task, dict(spec, tfos_clusters=[m for _, m in clusters]),
+                                 payload, use_gpu)
+        results = run_barrier(spark, num_proc, task, description=description,
+                              echo_logs=echo_logs, on_progress=on_progress,
+                              max_attempts=max_attempts)
     finally:
-        stop_reservations(server, meta["server_addr"])
+        for server, meta in clusters:
+            stop_reservations(server, meta["server_addr"])
     return results[0]
 
 
@@ -156,8 +167,9 @@ def run_node(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gpu: bo
     which in local mode is the driver's own directory), ``TF_CONFIG`` and
     ``CUDA_VISIBLE_DEVICES`` (TFoS exports both), and the TFManager.
     """
-    spec = dict(spec)
-    meta = spec.pop("tfos_cluster")
+    spec = dict(spec, attempt=ctx.attempt)
+    clusters = spec.pop("tfos_clusters")
+    meta = clusters[min(ctx.attempt, len(clusters) - 1)]
     node_module = _tfos("TFSparkNode")
     result: Dict[str, Any] = {}
 
