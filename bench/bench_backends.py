@@ -14,8 +14,8 @@ Figures (see bench/README.md for what each one compares and why):
                         2..E of E-epoch fits, median (cross-check: (E-epoch fit - 1-epoch fit) /
                         (E - 1)). Extras: a per-step breakdown run inside the barrier tasks
                         (compute, wrapped step, all-reduce, CPU per step, idle CPU) that says
-                        what limits a slower backend. The Keras backends print as "not
-                        implemented yet".
+                        what limits a slower backend. KerasEstimator's backends
+                        (tensorflow, tfos) train the same MLP in Keras 3, timed the same way.
   overhead:horovod      wall time of a warm 1-step 2-rank fit with backend="horovod" against
                         horovod.spark.run(fn, num_proc=2) running the same step
                         (extra: the torch backend's 1-step fit)
@@ -43,10 +43,11 @@ from common import (add_common_args, cached, figure, guarded, hang_extras, make_
                     write_results)
 
 FIGURES = ("throughput", "overhead")
-# Backends measured (TorchEstimator's torch/horovod, KerasEstimator's tensorflow); "torch" is
-# the baseline. KERAS_PLANNED are reported as rows without numbers until sparktrain has them.
-BACKENDS = ("torch", "horovod", "tensorflow")
-KERAS_PLANNED = ("tfos",)
+# Backends measured (TorchEstimator's torch/horovod, KerasEstimator's tensorflow/tfos); "torch"
+# is the baseline. KERAS_PLANNED are reported as rows without numbers until sparktrain has them.
+BACKENDS = ("torch", "horovod", "tensorflow", "tfos")
+KERAS_BACKEND_NAMES = ("tensorflow", "tfos")
+KERAS_PLANNED: Tuple[str, ...] = ()
 HIDDEN, CLASSES = 64, 2
 LR = 0.05
 
@@ -75,7 +76,7 @@ def make_keras_mlp(features: int):
 
 def make_estimator(backend: str, features: int, batch_size: int, epochs: int, shuffle: bool,
                    store: str):
-    if backend == "tensorflow":
+    if backend in KERAS_BACKEND_NAMES:
         import keras
 
         from sparktrain import KerasEstimator
@@ -140,14 +141,15 @@ def bench_throughput(spark, df, tmp: str, args, state: Dict[str, Any]) -> List[D
     from sparktrain.data.reader import steps_per_epoch
 
     rows, epochs, repeats = args.rows, args.epochs, args.repeats
+    backends = args.backends  # "torch" first: the baseline
     store = os.path.join(tmp, "store-throughput")  # one store: the frame is materialized once
     estimators = {(b, e): make_estimator(b, args.features, args.batch_size, e, True, store)
-                  for b in BACKENDS for e in (1, epochs)}
+                  for b in backends for e in (1, epochs)}
     steps = steps_per_epoch(rows, 2, args.batch_size)
     log, hangs, limit = state["rank_log"], state["hangs"], args.fit_timeout
     runs: Dict[str, Dict[str, List]] = {b: {"fit_1_s": [], f"fit_{epochs}_s": [],
                                             "epoch_s": [], "final_loss": []}
-                                        for b in BACKENDS}
+                                        for b in backends}
 
     def fit(backend: str, n_epochs: int, label: str):
         log.take()
@@ -167,13 +169,13 @@ def bench_throughput(spark, df, tmp: str, args, state: Dict[str, Any]) -> List[D
                                  f"epoch lines, expected {n_epochs - 1}")
         return seconds, history, durations
 
-    for backend in BACKENDS:  # the first one also materializes the frame into the store
+    for backend in backends:  # the first one also materializes the frame into the store
         progress(f"throughput: warm-up {epochs}-epoch fit, backend={backend!r}")
         seconds, _, _ = fit(backend, epochs, f"throughput: {backend} warm-up fit")
         progress(f"throughput: warm-up {backend}: {seconds:.2f}s")
     for i in range(repeats):
         # alternate backends (and their order) so that load from other processes hits both alike
-        order = BACKENDS if i % 2 == 0 else tuple(reversed(BACKENDS))
+        order = backends if i % 2 == 0 else tuple(reversed(backends))
         for backend in order:
             for n_epochs in (1, epochs):
                 seconds, history, durations = fit(
@@ -188,7 +190,7 @@ def bench_throughput(spark, df, tmp: str, args, state: Dict[str, Any]) -> List[D
                                               if durations else ""))
 
     summary: Dict[str, Dict[str, Any]] = {}
-    for backend in BACKENDS:
+    for backend in backends:
         r = runs[backend]
         epoch_s = statistics.median(r["epoch_s"])
         t1, te = statistics.median(r["fit_1_s"]), statistics.median(r[f"fit_{epochs}_s"])
@@ -213,7 +215,7 @@ def bench_throughput(spark, df, tmp: str, args, state: Dict[str, Any]) -> List[D
                f"shuffle=True")
     baseline_name = "TorchEstimator(backend='torch'): DDP over Gloo"
     results = []
-    for backend in BACKENDS[1:]:
+    for backend in backends[1:]:
         s = summary[backend]
         extras: Dict[str, Any] = {}
         for name, entry in (("torch", base), (backend, s)):
@@ -499,8 +501,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--diag-cycle-times", default="0.1,5",
                         help="comma-separated HOROVOD_CYCLE_TIME values (ms) to also run the "
                              "horovod step breakdown with (Horovod's default is 1 ms; '' = none)")
+    parser.add_argument("--backends", default=",".join(BACKENDS),
+                        help="comma-separated backends for the throughput figure (torch, the "
+                             "baseline, always runs)")
     add_common_args(parser, FIGURES, "bench_backends.json", fit_timeout=300.0)
     args = parse_common(parser, argv, FIGURES)
+    chosen = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = set(chosen) - set(BACKENDS)
+    if unknown:
+        parser.error(f"unknown backend(s) {sorted(unknown)}; expected some of {list(BACKENDS)}")
+    args.backends = ("torch",) + tuple(b for b in BACKENDS[1:] if b in chosen)
     args.diag_cycle_times = [v.strip() for v in args.diag_cycle_times.split(",") if v.strip()]
     if args.epochs < 2:
         parser.error("--epochs must be at least 2")
