@@ -319,6 +319,7 @@ def test_a_row_group_with_fewer_rows_than_the_layout_says_is_an_error(tmp_path):
 
 
 # -- end to end -----------------------------------------------------------------------------------
+@pytest.mark.timeout(180)  # a rank waiting for a collective its peer never joins fails here
 def test_two_rank_fit_on_a_skewed_frame_finishes(spark, tmp_path):
     """1 row in one partition, 250 in another, 0 in the rest, and a validation split of one
     row: both ranks run the same steps (a hang would time the test out)."""
