@@ -33,6 +33,7 @@ Example (what ``KerasEstimator._train`` does for ``backend="tfos"``)::
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -173,29 +174,30 @@ def run_node(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gpu: bo
     node_module = _tfos("TFSparkNode")
     result: Dict[str, Any] = {}
 
-    def main_fun(args: Dict[str, Any], node: Any) -> None:  # TFoS's contract: (tf_args, ctx)
+    def main_fun(args: argparse.Namespace, node: Any) -> None:  # TFoS's (tf_args, ctx)
         _stop_manager(node_module)
         rank = node_rank(node.job_name, node.task_index)
         if rank != ctx.rank or node.executor_id != ctx.rank:
             raise RuntimeError(f"TFoS node {node.executor_id} ({node.job_name}:"
                                f"{node.task_index}) is not barrier task {ctx.rank}")
-        if rank == 0 and args["verbose"] >= 1:
+        if rank == 0 and args.verbose >= 1:
             print(f"TensorFlowOnSpark cluster: {json.dumps(node.cluster_spec)}", flush=True)
-        # sparktrain's GPU rule, not TFoS's: the child sees the GPU Spark gave this task (TFoS
-        # would pick any free GPU with nvidia-smi when Spark assigned none)
+        # sparktrain's GPU rule: the child sees the GPU Spark gave this task, or none
         result["value"] = spawn_keras_worker(
             rank, ctx.world_size, node_tf_config(node.cluster_spec, node.job_name, node.task_index),
-            args["spec"], payload, rank_gpu(ctx.resources, use_gpu), ctx.progress)
+            args.spec, payload, rank_gpu(ctx.resources, use_gpu), ctx.progress)
 
     saved_env = {key: os.environ.get(key) for key in ("TF_CONFIG", "CUDA_VISIBLE_DEVICES")}
     cwd = os.getcwd()
     workdir = tempfile.mkdtemp(prefix=f"sparktrain-tfos-node{ctx.rank}-")
     os.chdir(workdir)
     try:
-        # tf_args as a dict: TFoS replaces sys.argv when they are a list, and looks up
-        # "num_gpus" in them; background=False runs main_fun in this task (InputMode.TENSORFLOW)
-        start = node_module.run(main_fun, {"spec": spec, "verbose": spec.get("verbose", 1)}, meta,
-                                False, None, ["error"], False)
+        # tf_args: a Namespace, not a list (TFoS would make a list the worker's sys.argv), with
+        # num_gpus=0: else, when Spark assigned no GPU to the task but nvidia-smi lists some,
+        # TFoS picks a free one itself (and sleeps 30 s, 60 s, 90 s, then fails, when none is
+        # free). background=False: main_fun runs in this task (InputMode.TENSORFLOW).
+        args = argparse.Namespace(num_gpus=0, spec=spec, verbose=spec.get("verbose", 1))
+        start = node_module.run(main_fun, args, meta, False, None, ["error"], False)
         start(iter([ctx.rank]))  # the node RDD's partition holds its executor_id: the rank
     finally:
         _stop_manager(node_module)
