@@ -22,7 +22,7 @@ from pyspark.ml.feature import VectorAssembler  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
 from sparktrain import KerasEstimator, KerasModel, TrainingError  # noqa: E402
-from sparktrain.launch import KERAS_BACKENDS, check_backend, import_quietly  # noqa: E402
+from sparktrain.launch import KERAS_BACKENDS, check_backend  # noqa: E402
 from sparktrain.launch import tfos  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +50,8 @@ def test_cluster_layout_matches_tfcluster_run():
     workers on the rest; the TF_CONFIG and rank follow from TFoS's node context."""
     assert tfos.cluster_template(1) == {"chief": [0]}
     assert tfos.cluster_template(3) == {"chief": [0], "worker": [1, 2]}
-    assert [tfos.node_rank("chief", 0), tfos.node_rank("worker", 0), tfos.node_rank("worker", 1)] == [0, 1, 2]
+    ranks = [tfos.node_rank("chief", 0), tfos.node_rank("worker", 0), tfos.node_rank("worker", 1)]
+    assert ranks == [0, 1, 2]
     spec = {"chief": ["h:1"], "worker": ["h:2", "h:3"]}
     assert json.loads(tfos.node_tf_config(spec, "worker", 1)) == {
         "cluster": spec, "task": {"type": "worker", "index": 1}}
@@ -158,8 +159,8 @@ def test_fit_transform_save_load(spark, store, classification_df, tmp_path):
     root = logging.getLogger()
     logging_before = (list(root.handlers), root.level)
     keras.utils.set_random_seed(0)
-    net = keras.Sequential([keras.Input((2,)), Shift(0.0), keras.layers.Dense(16, activation="relu"),
-                            keras.layers.Dense(3)])
+    net = keras.Sequential([keras.Input((2,)), Shift(0.0),
+                            keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
     est = KerasEstimator(num_proc=2, model=net, optimizer=keras.optimizers.Adam(0.02),
                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                          metrics=["accuracy"], feature_cols=["features"], label_cols=["label"],
@@ -179,7 +180,8 @@ def test_fit_transform_save_load(spark, store, classification_df, tmp_path):
     loaded = KerasModel.load(path)
     assert loaded.getHistory() == history
     a = np.array(out.select("label__output").toPandas()["label__output"].tolist())
-    b = np.array(loaded.transform(classification_df).select("label__output").toPandas()["label__output"].tolist())
+    b = loaded.transform(classification_df).select("label__output").toPandas()["label__output"]
+    b = np.array(b.tolist())
     np.testing.assert_allclose(a, b, rtol=1e-5)
     # what TFoS would leave behind in this process or its cwd, it did not
     assert (list(root.handlers), root.level) == logging_before
