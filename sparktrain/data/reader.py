@@ -329,6 +329,27 @@ def _close(handle: Any, source: Any) -> None:
         source.close()
 
 
+def take_steps(reader: "ShardReader", epoch: int, steps: Optional[int]) -> Iterator[Batch]:
+    """``steps`` batches of ``reader`` for ``epoch`` (one whole pass when ``None``); more steps
+    than a pass has continue into further passes, each shuffled afresh (Horovod's
+    ``train_steps_per_epoch``)."""
+    if steps is None:
+        yield from reader.epoch(epoch)
+        return
+    done, extra = 0, 0
+    while True:
+        batches = reader.epoch(epoch + extra * 1_000_003)
+        try:
+            for batch in batches:
+                yield batch
+                done += 1
+                if done == steps:
+                    return
+        finally:
+            batches.close()
+        extra += 1
+
+
 def column_to_numpy(column: Any, spec: ColumnSpec) -> np.ndarray:
     """A pyarrow (chunked) column as a numpy array: ``(rows,)`` for scalars, ``(rows, size)``
     for fixed-length lists; zero copy when the data is in one chunk."""

@@ -141,32 +141,13 @@ def _read_checkpoint(data: bytes) -> Tuple[bytes, List[Any]]:
         return arrays["model_keras"].tobytes(), [arrays[n] for n in names]
 
 
-def _limited(reader: Any, epoch: int, steps: Any) -> Any:
-    """``steps`` batches of ``epoch`` (one pass when ``None``), continuing into further passes."""
-    if steps is None:
-        yield from reader.epoch(epoch)
-        return
-    done, extra = 0, 0
-    while True:
-        batches = reader.epoch(epoch + extra * 1_000_003)
-        try:
-            for batch in batches:
-                yield batch
-                done += 1
-                if done == steps:
-                    return
-        finally:
-            batches.close()
-        extra += 1
-
-
 def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[str, Any]:
     import numpy as np
     import tensorflow as tf
     import keras
 
     from sparktrain.checkpoint import Checkpoints
-    from sparktrain.data.reader import ShardReader
+    from sparktrain.data.reader import ShardReader, take_steps
     from sparktrain.data.schema import ColumnSpec
 
     rank, world = spec["rank"], spec["world_size"]
@@ -275,7 +256,7 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
         local = tf.zeros([n_stats], tf.float32)
         last = 0.0
         total = steps or len(source)
-        for i, batch in enumerate(_limited(source, epoch, steps)):
+        for i, batch in enumerate(take_steps(source, epoch, steps)):
             x, y, w = tensors(batch if transform is None else transform(batch))
             stats = step_fn(x, y, w)
             local += stats

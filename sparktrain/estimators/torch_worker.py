@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from sparktrain.checkpoint import Checkpoint, Checkpoints
-from sparktrain.data.reader import ShardReader
+from sparktrain.data.reader import ShardReader, take_steps
 from sparktrain.data.schema import ColumnSpec
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
@@ -204,26 +204,6 @@ class _Step:
             else:
                 self.optimizer.step()
             self.optimizer.zero_grad()  # set_to_none by default in torch 2; Horovod takes no args
-
-
-def _limited(reader: ShardReader, epoch: int, steps: Optional[int]) -> Iterator[Dict]:
-    """``steps`` batches of ``reader`` for ``epoch`` (all of one pass when ``None``); more
-    steps than one pass has continue into further passes, shuffled afresh."""
-    if steps is None:
-        yield from reader.epoch(epoch)
-        return
-    done, extra = 0, 0
-    while True:
-        batches = reader.epoch(epoch + extra * 1_000_003)
-        try:
-            for batch in batches:
-                yield batch
-                done += 1
-                if done == steps:
-                    return
-        finally:
-            batches.close()
-        extra += 1
 
 
 def _run_epoch(model: torch.nn.Module, batches: Iterator[Dict], steps: int,
@@ -416,7 +396,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     val_steps = spec.val_steps or (len(val_reader) if val_reader is not None else 0)
 
     def batches(reader: ShardReader, epoch: int, steps: Optional[int]) -> Iterator[Dict]:
-        source = _limited(reader, epoch, steps)
+        source = take_steps(reader, epoch, steps)
         return source if transform is None else (transform(batch) for batch in source)
 
     dist = load_backend(TORCH_BACKENDS, spec.backend)(ctx, device)
