@@ -36,8 +36,8 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from common import (add_common_args, figure, parse_common, print_json_lines, progress,
-                    versions, write_results)
+from common import (add_common_args, figure, parse_common, print_json_lines, print_table,
+                    progress, versions, write_results)
 
 FIGURES = ("petastorm",)
 BATCH = 1024
@@ -144,31 +144,6 @@ def label(rows: int) -> str:
 
 
 # -- results ------------------------------------------------------------------------------------
-def print_rss_table(results: List[Dict[str, Any]]) -> None:
-    """``common.print_table`` for MiB values (its number format knows seconds and rates)."""
-    def mib(value: Optional[float]) -> str:
-        return "n/a" if value is None else f"{value:,.0f} MiB"
-
-    width = max([14] + [len(r["figure"]) for r in results])
-    header = (f"{'figure':<{width}} {'sparktrain':>12}  {'baseline':>12}  {'ratio':>7}  "
-              f"{'target':>8}  met  baseline name")
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        met = "n/a" if r["met"] is None else ("yes" if r["met"] else "NO")
-        print(f"{r['figure']:<{width}} {mib(r['sparktrain']):>12}  {mib(r['baseline']):>12}  "
-              f"{ratio:>7}  {r['target_op'] + format(r['target'], 'g') + 'x':>8}  {met:<3}  "
-              f"{r['baseline_name']}")
-        print(f"{'':<{width}} ({r['measure']})")
-        for key, value in r["extras"].items():
-            if isinstance(value, dict) and "value" in value:
-                shown = value["value"] if isinstance(value["value"], str) else mib(value["value"])
-                note = f"  {value['note']}" if value.get("note") else ""
-                print(f"{'':<{width}}   + {key}: {shown}{note}")
-    print()
-
-
 def summary(runs: List[Dict[str, Any]]) -> Dict[str, float]:
     """Medians over the repeats of one (reader, size)."""
     keys = ("peak_mib", "baseline_mib", "end_mib", "arrow_pool_max_mib", "seconds")
@@ -294,7 +269,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"sparktrain reader memory benchmark: {', '.join(f'{n:,}' for n in args.sizes)} rows x "
           f"{args.features} features, {os.cpu_count()} CPUs, load avg {load_before[0]:.2f} -> "
           f"{os.getloadavg()[0]:.2f}")
-    print_rss_table(results)
+    print_table(results)
     print_json_lines(results)
     if args.json_out:
         meta = {"sizes": args.sizes, "features": args.features, "partitions": args.partitions,

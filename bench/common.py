@@ -142,9 +142,13 @@ def figure(name: str, measure: str, unit: str, sparktrain: Optional[float],
             "met": met, "unit": unit, "extras": extras or {}}
 
 
-def _num(value: Optional[float], unit: str) -> str:
+def _num(value: Any, unit: str) -> str:
     if value is None:
         return "n/a"
+    if isinstance(value, str):  # already formatted (e.g. a ratio line among the extras)
+        return value
+    if unit == "MiB":
+        return f"{value:,.0f} MiB"
     if unit == "ms":
         return f"{value:.2f} ms"
     if unit.endswith("/s"):  # a rate: rows/s, samples/s
