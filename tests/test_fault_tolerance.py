@@ -6,22 +6,16 @@ import os
 import signal
 
 import pytest
-import torch
 
-from sparktrain import TorchEstimator, TrainingError
+from helpers import linear_estimator
+from sparktrain import TrainingError
 from sparktrain.checkpoint import Checkpoints
 from sparktrain.data.store import Store
 
 
 def _estimator(store, run_id, **kwargs):
-    torch.manual_seed(0)
-    net = torch.nn.Linear(4, 1)
-    params = dict(num_proc=2, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.05),
-                  loss=torch.nn.MSELoss(), feature_cols=["features"], label_cols=["label"],
-                  batch_size=100, epochs=4, random_seed=1, store=store, run_id=run_id,
-                  verbose=1)
-    params.update(kwargs)
-    return TorchEstimator(**params)
+    params = dict(batch_size=100, epochs=4, random_seed=1, run_id=run_id, verbose=1)
+    return linear_estimator(store, **dict(params, **kwargs))
 
 
 def _checkpoint(store, run_id):

@@ -4,20 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparktrain import TorchEstimator, TrainingError
+from helpers import linear_estimator
+from sparktrain import TrainingError
 from sparktrain.launch import TORCH_BACKENDS, check_backend
 from sparktrain.launch.horovod_torch import slot_for
 
 
 def estimator(store, backend, **overrides):
-    torch.manual_seed(5)
-    net = torch.nn.Linear(4, 1)
-    params = dict(num_proc=2, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.05),
-                  loss=torch.nn.MSELoss(), feature_cols=["features"], label_cols=["label"],
-                  batch_size=32, epochs=4, shuffle=False, random_seed=5, store=store,
-                  backend=backend, verbose=0)
-    params.update(overrides)
-    return TorchEstimator(**params)
+    params = dict(batch_size=32, epochs=4, shuffle=False, backend=backend)
+    return linear_estimator(store, seed=5, **dict(params, **overrides))
 
 
 def test_horovod_matches_torch_backend(spark, store, regression_df):

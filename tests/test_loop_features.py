@@ -7,21 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from sparktrain import TorchEstimator
+from helpers import linear_estimator
 from sparktrain.callbacks import EarlyStopping
 
 
-def _fit(df, store, **kwargs):
-    torch.manual_seed(0)
-    net = torch.nn.Linear(4, 1)
-    params = dict(num_proc=2, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.02),
-                  loss=torch.nn.MSELoss(), feature_cols=["features"], label_cols=["label"],
-                  batch_size=100, epochs=3, shuffle=False, random_seed=3, store=store,
-                  verbose=0)
-    params.update(kwargs)
-    if "lr" in params:
-        params["optimizer"] = torch.optim.SGD(net.parameters(), lr=params.pop("lr"))
-    return TorchEstimator(**params).fit(df)
+def _fit(df, store, lr=0.02, **kwargs):
+    params = dict(batch_size=100, epochs=3, shuffle=False, random_seed=3)
+    return linear_estimator(store, lr=lr, **dict(params, **kwargs)).fit(df)
 
 
 @pytest.fixture(scope="module")

@@ -171,17 +171,11 @@ def _as_outputs(result: Any) -> List[torch.Tensor]:
 
 @dataclass
 class _Step:
-    """How one training step runs: gradient accumulation, autocast, loss scaling."""
+    """How one training step runs: gradient accumulation and (fp16) loss scaling."""
 
     optimizer: Any
     passes: int = 1  # backward_passes_per_step
-    autocast: Optional[torch.dtype] = None
     scaler: Any = None  # torch.amp.GradScaler for fp16
-
-    def autocasting(self, device: torch.device) -> Any:
-        if self.autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=self.autocast)
 
     def backward(self, model: Any, loss: torch.Tensor, step: int, steps: int) -> None:
         """Backward pass of ``step``; the optimizer steps after every ``passes`` batches (and
@@ -220,7 +214,9 @@ def _run_epoch(model: torch.nn.Module, batches: Iterator[Dict], steps: int,
              for label in label_cols for name, _ in metrics]
     sums = torch.zeros(2 + len(names), dtype=torch.float64, device=to_tensors.device)
     shapes: List = []
-    casting = _Step(None, autocast=autocast).autocasting(to_tensors.device)
+    device = to_tensors.device
+    casting = contextlib.nullcontext() if autocast is None \
+        else torch.autocast(device_type=device.type, dtype=autocast)
     with torch.set_grad_enabled(training):
         for step, batch in enumerate(batches):
             features, labels, weights = to_tensors(batch)
@@ -406,7 +402,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
                                          backward_passes_per_step=spec.backward_passes_per_step)
         autocast = _autocast_dtype(spec)
         scaler = torch.amp.GradScaler(device.type) if autocast == torch.float16 else None
-        step_rule = _Step(optimizer, spec.backward_passes_per_step, autocast, scaler)
+        step_rule = _Step(optimizer, spec.backward_passes_per_step, scaler)
         compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col))
         metric_fns = named_metrics(metrics)
         to_tensors = _Batches(spec, device)
