@@ -1,15 +1,27 @@
 #!/usr/bin/env bash
-# Set up sparktrain's development environment in .venv: the whole verified stack
-# (pyspark 3.5, pyarrow 14, petastorm 0.12.1, torch 2.13, TensorFlow 2.21 + tf-keras,
-# TensorFlowOnSpark, Horovod 0.28.1 compiled for PyTorch with Gloo) and sparktrain itself.
+# Set up sparktrain's development environment: one of the two tested stacks, with TensorFlow,
+# TensorFlowOnSpark, Horovod 0.28.1 (compiled for PyTorch with Gloo) and sparktrain itself.
 #
-#   ./scripts/setup.sh            # idempotent: a re-run with nothing changed takes about a second
-#   SPARKTRAIN_SKIP_HOROVOD=1 ./scripts/setup.sh   # skip the Horovod compile (about 3 min)
+#   ./scripts/setup.sh                            # primary stack (pyspark 4.3, NumPy 2) in .venv
+#   SPARKTRAIN_STACK=spark35 ./scripts/setup.sh   # classic stack (pyspark 3.5, pyarrow 14,
+#                                                 # NumPy 1.26, Petastorm) in .venv-spark35
+#   SPARKTRAIN_SKIP_HOROVOD=1 ./scripts/setup.sh  # skip the Horovod compile (about 3 min)
+#
+# Idempotent: a re-run with nothing changed takes about a second. The exact versions come from
+# constraints/<stack>.txt; sparktrain's own requirements (setup.py) are ranges.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-venv="${SPARKTRAIN_VENV:-$root/.venv}"
+stack="${SPARKTRAIN_STACK:-spark4}"
+case "$stack" in
+  spark4) default_venv="$root/.venv"; extras="torch,tf-cpu,tfos,test" ;;
+  spark35) default_venv="$root/.venv-spark35"; extras="torch,tf-cpu,tfos,petastorm,test" ;;
+  *) printf '[setup] error: SPARKTRAIN_STACK=%s is not a stack; use spark4 (default) or spark35\n' "$stack" >&2
+     exit 1 ;;
+esac
+constraints="constraints/$stack.txt"
+venv="${SPARKTRAIN_VENV:-$default_venv}"
 python_bin="${PYTHON:-python3.11}"
 wheel_cache="${SPARKTRAIN_WHEEL_CACHE:-$HOME/.cache/sparktrain/wheels}"
 say() { printf '[setup] %s\n' "$*"; }
@@ -17,20 +29,20 @@ die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
 # --- prerequisites: Java 17 for Spark, Python 3.11 --------------------------------------------
 if ! command -v java >/dev/null 2>&1 && [ -z "${JAVA_HOME:-}" ]; then
-  die "Java was not found. Spark 3.5 needs a JDK 17: on Debian/Ubuntu run
+  die "Java was not found. Spark needs a JDK 17: on Debian/Ubuntu run
   'sudo apt-get update && sudo apt-get install -y openjdk-17-jdk-headless', or set JAVA_HOME."
 fi
 java_cmd="${JAVA_HOME:+$JAVA_HOME/bin/}java"
 java_version="$("$java_cmd" -version 2>&1 | head -n1)"
 case "$java_version" in
-  *\"17.*|*\"11.*|*\"21.*) ;;  # Spark 3.5 supports Java 8/11/17 (21 works in practice)
-  *) say "warning: found $java_version; Spark 3.5 is tested with Java 17 (apt-get install openjdk-17-jdk-headless)";;
+  *\"17.*|*\"21.*) ;;  # Spark 4 runs on Java 17 and 21 only; Spark 3.5 also on 8 and 11
+  *) say "warning: found $java_version; Spark 4 needs Java 17 or 21 (apt-get install openjdk-17-jdk-headless)";;
 esac
 command -v "$python_bin" >/dev/null 2>&1 || die "$python_bin not found; install Python 3.11 or set PYTHON=/path/to/python3.11"
 
 # --- fast path: nothing changed since the last successful run ---------------------------------
 stamp_file="$venv/.sparktrain-setup-stamp"
-stamp="$(cat setup.py constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)${SPARKTRAIN_SKIP_HOROVOD:+-nohvd}"
+stamp="$(cat setup.py "$constraints" scripts/setup.sh | sha256sum | cut -d' ' -f1)${SPARKTRAIN_SKIP_HOROVOD:+-nohvd}"
 if [ -x "$venv/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ]; then
   say "environment up to date ($venv)"
   exit 0
@@ -42,15 +54,15 @@ pip=(pip_install)
 # This machine's pip config may name index folders that do not exist; pip warns once per
 # package about them. Keep real errors, drop that noise.
 pip_install() {
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c constraints.txt "$@" \
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c "$constraints" "$@" \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
 say "installing build tools"
 "${pip[@]}" --upgrade pip "setuptools>=77.0.3,<81" wheel
 say "installing torch 2.13.0"
 "${pip[@]}" "torch==2.13.0"
-say "installing sparktrain with pyspark, petastorm, TensorFlow, TensorFlowOnSpark and test tools"
-"${pip[@]}" -e ".[torch,tf,test]"
+say "installing sparktrain[$extras] on the $stack stack ($constraints)"
+"${pip[@]}" -e ".[$extras]"
 
 # --- Horovod, compiled against this torch ------------------------------------------------------
 if [ -z "${SPARKTRAIN_SKIP_HOROVOD:-}" ] && ! "$venv/bin/python" -c "import horovod.torch" 2>/dev/null; then
@@ -81,7 +93,7 @@ WRAP
     HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
     HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
       "$venv/bin/python" -m pip wheel --quiet --no-deps --no-build-isolation --no-binary horovod \
-        -c constraints.txt -w "$wheel_dir.tmp" "horovod==0.28.1" \
+        -c "$constraints" -w "$wheel_dir.tmp" "horovod==0.28.1" \
         2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
     mv "$wheel_dir.tmp" "$wheel_dir"
   fi
@@ -90,7 +102,9 @@ WRAP
   "$venv/bin/python" -c "import horovod.torch" || die "Horovod was installed but 'import horovod.torch' fails"
 fi
 
-TF_CPP_MIN_LOG_LEVEL=3 "$venv/bin/python" -c "import sparktrain, pyspark, petastorm, torch, tensorflow, tf_keras, tensorflowonspark" \
+imports="import sparktrain, pyspark, torch, tensorflow, keras, tensorflowonspark"
+[ "$stack" = spark35 ] && imports="$imports, petastorm"
+TF_CPP_MIN_LOG_LEVEL=3 "$venv/bin/python" -c "$imports" \
   || die "the installed stack does not import"
 echo "$stamp" > "$stamp_file"
-say "done: $("$venv/bin/python" -c 'import pyspark, torch, pyarrow; print("pyspark", pyspark.__version__, "| torch", torch.__version__, "| pyarrow", pyarrow.__version__)')"
+say "done ($stack stack in $venv): $("$venv/bin/python" -c 'import pyspark, torch, pyarrow, numpy; print("pyspark", pyspark.__version__, "| numpy", numpy.__version__, "| pyarrow", pyarrow.__version__, "| torch", torch.__version__)')"

@@ -30,6 +30,7 @@ from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, 
 from sparktrain.data.store import Store, filesystem, to_fsspec_url
 from sparktrain.params import json_params, object_params
 from sparktrain.pickling import dumps
+from sparktrain.spark_jvm import qualified_path
 
 T = TypeVar("T")
 
@@ -37,10 +38,7 @@ T = TypeVar("T")
 def qualified_url(sc: SparkContext, path: str) -> str:
     """``path`` resolved the way Spark resolves it (default filesystem, working directory),
     in fsspec form, so Python writes land next to Spark's ``metadata``."""
-    jvm = sc._jvm
-    hadoop_path = jvm.org.apache.hadoop.fs.Path(path)
-    fs = hadoop_path.getFileSystem(sc._jsc.hadoopConfiguration())
-    return to_fsspec_url(fs.makeQualified(hadoop_path).toString())
+    return to_fsspec_url(qualified_path(sc, path))
 
 
 def write_file(sc: SparkContext, path: str, name: str, data: bytes) -> None:

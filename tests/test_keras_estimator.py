@@ -32,6 +32,7 @@ class Scale(keras.layers.Layer):
         return {**super().get_config(), "factor": self.factor}
 
 
+@pytest.mark.stack
 def test_fit_transform_save_load_classification(spark, store, classification_df, tmp_path):
     keras.utils.set_random_seed(0)
     net = keras.Sequential([keras.Input((2,)), Scale(1.0), keras.layers.Dense(16, activation="relu"),

@@ -155,6 +155,7 @@ def test_retried_attempt_gets_a_fresh_cluster_and_resumes(spark, store, regressi
 
 
 @pytest.mark.slow
+@pytest.mark.stack
 def test_fit_transform_save_load(spark, store, classification_df, tmp_path):
     root = logging.getLogger()
     logging_before = (list(root.handlers), root.level)

@@ -88,6 +88,7 @@ def test_model_type_is_checked(store, regression_df, no_training):
         estimator(store, model=lambda x: x).fit(regression_df)
 
 
+@pytest.mark.stack
 def test_nulls_are_rejected_with_the_column_name(spark, store, no_training):
     df = spark.createDataFrame([([1.0, 2.0, 3.0, 4.0], 1.0), ([1.0, 2.0, 3.0, 4.0], None)],
                                "features array<double>, label double")
@@ -95,6 +96,7 @@ def test_nulls_are_rejected_with_the_column_name(spark, store, no_training):
         estimator(store).fit(df)
 
 
+@pytest.mark.stack
 def test_ragged_arrays_are_rejected(spark, store, no_training):
     df = spark.createDataFrame([([1.0, 2.0, 3.0, 4.0], 1.0), ([1.0, 2.0], 2.0)],
                                "features array<double>, label double")
@@ -103,6 +105,7 @@ def test_ragged_arrays_are_rejected(spark, store, no_training):
         estimator(store).fit(df)
 
 
+@pytest.mark.stack
 def test_null_inside_an_array_is_rejected(spark, store, no_training):
     df = spark.createDataFrame([([1.0, None, 3.0, 4.0], 1.0)], "features array<double>, label double")
     with pytest.raises(ValueError, match="column 'features' has arrays containing nulls"):
@@ -114,6 +117,7 @@ def test_empty_dataframe_is_rejected(spark, store, regression_df, no_training):
         estimator(store).fit(regression_df.limit(0))
 
 
+@pytest.mark.stack
 def test_failed_check_leaves_no_partial_dataset(spark, tmp_path, no_training):
     df = spark.createDataFrame([([1.0, 2.0, 3.0, 4.0], 1.0), ([1.0], 2.0)],
                                "features array<double>, label double")

@@ -28,6 +28,7 @@ from pyspark.sql import functions as F
 
 from sparktrain.data.schema import ARRAY, SCALAR, VECTOR, ColumnSpec
 from sparktrain.data.store import Store
+from sparktrain.spark_jvm import plan_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +68,9 @@ def plan_key(df: DataFrame, columns: Sequence[ColumnSpec], validation: Union[Non
     """A key that is equal for the same DataFrame plan, columns and split.
 
     The analyzed plan's semantic hash covers local data (``LocalRelation``) and RDD identity;
-    the plan text with expression ids removed and the input file list cover file sources.
+    the plan text without expression ids and the input file list cover file sources.
     """
-    plan = df._jdf.queryExecution().analyzed()
-    # treeString(verbose, addSuffix, maxFields, printOperatorId): the whole plan, untruncated
-    text = re.sub(r"#\d+L?", "", plan.treeString(False, False, 2 ** 31 - 1, False))
-    parts = [str(FORMAT_VERSION), text, str(plan.semanticHash()), "\n".join(sorted(df.inputFiles())),
+    parts = [str(FORMAT_VERSION), plan_fingerprint(df), "\n".join(sorted(df.inputFiles())),
              json.dumps([c.to_json() for c in columns]), repr(validation), repr(seed)]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
 

@@ -39,6 +39,7 @@ from pyspark import BarrierTaskContext, SparkContext
 from pyspark.sql import SparkSession
 
 from sparktrain.launch.channel import RankChannel, RankClient
+from sparktrain.spark_jvm import max_concurrent_tasks
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +90,6 @@ class RankContext:
 # Driver side
 # ---------------------------------------------------------------------------------------------
 
-def concurrent_task_slots(sc: SparkContext) -> int:
-    """Tasks of the default resource profile the cluster can run at once right now
-    (what Spark's own barrier check uses: ``SparkContext.maxNumConcurrentTasks``)."""
-    jsc = sc._jsc.sc()
-    profile = jsc.resourceProfileManager().defaultResourceProfile()
-    return int(jsc.maxNumConcurrentTasks(profile))
-
-
 def _slot_hint(sc: SparkContext, num_proc: int) -> str:
     master = sc.master
     if master.startswith("local-cluster"):
@@ -117,10 +110,10 @@ def check_slots(sc: SparkContext, num_proc: int, wait_seconds: Optional[float] =
     if wait_seconds is None:
         wait_seconds = float(sc.getConf().get(SLOT_WAIT_CONF, str(DEFAULT_SLOT_WAIT_SECONDS)))
     deadline = time.monotonic() + wait_seconds
-    slots = concurrent_task_slots(sc)
+    slots = max_concurrent_tasks(sc)
     while slots < num_proc and time.monotonic() < deadline:
         time.sleep(0.25)
-        slots = concurrent_task_slots(sc)
+        slots = max_concurrent_tasks(sc)
     if slots < num_proc:
         raise RuntimeError(
             f"num_proc={num_proc} needs {num_proc} task slots running at the same time (Spark "

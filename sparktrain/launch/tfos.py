@@ -47,6 +47,7 @@ from sparktrain.launch import import_quietly
 from sparktrain.launch.barrier import RankContext, driver_host, run_barrier, stage_attempts
 from sparktrain.launch.gpus import rank_gpu
 from sparktrain.launch.tf_multiworker import spawn_keras_worker
+from sparktrain.spark_jvm import hadoop_conf
 
 CHIEF = "chief"  # TFCluster.run's master_node: TFoS then exports TF_CONFIG with chief + workers
 
@@ -70,7 +71,7 @@ def cluster_template(num_nodes: int) -> Dict[str, list]:
 
 def _default_fs(sc: Any) -> str:
     """``fs.defaultFS`` as TFCluster.run passes it to the nodes (``TFNodeContext.defaultFS``)."""
-    fs = sc._jsc.hadoopConfiguration().get("fs.defaultFS")
+    fs = hadoop_conf(sc, "fs.defaultFS")
     return fs[:-1] if fs.startswith("file://") and len(fs) > 7 and fs.endswith("/") else fs
 
 

@@ -1,0 +1,66 @@
+"""Every call sparktrain makes into Spark's JVM through py4j, in one place.
+
+These are internals (``df._jdf``, ``sc._jsc``, ``sc._jvm``), not PySpark's public API, so they
+can change between Spark versions; each function here is exercised by the tests on both tested
+stacks (Spark 3.5 and Spark 4). They exist only on a classic session (a driver-side
+SparkContext), never on a Spark Connect one.
+
+Example::
+
+    plan_fingerprint(df)                    # 'Project [x, y]\\n+- LogicalRDD ...|-1093785321'
+    max_concurrent_tasks(spark.sparkContext)   # 2 on local[2]
+"""
+from __future__ import annotations
+
+import re
+
+from py4j.protocol import Py4JError
+from pyspark import SparkContext
+from pyspark.sql import DataFrame
+
+_ALL_FIELDS = 2 ** 31 - 1
+
+# TreeNode.treeString's full overload: Spark 3.5 has (verbose, addSuffix, maxFields,
+# printOperatorId); Spark 4 adds a fifth flag (printOutputColumns), and the 4-argument form is
+# gone. Py4J cannot use Scala's default arguments, so each form is named in full.
+_TREE_STRING_ARGS = ((False, False, _ALL_FIELDS, False, False), (False, False, _ALL_FIELDS, False))
+
+
+def plan_fingerprint(df: DataFrame) -> str:
+    """The analyzed plan as untruncated text without expression ids, plus its semantic hash.
+
+    The semantic hash covers local data (``LocalRelation``) and RDD identity; the text covers
+    what the hash leaves out of file sources (paths, options, pushed filters).
+    """
+    plan = df._jdf.queryExecution().analyzed()
+    for args in _TREE_STRING_ARGS:
+        try:
+            text = plan.treeString(*args)
+            break
+        except Py4JError:
+            continue
+    else:
+        raise RuntimeError("this Spark version has no TreeNode.treeString overload sparktrain "
+                           "knows (tested: Spark 3.5 and 4.x)")
+    return f"{re.sub(r'#[0-9]+L?', '', text)}|{plan.semanticHash()}"
+
+
+def qualified_path(sc: SparkContext, path: str) -> str:
+    """``path`` resolved the way Spark resolves it (default filesystem, working directory),
+    e.g. ``file:/home/me/models/m`` or ``hdfs://nn:8020/user/me/m``."""
+    hadoop_path = sc._jvm.org.apache.hadoop.fs.Path(path)
+    fs = hadoop_path.getFileSystem(sc._jsc.hadoopConfiguration())
+    return fs.makeQualified(hadoop_path).toString()
+
+
+def hadoop_conf(sc: SparkContext, key: str) -> str | None:
+    """One value of the Hadoop configuration Spark uses (e.g. ``fs.defaultFS``)."""
+    return sc._jsc.hadoopConfiguration().get(key)
+
+
+def max_concurrent_tasks(sc: SparkContext) -> int:
+    """Tasks of the default resource profile the cluster can run at once right now (what
+    Spark's own barrier check uses: ``SparkContext.maxNumConcurrentTasks``)."""
+    jsc = sc._jsc.sc()
+    profile = jsc.resourceProfileManager().defaultResourceProfile()
+    return int(jsc.maxNumConcurrentTasks(profile))
