@@ -8,8 +8,11 @@ session, on one generated DataFrame.
 Figures (see bench/README.md for what each one compares and why):
 
   read         rows/s from the materialized store to torch tensors, one rank, batch 1024:
-               sparktrain ShardReader vs Petastorm's converter + BatchedDataLoader
+               sparktrain ShardReader vs Petastorm's converter + BatchedDataLoader (classic
+               stack only: Petastorm cannot import with pyarrow >= 15)
                (extra: sparktrain shuffle=True, in-memory tensor slice+clone ceiling)
+  read:pyarrow the same sparktrain figure vs plain pyarrow.parquet batches turned into
+               tensors, what a user writes without a loader library (every stack)
   materialize  seconds to materialize the frame into a fresh store vs df.write.parquet
                (extra: second materialize call = reuse, Petastorm converter creation)
   fit          wall time of a warm 1-step 2-rank TorchEstimator.fit vs TorchDistributor.run
@@ -158,6 +161,23 @@ def petastorm_pass(converter, loader_fn) -> int:
     return rows
 
 
+def pyarrow_pass(dataset) -> int:
+    """The hand-written loader: each file's ``iter_batches`` -> numpy -> ``torch.from_numpy``."""
+    import pyarrow.parquet as pq
+    import torch
+
+    rows = 0
+    for name, _ in dataset.files["train"]:
+        for batch in pq.ParquetFile(f"{dataset.root}/{name}").iter_batches(
+                batch_size=READ_BATCH, columns=["features", "label"]):
+            values = batch.column(0).flatten().to_numpy()
+            features = torch.from_numpy(values.reshape(batch.num_rows, -1))
+            label = torch.from_numpy(batch.column(1).to_numpy())
+            rows += features.shape[0]
+            assert label.shape[0] == features.shape[0]
+    return rows
+
+
 def ceiling_pass(features, label) -> int:
     rows, n = 0, features.shape[0]
     for start in range(0, n, READ_BATCH):
@@ -168,10 +188,43 @@ def ceiling_pass(features, label) -> int:
     return rows
 
 
-def bench_read(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict[str, Any]:
+def petastorm_rate(spark, df, tmp: str, rate: Callable, state: Dict[str, Any]) -> tuple:
+    """Rows/s of Petastorm's converter + BatchedDataLoader (its converter creation time goes to
+    the materialize figure)."""
     import torch
     from petastorm.pytorch import BatchedDataLoader
     from petastorm.spark import SparkDatasetConverter, make_spark_converter
+
+    cache_dir = os.path.join(tmp, "petastorm-cache")
+    spark.conf.set(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, "file://" + cache_dir)
+    progress("read: creating the Petastorm converter (timed, reported under materialize)")
+    convert_seconds, converter = timed(lambda: make_spark_converter(df))
+    state["petastorm_convert_seconds"] = convert_seconds
+    progress(f"read: Petastorm converter created in {convert_seconds:.2f}s")
+    try:
+        with converter.make_torch_dataloader(batch_size=READ_BATCH, num_epochs=1,
+                                             data_loader_fn=BatchedDataLoader) as loader:
+            batch = next(iter(loader))
+            assert tuple(batch["features"].shape) == (READ_BATCH, state["features"]), \
+                batch["features"].shape
+            assert isinstance(batch["features"], torch.Tensor)
+        return rate(lambda: petastorm_pass(converter, BatchedDataLoader),
+                    "petastorm BatchedDataLoader")
+    finally:
+        converter.delete()
+
+
+def petastorm_importable() -> bool:
+    try:
+        import petastorm.spark  # noqa: F401  (fails with pyarrow >= 15: pyarrow.filesystem)
+        return True
+    except ImportError as exc:
+        progress(f"read: no Petastorm baseline on this stack ({exc})")
+        return False
+
+
+def bench_read(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) -> List[Dict[str, Any]]:
+    import torch
     from sparktrain.data.reader import ShardReader
 
     n = state["rows"]
@@ -197,24 +250,9 @@ def bench_read(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict
     epoch = iter(range(1, 1 << 30))
     st_shuffled, st_shuffled_runs = rate(lambda: sparktrain_pass(dataset, True, next(epoch)),
                                          "sparktrain shuffle=True")
-
-    cache_dir = os.path.join(tmp, "petastorm-cache")
-    spark.conf.set(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, "file://" + cache_dir)
-    progress("read: creating the Petastorm converter (timed, reported under materialize)")
-    convert_seconds, converter = timed(lambda: make_spark_converter(df))
-    state["petastorm_convert_seconds"] = convert_seconds
-    progress(f"read: Petastorm converter created in {convert_seconds:.2f}s")
-    try:
-        with converter.make_torch_dataloader(batch_size=READ_BATCH, num_epochs=1,
-                                             data_loader_fn=BatchedDataLoader) as loader:
-            batch = next(iter(loader))
-            assert tuple(batch["features"].shape) == (READ_BATCH, state["features"]), \
-                batch["features"].shape
-            assert isinstance(batch["features"], torch.Tensor)
-        ps, ps_runs = rate(lambda: petastorm_pass(converter, BatchedDataLoader),
-                           "petastorm BatchedDataLoader")
-    finally:
-        converter.delete()
+    pa, pa_runs = rate(lambda: pyarrow_pass(dataset), "pyarrow iter_batches")
+    ps, ps_runs = (petastorm_rate(spark, df, tmp, rate, state) if petastorm_importable()
+                   else (None, []))
 
     progress("read: loading the data into memory for the ceiling")
     parts = list(ShardReader(dataset.root, dataset.files["train"], dataset.columns, 0, 1,
@@ -226,19 +264,25 @@ def bench_read(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict
                                  "ceiling in-memory slice+clone")
     del features, label
 
+    measure = (f"rows/s store -> torch tensors, batch {READ_BATCH}, rank 0 of 1, shuffle=False, "
+               f"median of {repeats}")
     extras = {
         "sparktrain shuffle=True": {"value": st_shuffled, "unit": "rows/s",
-                                    "note": f"{st_shuffled / ps:.2f}x petastorm"},
+                                    "note": f"{st_shuffled / pa:.2f}x pyarrow"},
         "ceiling: in-memory tensor t[i:i+1024].clone()": {
             "value": ceiling, "unit": "rows/s",
             "note": f"sparktrain reaches {st / ceiling:.0%} of it"},
         "runs": {"sparktrain": st_runs, "sparktrain_shuffle": st_shuffled_runs,
-                 "petastorm": ps_runs, "ceiling": ceiling_runs},
+                 "pyarrow": pa_runs, "petastorm": ps_runs, "ceiling": ceiling_runs},
     }
-    return figure("read", f"rows/s store -> torch tensors, batch {READ_BATCH}, rank 0 of 1, "
-                  f"shuffle=False, median of {repeats}", "rows/s", st, ps,
-                  "petastorm make_spark_converter + make_torch_dataloader(BatchedDataLoader)",
-                  st / ps, 2.0, ">=", extras)
+    figures = [figure("read:pyarrow", measure, "rows/s", st, pa,
+                      "pyarrow.parquet ParquetFile.iter_batches(1024) -> torch.from_numpy",
+                      st / pa, 0.9, ">=", extras)]
+    if ps is not None:
+        figures.append(figure("read", measure, "rows/s", st, ps,
+                              "petastorm make_spark_converter + make_torch_dataloader(BatchedDataLoader)",
+                              st / ps, 2.0, ">=", {"runs": {"sparktrain": st_runs, "petastorm": ps_runs}}))
+    return figures
 
 
 # -- figure 3: fit overhead ---------------------------------------------------------------------
@@ -435,7 +479,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 progress(f"skipping {name}")
                 continue
             progress(f"== {name} ==")
-            results.append(run())
+            result = run()
+            results.extend(result if isinstance(result, list) else [result])
         for r in results:  # Petastorm's converter is created in the read figure
             if r["figure"] == "materialize" and "petastorm_convert_seconds" in state:
                 r["extras"]["petastorm make_spark_converter(df) (first time)"] = {
@@ -450,7 +495,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    order = {name: i for i, name in enumerate(("read", "materialize", "fit", "inference"))}
+    order = {name: i for i, name in enumerate(("read", "read:pyarrow", "materialize", "fit",
+                                               "inference"))}
     results.sort(key=lambda r: order[r["figure"]])
     print()
     print(f"sparktrain torch benchmark: {args.rows:,} rows x {args.features} features, "

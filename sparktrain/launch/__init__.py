@@ -23,13 +23,14 @@ KERAS_BACKENDS: Dict[str, Tuple[str, str]] = {
 }
 
 INSTALL_HINTS = {
-    "tensorflow": "TensorFlow and Keras 3: pip install 'sparktrain[tf]'",
+    "tensorflow": "TensorFlow and Keras 3: pip install 'sparktrain[tf]' (or 'sparktrain[tf-cpu]' "
+                  "where tensorflow-cpu is the TensorFlow you use)",
     "horovod.torch": "Horovod compiled for PyTorch with Gloo: run ./scripts/setup.sh, or "
                      "HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 "
                      "pip install --no-build-isolation horovod==0.28.1 (after torch)",
     "torch": "PyTorch: pip install 'sparktrain[torch]'",
     "tensorflowonspark.TFSparkNode": "TensorFlowOnSpark 2.2.5 with six (needed, not declared) "
-                                     "and setuptools<81: pip install 'sparktrain[tf]'",
+                                     "and setuptools<81: pip install 'sparktrain[tfos]'",
 }
 
 
