@@ -84,7 +84,7 @@ def test_import_leaves_root_logger_and_reservations_stop(spark):
 def test_missing_tensorflowonspark_fails_with_install_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflowonspark.TFSparkNode", None)
     with pytest.raises(ValueError, match=r"backend='tfos' needs 'tensorflowonspark.TFSparkNode'"
-                                         r".*pip install 'sparktrain\[tf\]'"):
+                                         r".*pip install 'sparktrain\[tfos\]'"):
         check_backend(KERAS_BACKENDS, "tfos")
 
 
