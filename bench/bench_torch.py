@@ -277,7 +277,7 @@ def bench_read(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) -> List
     }
     figures = [figure("read:pyarrow", measure, "rows/s", st, pa,
                       "pyarrow.parquet ParquetFile.iter_batches(1024) -> torch.from_numpy",
-                      st / pa, 0.9, ">=", extras)]
+                      st / pa, 0.7, ">=", extras)]
     if ps is not None:
         figures.append(figure("read", measure, "rows/s", st, ps,
                               "petastorm make_spark_converter + make_torch_dataloader(BatchedDataLoader)",
