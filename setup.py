@@ -29,8 +29,9 @@ TFOS = ["tensorflowonspark>=2.2.5", "six", "setuptools<81"]
 HOROVOD = ["horovod>=0.28.1"]
 # Petastorm (only to read sparktrain's datasets with Petastorm's own readers: sparktrain does not
 # need it) imports pyarrow.filesystem, removed in pyarrow 15, and pyarrow 14 does not load under
-# NumPy 2: the extra states those limits so pip refuses it where it cannot work.
-PETASTORM = ["petastorm>=0.12.1", "pyarrow<15", "numpy<2", "setuptools<81"]
+# NumPy 2: the extra states those limits, so it never installs a Petastorm that cannot import.
+# 0.13 pins setuptools<70 (torch needs >= 77.0.3) and can return zero rows.
+PETASTORM = ["petastorm>=0.12.1,<0.13", "pyarrow<15", "numpy<2", "setuptools<81"]
 PLOT = ["matplotlib>=3.7"]
 TEST = ["pytest>=8", "pytest-timeout>=2.3", "scikit-learn>=1.4", "psutil",
         "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25", "ipywidgets>=8"] + PLOT
