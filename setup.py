@@ -11,7 +11,7 @@ CORE = [
     "pyspark>=3.5",  # barrier mapPartitions, iterator pandas_udf, resource profiles
     "pyarrow>=14",   # with NumPy 2 pip picks pyarrow >= 16 (the first built for it) by itself
     "numpy>=1.26",
-    "pandas>=2.0",
+    "pandas>=2.2",  # the oldest tested (classic stack); pyspark 4 needs it too
     "cloudpickle>=2.2",
     "fsspec>=2023.1",
     "tqdm>=4.60",  # the driver's progress bar (terminal and Jupyter)
