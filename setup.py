@@ -33,7 +33,7 @@ HOROVOD = ["horovod>=0.28.1"]
 # 0.13 pins setuptools<70 (torch needs >= 77.0.3) and can return zero rows.
 PETASTORM = ["petastorm>=0.12.1,<0.13", "pyarrow<15", "numpy<2", "setuptools<81"]
 PLOT = ["matplotlib>=3.7"]
-TEST = ["pytest>=8", "pytest-timeout>=2.3", "scikit-learn>=1.4", "psutil",
+TEST = ["pytest>=8", "pytest-timeout>=2.3", "packaging", "scikit-learn>=1.4", "psutil",
         "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25", "ipywidgets>=8"] + PLOT
 
 setup(
