@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _EXPORTS = {
     "TorchEstimator": "sparktrain.estimators.torch",
@@ -22,6 +22,8 @@ _EXPORTS = {
     "Store": "sparktrain.data.store",
     "TrainingError": "sparktrain.launch.barrier",
     "local_spark": "sparktrain.session",
+    "remote_spark": "sparktrain.session",
+    "ConnectServer": "sparktrain.session",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -20,37 +20,46 @@ A saved estimator never holds the store's ``storage_options`` (they may be crede
 """
 from __future__ import annotations
 
+import posixpath
 import warnings
+from urllib.parse import unquote
 from typing import Any, Dict, Type, TypeVar
 
 import cloudpickle
-from pyspark import SparkContext
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
+from pyspark.sql import SparkSession
 
 from sparktrain.data.store import Store, filesystem, to_fsspec_url
 from sparktrain.params import json_params, object_params
 from sparktrain.pickling import dumps
-from sparktrain.spark_jvm import qualified_path
+from sparktrain.spark_api import ml_context, remove_saved
 
 T = TypeVar("T")
 
 
-def qualified_url(sc: SparkContext, path: str) -> str:
-    """``path`` resolved the way Spark resolves it (default filesystem, working directory),
-    in fsspec form, so Python writes land next to Spark's ``metadata``."""
-    return to_fsspec_url(qualified_path(sc, path))
+def saved_root(spark: SparkSession, path: str) -> str:
+    """The directory Spark wrote ``path/metadata`` to, fully qualified and in fsspec form, so
+    Python's files land next to Spark's (``models/m`` -> ``/home/me/models/m``,
+    ``hdfs://nn:8020/user/me/models/m``). Spark resolves ``path`` (default filesystem, working
+    directory: the server's, over Connect), so the metadata must exist; its file list says
+    where."""
+    listed = spark.read.text(f"{path}/metadata").inputFiles()
+    if not listed:
+        raise FileNotFoundError(f"no Spark ML metadata under {path!r}")
+    # Spark lists files as URIs (``file:///a%20b/...``): decode them back to paths.
+    return to_fsspec_url(unquote(listed[0].rsplit("/metadata/", 1)[0]))
 
 
-def write_file(sc: SparkContext, path: str, name: str, data: bytes) -> None:
-    fs, root = filesystem(qualified_url(sc, path))
-    fs.makedirs(root, exist_ok=True)
-    with fs.open(f"{root}/{name}", "wb") as f:
+def write_file(root: str, name: str, data: bytes) -> None:
+    fs, directory = filesystem(posixpath.dirname(f"{root}/{name}"))
+    fs.makedirs(directory, exist_ok=True)
+    with fs.open(f"{directory}/{posixpath.basename(name)}", "wb") as f:
         f.write(data)
 
 
-def read_file(sc: SparkContext, path: str, name: str) -> bytes:
-    fs, root = filesystem(qualified_url(sc, path))
-    with fs.open(f"{root}/{name}", "rb") as f:
+def read_file(root: str, name: str) -> bytes:
+    fs, path = filesystem(f"{root}/{name}")
+    with fs.open(path, "rb") as f:
         return f.read()
 
 
@@ -72,19 +81,31 @@ def _without_credentials(objects: Dict[str, Any], owner: Any) -> Dict[str, Any]:
     return dict(objects, store=Store(store.prefix))
 
 
-class EstimatorWriter(MLWriter):
-    """JSON params in ``metadata``, object params (model, optimizer...) in ``objects.pkl``;
-    the store's ``storage_options`` are left out (see the module docstring)."""
+class _Writer(MLWriter):
+    """An MLWriter that works on classic and Spark Connect sessions alike."""
 
     def __init__(self, instance: Any) -> None:
         super().__init__()
         self.instance = instance
 
+    def _handleOverwrite(self, path: str) -> None:
+        remove_saved(self.sparkSession, path)
+
+    def _save_metadata(self, path: str, **extra: Any) -> str:
+        """Write Spark ML's ``metadata``; returns the saved directory (:func:`saved_root`)."""
+        DefaultParamsWriter.saveMetadata(self.instance, path, ml_context(self),
+                                         paramMap=json_params(self.instance), **extra)
+        return saved_root(self.sparkSession, path)
+
+
+class EstimatorWriter(_Writer):
+    """JSON params in ``metadata``, object params (model, optimizer...) in ``objects.pkl``;
+    the store's ``storage_options`` are left out (see the module docstring)."""
+
     def saveImpl(self, path: str) -> None:
-        DefaultParamsWriter.saveMetadata(self.instance, path, self.sc,
-                                         paramMap=json_params(self.instance))
+        root = self._save_metadata(path)
         objects = _without_credentials(object_params(self.instance), self.instance)
-        write_file(self.sc, path, "objects.pkl", dumps(objects))
+        write_file(root, "objects.pkl", dumps(objects))
 
 
 class EstimatorReader(MLReader):
@@ -98,27 +119,22 @@ class EstimatorReader(MLReader):
     def load(self, path: str) -> Any:
         """The estimator saved at ``path``. Unpickling its model, optimizer, loss, metrics and
         callbacks can run arbitrary code: load only paths you trust."""
-        metadata = DefaultParamsReader.loadMetadata(path, self.sc)
+        metadata = DefaultParamsReader.loadMetadata(path, ml_context(self))
         instance = self.cls()
         instance._resetUid(metadata["uid"])
         _apply_params(instance, metadata)
-        instance._set(**cloudpickle.loads(read_file(self.sc, path, "objects.pkl")))
+        root = saved_root(self.sparkSession, path)
+        instance._set(**cloudpickle.loads(read_file(root, "objects.pkl")))
         return instance
 
 
-class ModelWriter(MLWriter):
+class ModelWriter(_Writer):
     """JSON params and model metadata in ``metadata``; framework files under ``model/``."""
 
-    def __init__(self, instance: Any) -> None:
-        super().__init__()
-        self.instance = instance
-
     def saveImpl(self, path: str) -> None:
-        DefaultParamsWriter.saveMetadata(self.instance, path, self.sc,
-                                         extraMetadata=self.instance._extra_metadata(),
-                                         paramMap=json_params(self.instance))
+        root = self._save_metadata(path, extraMetadata=self.instance._extra_metadata())
         for name, data in self.instance._framework_files().items():
-            write_file(self.sc, f"{path}/model", name, data)
+            write_file(root, f"model/{name}", data)
 
 
 class ModelReader(MLReader):
@@ -132,9 +148,9 @@ class ModelReader(MLReader):
     def load(self, path: str) -> Any:
         """The model saved at ``path``. Unpickling its framework files can run arbitrary code:
         load only paths you trust."""
-        metadata = DefaultParamsReader.loadMetadata(path, self.sc)
-        files = {name: read_file(self.sc, f"{path}/model", name)
-                 for name in metadata["framework_files"]}
+        metadata = DefaultParamsReader.loadMetadata(path, ml_context(self))
+        root = saved_root(self.sparkSession, path)
+        files = {name: read_file(root, f"model/{name}") for name in metadata["framework_files"]}
         instance = self.cls._from_saved(metadata, files)
         instance._resetUid(metadata["uid"])
         _apply_params(instance, metadata)

@@ -3,11 +3,17 @@
 Example::
 
     spark = local_spark("local[2]")      # executors run this Python, traffic stays on loopback
+    spark = remote_spark("sc://host:15002")   # Spark Connect (Databricks, a Connect server)
 """
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
 from typing import Dict, Optional
 
 from pyspark.sql import SparkSession
@@ -40,3 +46,103 @@ def local_spark(master: Optional[str] = "local[*]", app_name: str = "sparktrain"
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("SPARKTRAIN_SPARK_LOG_LEVEL", "WARN"))
     return spark
+
+
+def remote_spark(url: str, app_name: str = "sparktrain",
+                 conf: Optional[Dict[str, str]] = None) -> SparkSession:
+    """A Spark Connect session on ``url`` (``sc://host:15002``, optionally with
+    ``/;token=...`` parameters, or ``local[2]`` for a server in this process).
+
+    Example: ``spark = remote_spark("sc://localhost:15002")``; then use sparktrain as on any
+    session. The cluster's Python needs sparktrain and the ML framework installed.
+    """
+    builder = SparkSession.builder.remote(url).appName(app_name)
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
+
+
+class ConnectServer:
+    """A Spark Connect server in its own JVM (``spark-submit --class ...SparkConnectServer``)
+    on 127.0.0.1, for trying or testing Spark Connect on one machine; executors run this
+    Python. A context manager: the server stops (its process tree is killed) on exit.
+
+    Example::
+
+        with ConnectServer("local[2]") as server:
+            spark = remote_spark(server.url)      # sc://127.0.0.1:<port>
+    """
+
+    def __init__(self, master: str = "local[2]", conf: Optional[Dict[str, str]] = None,
+                 port: Optional[int] = None, start_timeout: float = 120.0) -> None:
+        self.master = master
+        self.conf = dict(conf or {})
+        self.port = port or _free_port()
+        self.start_timeout = start_timeout
+        self.process: Optional["subprocess.Popen"] = None
+        self.log_path = ""
+
+    @property
+    def url(self) -> str:
+        return f"sc://127.0.0.1:{self.port}"
+
+    def start(self) -> "ConnectServer":
+        import pyspark
+
+        spark_home = os.path.dirname(pyspark.__file__)
+        conf = {"spark.connect.grpc.binding.address": "127.0.0.1",
+                "spark.connect.grpc.binding.port": str(self.port),
+                "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
+                "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
+                "spark.sql.execution.arrow.pyspark.enabled": "true", **self.conf}
+        command = [os.path.join(spark_home, "bin", "spark-submit"), "--master", self.master,
+                   "--class", "org.apache.spark.sql.connect.service.SparkConnectServer"]
+        for key, value in conf.items():
+            command += ["--conf", f"{key}={value}"]
+        command.append("spark-internal")
+        env = dict(os.environ, SPARK_HOME=spark_home, PYSPARK_PYTHON=sys.executable,
+                   SPARK_LOCAL_IP="127.0.0.1")
+        env.pop("SPARK_REMOTE", None)
+        env.pop("SPARK_CONNECT_MODE_ENABLED", None)
+        log_file = tempfile.NamedTemporaryFile(prefix="sparktrain-connect-", suffix=".log",
+                                               delete=False)
+        self.log_path = log_file.name
+        self.process = subprocess.Popen(command, env=env, stdout=log_file,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the Spark Connect server exited with code "
+                                   f"{self.process.returncode}; see {self.log_path}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the Spark Connect server did not listen on port {self.port} "
+                           f"within {self.start_timeout:g}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                try:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.process = None
+
+    def __enter__(self) -> "ConnectServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -9,6 +9,8 @@ Example::
 
     plan_fingerprint(df)                    # 'Project [x, y]\\n+- LogicalRDD ...|-1093785321'
     max_concurrent_tasks(spark.sparkContext)   # 2 on local[2]
+
+sparktrain.spark_api chooses between these and their Spark Connect counterparts.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import re
 
 from py4j.protocol import Py4JError
 from pyspark import SparkContext
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, SparkSession
 
 _ALL_FIELDS = 2 ** 31 - 1
 
@@ -45,12 +47,11 @@ def plan_fingerprint(df: DataFrame) -> str:
     return f"{re.sub(r'#[0-9]+L?', '', text)}|{plan.semanticHash()}"
 
 
-def qualified_path(sc: SparkContext, path: str) -> str:
-    """``path`` resolved the way Spark resolves it (default filesystem, working directory),
-    e.g. ``file:/home/me/models/m`` or ``hdfs://nn:8020/user/me/m``."""
-    hadoop_path = sc._jvm.org.apache.hadoop.fs.Path(path)
-    fs = hadoop_path.getFileSystem(sc._jsc.hadoopConfiguration())
-    return fs.makeQualified(hadoop_path).toString()
+def remove_path(spark: SparkSession, path: str) -> None:
+    """Delete ``path`` the way Spark ML's ``write().overwrite()`` does (refusing to delete the
+    working directory or a parent of it)."""
+    overwrite = spark._jvm.org.apache.spark.ml.util.FileSystemOverwrite()
+    overwrite.handleOverwrite(path, True, spark._jsparkSession)
 
 
 def hadoop_conf(sc: SparkContext, key: str) -> str | None:

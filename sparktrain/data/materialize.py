@@ -28,7 +28,7 @@ from pyspark.sql import functions as F
 
 from sparktrain.data.schema import ARRAY, SCALAR, VECTOR, ColumnSpec
 from sparktrain.data.store import Store
-from sparktrain.spark_jvm import plan_fingerprint
+from sparktrain.spark_api import plan_fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -161,3 +161,49 @@ class Store:
 
     def run_path(self, run_id: str) -> str:
         return self.path("runs", run_id)
+
+
+class StoredBytes:
+    """Bytes the client writes to the store once and each task reads when it first needs
+    them (``.value``, like a broadcast's): how a fit ships its pickled model, optimizer and
+    loss to the ranks on any session (Spark Connect has no broadcast, and its plans are
+    capped at 128 MiB). Pickles as its URL only.
+
+    Example::
+
+        payload = StoredBytes.put(store.path("runs", run_id, "payload.pkl"), data)
+        payload.value      # on an executor: the bytes, read from the store once
+    """
+
+    def __init__(self, url: str, storage_options: Optional[Dict[str, Any]] = None) -> None:
+        self.url = url
+        self._storage_options = dict(storage_options or {})
+        self._value: Optional[bytes] = None
+
+    @classmethod
+    def put(cls, url: str, data: bytes,
+            storage_options: Optional[Dict[str, Any]] = None) -> "StoredBytes":
+        fs, path = filesystem(url, storage_options)
+        fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        fs.pipe_file(path, data)
+        return cls(url, storage_options)
+
+    @property
+    def value(self) -> bytes:
+        if self._value is None:
+            fs, path = filesystem(self.url, self._storage_options)
+            self._value = fs.cat_file(path)
+        return self._value
+
+    def delete(self) -> None:
+        fs, path = filesystem(self.url, self._storage_options)
+        try:
+            fs.rm(path)
+        except FileNotFoundError:
+            pass
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"url": self.url, "_storage_options": self._storage_options, "_value": None}
+
+    def __repr__(self) -> str:
+        return f"StoredBytes({self.url!r})"

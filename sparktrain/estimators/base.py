@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -28,13 +29,14 @@ from sparktrain.checkpoint import Checkpoints
 from sparktrain.data.materialize import MaterializedDataset, materialize
 from sparktrain.data.schema import SCALAR, VECTOR, ColumnSpec, check_validation_column, \
     column_spec, training_columns
-from sparktrain.data.store import Store
+from sparktrain.data.store import Store, StoredBytes
 from sparktrain.launch import check_backend
 from sparktrain.launch.barrier import check_slots
 from sparktrain.launch.gpus import check_gpu_conf
 from sparktrain.params import EstimatorParams, ModelParams
 from sparktrain.persistence import EstimatorReader, EstimatorWriter, ModelReader, ModelWriter
 from sparktrain.progress import FitProgress, TqdmLogHandler
+from sparktrain.spark_api import all_conf, master
 
 log = logging.getLogger("sparktrain")
 
@@ -79,6 +81,20 @@ class FitRun:
         """The run's directory in the store (checkpoints, TensorBoard events)."""
         return self.store.run_path(self.run_id)
 
+    @contextmanager
+    def shipped(self, payload: bytes) -> Iterator[Tuple[StoredBytes, Dict[str, Any]]]:
+        """``payload`` (the pickled model, optimizer, loss...) written to the run's directory
+        in the store for the ranks to read, and the :func:`~sparktrain.launch.barrier.
+        run_barrier` options that put the launch's events next to it; both deleted after."""
+        workdir = f"{self.run_path}/_launch"
+        options = self.store.storage_options
+        stored = StoredBytes.put(f"{workdir}/payload-{uuid.uuid4().hex[:8]}.pkl", payload,
+                                 options)
+        try:
+            yield stored, {"workdir": workdir, "storage_options": options}
+        finally:
+            stored.delete()
+
 
 class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
     """Framework-independent ``fit``; see the module docstring."""
@@ -95,6 +111,9 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
     def _train(self, run: FitRun) -> Dict[str, Any]:
         """Run training in barrier tasks; return rank 0's result."""
         raise NotImplementedError
+
+    def _check_session(self, spark: SparkSession) -> None:
+        """Raise ``ValueError`` before any job if the backend cannot run on this session."""
 
     def _loop_options(self, run: FitRun) -> Dict[str, Any]:
         """The training-loop settings every framework's worker understands (plain values)."""
@@ -153,12 +172,13 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
 
     def _fit(self, dataset: DataFrame) -> "ModelBase":
         specs = self._check_params(dataset)
-        sc = dataset.sparkSession.sparkContext
-        use_gpu = check_gpu_conf(dict(sc.getConf().getAll()), sc.master, self.getUseGpu())
+        spark = dataset.sparkSession
+        self._check_session(spark)
+        use_gpu = check_gpu_conf(all_conf(spark), master(spark), self.getUseGpu())
         if self.getMixedPrecision() == "fp16" and not use_gpu:
             raise ValueError("mixed_precision='fp16' needs GPU ranks (CPU autocast supports "
                              "bfloat16 only); use mixed_precision='bf16' or train on GPUs")
-        check_slots(sc, self.getNumProc())
+        check_slots(spark, self.getNumProc())
         store = Store.create(self.getStore())
         validation = self.getValidation() or None
         # uid + time + random: copies of one estimator (CrossValidator) never share a run.

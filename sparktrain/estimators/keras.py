@@ -30,6 +30,7 @@ from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
 from sparktrain.launch import KERAS_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext, run_barrier
 from sparktrain.pickling import dumps
+from sparktrain.spark_api import classic_only
 
 
 def _keras() -> Any:
@@ -174,21 +175,25 @@ class KerasEstimator(EstimatorBase):
                 "shuffle": self.getShuffle(), "seed": self.getRandomSeed(),
                 "verbose": self.getVerbose(), "backend": self.getBackend(),
                 "storage_options": run.store.storage_options, **self._loop_options(run)}
-        payload = run.spark.sparkContext.broadcast(self._payload())
         launch = dict(description=f"sparktrain KerasEstimator {self.uid}",
                       echo_logs=self.getVerbose() >= 1, on_progress=run.progress.update,
                       max_attempts=self.getMaxAttempts())
         backend = load_backend(KERAS_BACKENDS, self.getBackend())
-        try:
+        with run.shipped(self._payload()) as (payload, where):
             if getattr(backend, "launches_itself", False):  # tfos: starts its own cluster
                 return backend.launch(run.spark, self.getNumProc(), spec, payload, run.use_gpu,
-                                      **launch)
+                                      **launch, **where)
             results = run_barrier(run.spark, self.getNumProc(),
                                   functools.partial(_keras_rank, spec, payload, run.use_gpu),
-                                  **launch)
-        finally:
-            payload.destroy()
+                                  **launch, **where)
         return results[0]
+
+    def _check_session(self, spark: SparkSession) -> None:
+        if self.getBackend() == "tfos":
+            classic_only(spark, "backend='tfos' (TensorFlowOnSpark starts its reservation "
+                         "server through the SparkContext)", "Use backend='tensorflow': the "
+                         "same MultiWorkerMirroredStrategy training, launched through the "
+                         "DataFrame API.")
 
     def _create_model(self, result: Dict[str, Any], data: MaterializedDataset) -> "KerasModel":
         model = KerasModel(result["model"], loading_objects(_keras(), self.getCustomObjects()))
@@ -216,7 +221,6 @@ class KerasModel(ModelBase):
         self._model_bytes = model_bytes
         self._custom_objects = dict(custom_objects or {})
         self._model: Any = None
-        self._broadcast: Any = None
 
     def getModel(self) -> Any:
         """The trained ``keras.Model`` (loaded on first use)."""
@@ -232,17 +236,14 @@ class KerasModel(ModelBase):
         return cls(files["model.keras"], cloudpickle.loads(files["custom_objects.pkl"]))
 
     def _predict_fn_factory(self) -> Callable[[], Callable]:
-        sc = SparkSession.active().sparkContext
-        if self._broadcast is None or self._broadcast[0] is not sc:
-            self._broadcast = (sc, sc.broadcast(self._framework_files()))
-        return functools.partial(_make_predictor, self._broadcast[1])
+        return functools.partial(_make_predictor, self._framework_files())
 
 
-def _make_predictor(files: Any) -> Callable:
+def _make_predictor(files: Dict[str, bytes]) -> Callable:
     """Executor side, once per Python worker: load the model and return ``predict``."""
     import numpy as np
 
-    model = _load_model(files.value["model.keras"], cloudpickle.loads(files.value["custom_objects.pkl"]))
+    model = _load_model(files["model.keras"], cloudpickle.loads(files["custom_objects.pkl"]))
 
     def predict(features: List[np.ndarray]) -> List[np.ndarray]:
         result = model(features if len(features) > 1 else features[0], training=False)

@@ -21,7 +21,6 @@ from typing import Any, Callable, Dict, List, Optional
 
 import cloudpickle
 from pyspark import keyword_only
-from pyspark.sql import SparkSession
 
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
@@ -130,16 +129,13 @@ class TorchEstimator(EstimatorBase):
             epochs=self.getEpochs(), shuffle=self.getShuffle(), seed=self.getRandomSeed(),
             backend=self.getBackend(), use_gpu=run.use_gpu, verbose=self.getVerbose(),
             storage_options=run.store.storage_options, **self._loop_options(run))
-        payload = run.spark.sparkContext.broadcast(self._payload())
-        try:
+        with run.shipped(self._payload()) as (payload, where):
             results = run_barrier(run.spark, self.getNumProc(),
                                   functools.partial(_train_rank, spec, payload),
                                   description=f"sparktrain TorchEstimator {self.uid}",
                                   echo_logs=self.getVerbose() >= 1,
                                   on_progress=run.progress.update,
-                                  max_attempts=self.getMaxAttempts())
-        finally:
-            payload.destroy()
+                                  max_attempts=self.getMaxAttempts(), **where)
         return results[0]
 
     def _create_model(self, result: Dict[str, Any], data: MaterializedDataset) -> "TorchModel":
@@ -217,7 +213,6 @@ class TorchModel(ModelBase):
     def __init__(self, model: Any = None) -> None:
         super().__init__()
         self._model = model
-        self._broadcast: Any = None
 
     def getModel(self) -> Any:
         """The trained ``torch.nn.Module`` (in eval mode, on the CPU)."""
@@ -232,19 +227,15 @@ class TorchModel(ModelBase):
         return cls(_load_module(files["architecture.pkl"], files["weights.pt"]))
 
     def _predict_fn_factory(self) -> Callable[[], Callable]:
-        sc = SparkSession.active().sparkContext
-        if self._broadcast is None or self._broadcast[0] is not sc:
-            self._broadcast = (sc, sc.broadcast(self._framework_files()))
-        return functools.partial(_make_predictor, self._broadcast[1])
+        return functools.partial(_make_predictor, self._framework_files())
 
 
-def _make_predictor(files: Any) -> Callable:
+def _make_predictor(files: Dict[str, bytes]) -> Callable:
     """Executor side, once per Python worker: load the module and return ``predict``."""
     import numpy as np
     import torch
     from pyspark import TaskContext
 
-    files = files.value
     module = _load_module(files["architecture.pkl"], files["weights.pt"])
     context = TaskContext.get()
     if context is not None:

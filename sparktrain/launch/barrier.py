@@ -1,17 +1,21 @@
 """Run a function as ``num_proc`` Spark barrier tasks, one per training rank.
 
-The launcher checks up front that the cluster has enough concurrent task slots (Spark's own
-barrier check retries for minutes before failing), opens the driver's :class:`RankChannel` for
-live rank logs and failures, and turns a failed stage into a :class:`TrainingError` carrying the
+One code path for classic and Spark Connect sessions: the tasks are a barrier
+``DataFrame.mapInPandas`` (Spark >= 3.5), cancelled through job tags, and everything a rank
+says (``[rank N]`` log lines, progress, its traceback) travels through the store
+(:mod:`.events`), so executors never open a connection to the client. The launcher checks up
+front that the cluster has enough concurrent task slots (Spark's own barrier check retries for
+minutes before failing) and turns a failed stage into a :class:`TrainingError` carrying the
 traceback of the rank that failed first.
 
 Retries: Spark never retries a failed barrier *result* stage ("Could not recover from a failed
 barrier ResultStage"), but it re-runs a failed barrier *shuffle map* stage as a whole, up to
 ``spark.stage.maxConsecutiveAttempts`` times (default 4), whether a task raised, its Python
 worker was killed or its executor was lost. So the barrier tasks' results go through a one-
-partition shuffle, every rank learns its attempt number (``RankContext.attempt``) and a training
-loop can resume from its last checkpoint. ``max_attempts`` caps the attempts below Spark's limit:
-the driver cancels the job once that many attempts have failed.
+partition shuffle (``repartition(1)``), every rank learns its attempt number
+(``RankContext.attempt``) and a training loop can resume from its last checkpoint.
+``max_attempts`` caps the attempts below Spark's limit: the client cancels the job once that
+many attempts have failed.
 
 Example::
 
@@ -35,17 +39,25 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from pyspark import BarrierTaskContext, SparkContext
+import cloudpickle
+from pyspark import BarrierTaskContext
 from pyspark.sql import SparkSession
 
-from sparktrain.launch.channel import RankChannel, RankClient
-from sparktrain.spark_jvm import max_concurrent_tasks
+from sparktrain.data.store import Store, filesystem
+from sparktrain.launch.events import EventWatcher, RankEvents
+from sparktrain.pickling import dumps
+from sparktrain.spark_api import cancel_tag, conf_value, is_local_master, is_remote, job_tag, \
+    master, task_slots
 
 log = logging.getLogger(__name__)
 
 SLOT_WAIT_CONF = "spark.sparktrain.slotWaitSeconds"
 DEFAULT_SLOT_WAIT_SECONDS = 10.0
 _FAILURE_TAG = "sparktrain-rank-failure"
+# Results larger than this go through the store, not the result rows (Spark Connect's gRPC
+# messages are capped at 128 MiB by default).
+INLINE_RESULT_BYTES = 16 * 1024 * 1024
+_RESULT_SCHEMA = "rank int, result binary, stored string"
 
 
 class TrainingError(RuntimeError):
@@ -69,16 +81,16 @@ class RankContext:
     cpus: int
     resources: Dict[str, List[str]]
     barrier: Any = field(repr=False)  # the pyspark BarrierTaskContext
-    client: Optional[RankClient] = field(default=None, repr=False)
+    client: Optional[RankEvents] = field(default=None, repr=False)
     attempt: int = 0  # 0 on the first run of the stage, n on Spark's n-th retry
 
     def log(self, text: str) -> None:
-        """Send ``text`` to the driver's log as ``[rank N] text``."""
+        """Send ``text`` to the client's log as ``[rank N] text``."""
         if self.client is not None:
             self.client.log(text)
 
     def progress(self, **event: Any) -> None:
-        """Send a progress event (plain JSON values) to the driver's progress display."""
+        """Send a progress event (plain JSON values) to the client's progress display."""
         if self.client is not None:
             self.client.progress(event)
 
@@ -90,66 +102,79 @@ class RankContext:
 # Driver side
 # ---------------------------------------------------------------------------------------------
 
-def _slot_hint(sc: SparkContext, num_proc: int) -> str:
-    master = sc.master
-    if master.startswith("local-cluster"):
+def _slot_hint(spark: SparkSession, num_proc: int) -> str:
+    value = master(spark)
+    if value.startswith("local-cluster"):
         return f"start Spark with master local-cluster[N,C,M] where N*C >= {num_proc}"
-    if master.startswith("local"):
+    if value.startswith("local"):
         return f"start Spark with master local[{num_proc}] (or more, e.g. local[*])"
-    conf = sc.getConf()
     return (f"give the cluster more task slots: spark.executor.instances "
-            f"(now {conf.get('spark.executor.instances', 'unset')}) x spark.executor.cores "
-            f"(now {conf.get('spark.executor.cores', 'unset')}) / spark.task.cpus "
-            f"(now {conf.get('spark.task.cpus', '1')}) must be >= {num_proc}; with dynamic "
-            f"allocation set spark.dynamicAllocation.minExecutors high enough")
+            f"(now {conf_value(spark, 'spark.executor.instances', 'unset')}) x "
+            f"spark.executor.cores (now {conf_value(spark, 'spark.executor.cores', 'unset')}) / "
+            f"spark.task.cpus (now {conf_value(spark, 'spark.task.cpus', '1')}) must be >= "
+            f"{num_proc}; with dynamic allocation set spark.dynamicAllocation.minExecutors high "
+            f"enough")
 
 
-def check_slots(sc: SparkContext, num_proc: int, wait_seconds: Optional[float] = None) -> int:
-    """Wait briefly for executors to register, then fail if fewer than ``num_proc`` barrier
-    tasks can run at once. Returns the slot count."""
+def check_slots(spark: SparkSession, num_proc: int,
+                wait_seconds: Optional[float] = None) -> Optional[int]:
+    """Fail if fewer than ``num_proc`` barrier tasks can run at once; returns the slot count
+    (``None`` where the cluster cannot say: then Spark's own barrier check decides).
+
+    On a classic session with a cluster master, waits up to ``wait_seconds`` for executors to
+    register first; local masters have all their slots from the start and are not waited for.
+    """
     if wait_seconds is None:
-        wait_seconds = float(sc.getConf().get(SLOT_WAIT_CONF, str(DEFAULT_SLOT_WAIT_SECONDS)))
+        wait_seconds = float(conf_value(spark, SLOT_WAIT_CONF, None)
+                             or DEFAULT_SLOT_WAIT_SECONDS)
+    if is_local_master(spark) or is_remote(spark):
+        wait_seconds = 0.0  # nothing to wait for (Connect: the count comes from the conf)
     deadline = time.monotonic() + wait_seconds
-    slots = max_concurrent_tasks(sc)
+    slots = task_slots(spark)
+    if slots is None:
+        log.info("the cluster's settings do not say how many tasks it can run at once; "
+                 "Spark's barrier check will tell if num_proc=%d is too many", num_proc)
+        return None
     while slots < num_proc and time.monotonic() < deadline:
         time.sleep(0.25)
-        slots = max_concurrent_tasks(sc)
+        slots = task_slots(spark) or 0
     if slots < num_proc:
+        waited = f", waited {wait_seconds:g}s for executors" if wait_seconds else ""
         raise RuntimeError(
             f"num_proc={num_proc} needs {num_proc} task slots running at the same time (Spark "
-            f"barrier mode), but the cluster has {slots} (master {sc.master}, waited "
-            f"{wait_seconds:g}s for executors). Lower num_proc to {max(slots, 1)} or {_slot_hint(sc, num_proc)}. "
+            f"barrier mode), but the cluster has {slots} (master {master(spark)}{waited}). "
+            f"Lower num_proc to {max(slots, 1)} or {_slot_hint(spark, num_proc)}. "
             f"({SLOT_WAIT_CONF} sets how long to wait for executors.)")
     return slots
 
 
-def driver_host(sc: SparkContext) -> str:
-    return sc.getConf().get("spark.driver.host", None) or "127.0.0.1"
-
-
-def stage_attempts(sc: SparkContext) -> int:
+def stage_attempts(spark: SparkSession) -> int:
     """How many times Spark runs a failing stage (``spark.stage.maxConsecutiveAttempts``)."""
-    return int(sc.getConf().get("spark.stage.maxConsecutiveAttempts", "4"))
+    return int(conf_value(spark, "spark.stage.maxConsecutiveAttempts", "4") or 4)
 
 
 def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext], Any],
                 description: str = "sparktrain", echo_logs: bool = True,
                 on_progress: Optional[Callable[[Dict[str, Any]], None]] = None,
-                max_attempts: Optional[int] = None) -> List[Any]:
+                max_attempts: Optional[int] = None, workdir: Optional[str] = None,
+                storage_options: Optional[Dict[str, Any]] = None) -> List[Any]:
     """Run ``task(RankContext)`` in ``num_proc`` barrier tasks; results in rank order.
 
     ``task`` must be picklable with plain values only (no SparkSession, no ``self``). A failed
     attempt is retried as a whole (see the module docstring) up to ``max_attempts`` times
-    (default and upper bound: ``spark.stage.maxConsecutiveAttempts``). Raises
-    :class:`TrainingError` with the first failing rank's traceback.
+    (default and upper bound: ``spark.stage.maxConsecutiveAttempts``). ``workdir`` is a
+    directory in the store that the client and the executors both reach (default: under the
+    default local store, which suits local masters); the launch's events and large results
+    pass through it and are deleted after. Raises :class:`TrainingError` with the first
+    failing rank's traceback.
     """
     if num_proc < 1:
         raise ValueError(f"num_proc must be >= 1, got {num_proc}")
-    sc = spark.sparkContext
-    check_slots(sc, num_proc)
-    spark_limit = stage_attempts(sc)
+    check_slots(spark, num_proc)
+    spark_limit = stage_attempts(spark)
     attempts = min(max_attempts or spark_limit, spark_limit)
-    group = f"sparktrain-{uuid.uuid4().hex[:12]}"
+    tag = f"sparktrain-{uuid.uuid4().hex[:12]}"
+    launch_dir = f"{(workdir or Store.create(None).path('launches')).rstrip('/')}/{tag}"
     gave_up = threading.Event()
     reported: set = set()  # attempts already logged: one line per failed attempt
 
@@ -162,35 +187,61 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
             gave_up.set()
             log.error("rank %d failed on attempt %d of %d: %s; giving up", rank, attempt + 1,
                       attempts, last)
-            sc.cancelJobGroup(group)
+            cancel_tag(spark, tag)
         else:
             log.warning("rank %d failed on attempt %d of %d: %s; Spark re-runs all ranks, "
                         "which resume from the last checkpoint", rank, attempt + 1, attempts,
                         last)
 
-    with RankChannel(driver_host(sc), echo=echo_logs, on_progress=on_progress,
-                     on_error=on_error) as channel:
-        address = (*channel.address, sc.master.startswith("local"))
+    where = (launch_dir, storage_options, not is_local_master(spark))
+    fs = filesystem(launch_dir, storage_options)[0]
+    try:
+        with EventWatcher(f"{launch_dir}/events", storage_options, echo=echo_logs,
+                          on_progress=on_progress, on_error=on_error) as watcher:
+            def partition(batches: Iterator[Any]) -> Iterator[Any]:
+                for _ in batches:  # the input rows only number the tasks
+                    pass
+                yield _rank_result_frame(*run_rank(task, where), launch_dir, storage_options)
 
-        def partition(_: Iterator[int]) -> Iterator[Tuple[int, Any]]:
-            yield run_rank(task, address)
-
-        # partitionBy(1) makes the barrier stage a shuffle map stage: Spark retries those.
-        rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(partition) \
-            .partitionBy(1)
-        sc.setJobGroup(group, description, interruptOnCancel=True)
+            # repartition(1) makes the barrier stage a shuffle map stage: Spark retries those.
+            frame = spark.range(0, num_proc, 1, num_proc) \
+                .mapInPandas(partition, _RESULT_SCHEMA, barrier=True).repartition(1)
+            with job_tag(spark, tag, description):
+                try:
+                    rows = frame.collect()
+                except BaseException as exc:
+                    cancel_tag(spark, tag)
+                    if isinstance(exc, KeyboardInterrupt):
+                        raise
+                    watcher.poll()
+                    raise _training_error(watcher.first_error(), exc,
+                                          max(1, watcher.failed_attempts())) from None
+            results = {row["rank"]: _load_result(row, fs) for row in rows}
+    finally:
         try:
-            pairs = rdd.collect()
-        except BaseException as exc:
-            sc.cancelJobGroup(group)
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            raise _training_error(channel.first_error(), exc,
-                                  max(1, channel.failed_attempts())) from None
-        finally:
-            sc.setLocalProperty("spark.jobGroup.id", None)
-            sc.setLocalProperty("spark.job.description", None)
-    return [result for _, result in sorted(pairs, key=lambda pair: pair[0])]
+            fs.rm(launch_dir, recursive=True)
+        except (FileNotFoundError, OSError):
+            pass
+    return [results[rank] for rank in sorted(results)]
+
+
+def _rank_result_frame(rank: int, result: Any, launch_dir: str,
+                       storage_options: Optional[Dict[str, Any]]) -> Any:
+    """The one-row pandas frame a rank returns: its pickled result, or where it stored it."""
+    import pandas as pd
+
+    data, stored = dumps(result), None
+    if len(data) > INLINE_RESULT_BYTES:
+        fs, root = filesystem(launch_dir, storage_options)
+        stored = f"{root}/results/rank-{rank}.pkl"
+        fs.makedirs(f"{root}/results", exist_ok=True)
+        fs.pipe_file(stored, data)
+        data = b""
+    return pd.DataFrame({"rank": [rank], "result": [data], "stored": [stored]})
+
+
+def _load_result(row: Any, fs: Any) -> Any:
+    return cloudpickle.loads(fs.cat_file(row["stored"]) if row["stored"] else row["result"])
 
 
 def _training_error(reported: Optional[Tuple[int, str]], exc: BaseException,
@@ -225,9 +276,9 @@ def _spark_summary(text: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 class _LineTee(io.TextIOBase):
-    """Write-through stream that also sends complete lines to the driver."""
+    """Write-through stream that also sends complete lines to the client."""
 
-    def __init__(self, original: Optional[Any], client: RankClient) -> None:
+    def __init__(self, original: Optional[Any], client: RankEvents) -> None:
         self._original = original
         self._client = client
         self._buffer = ""
@@ -261,9 +312,9 @@ class _LineTee(io.TextIOBase):
 
 
 @contextmanager
-def _captured_output(client: RankClient, mirror: bool) -> Iterator[None]:
-    """Send the rank's stdout/stderr lines to the driver; ``mirror`` also keeps them in the
-    executor's own log (off in local mode, where that log is the driver's console)."""
+def _captured_output(client: RankEvents, mirror: bool) -> Iterator[None]:
+    """Send the rank's stdout/stderr lines to the client; ``mirror`` also keeps them in the
+    executor's own log (off in local mode, where that log is the console of Spark's driver)."""
     out, err = sys.stdout, sys.stderr
     tees = [_LineTee(out if mirror else None, client), _LineTee(err if mirror else None, client)]
     sys.stdout, sys.stderr = tees
@@ -275,7 +326,7 @@ def _captured_output(client: RankClient, mirror: bool) -> Iterator[None]:
         sys.stdout, sys.stderr = out, err
 
 
-def rank_context(barrier: Any, client: Optional[RankClient] = None) -> RankContext:
+def rank_context(barrier: Any, client: Optional[RankEvents] = None) -> RankContext:
     infos = barrier.getTaskInfos()
     hosts = [info.address.rsplit(":", 1)[0] for info in infos]
     resources = {name: list(info.addresses) for name, info in barrier.resources().items()}
@@ -284,16 +335,19 @@ def rank_context(barrier: Any, client: Optional[RankClient] = None) -> RankConte
                        client=client)
 
 
-def run_rank(task: Callable[[RankContext], Any], address: Sequence) -> Tuple[int, Any]:
+def run_rank(task: Callable[[RankContext], Any], where: Sequence) -> Tuple[int, Any]:
     """Executor entry point: build the :class:`RankContext`, run ``task``, report failures.
-    ``address`` is ``(host, port, token, local_mode)`` of the driver's channel."""
+    ``where`` is ``(launch directory, storage_options, mirror output to the executor log)``."""
     barrier = BarrierTaskContext.get()
     rank = barrier.partitionId()
-    client = RankClient(address[0], int(address[1]), address[2], rank)
+    client = RankEvents(f"{where[0]}/events", where[1], rank)
+    started = client.start()
     try:
-        with _captured_output(client, mirror=not address[3]):
+        with _captured_output(client, mirror=where[2]):
             context = rank_context(barrier, client)
-            context.attempt = client.attempt
+            # every rank counted its own starts; agree on one number (the largest)
+            context.attempt = max(int(a) for a in barrier.allGather(str(started)))
+            client.attempt = context.attempt
             return rank, task(context)
     except BaseException as exc:
         remote = traceback.format_exc()

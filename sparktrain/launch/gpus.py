@@ -13,7 +13,7 @@ first GPU Spark gave it:
 
 Example::
 
-    use_gpu = check_gpu_conf(dict(sc.getConf().getAll()), sc.master, use_gpu=None)
+    use_gpu = check_gpu_conf(all_conf(spark), master(spark), use_gpu=None)
 """
 from __future__ import annotations
 

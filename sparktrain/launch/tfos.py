@@ -44,7 +44,7 @@ import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
 from sparktrain.launch import import_quietly
-from sparktrain.launch.barrier import RankContext, driver_host, run_barrier, stage_attempts
+from sparktrain.launch.barrier import RankContext, run_barrier, stage_attempts
 from sparktrain.launch.gpus import rank_gpu
 from sparktrain.launch.tf_multiworker import spawn_keras_worker
 from sparktrain.spark_jvm import hadoop_conf
@@ -82,7 +82,8 @@ def start_reservations(sc: Any, num_nodes: int) -> Tuple[Any, Dict[str, Any]]:
     _, port = server.start()  # binds all interfaces (a port from TFOS_SERVER_PORT if set)
     # TFoS advertises the address its 8.8.8.8 probe finds; executors reach the driver at
     # spark.driver.host for sure (loopback in local mode). TFOS_SERVER_HOST still wins.
-    host = os.environ.get(reservation.TFOS_SERVER_HOST) or driver_host(sc)
+    host = os.environ.get(reservation.TFOS_SERVER_HOST) or \
+        sc.getConf().get("spark.driver.host", None) or "127.0.0.1"
     meta = {"id": random.getrandbits(64), "cluster_template": cluster_template(num_nodes),
             "num_executors": num_nodes, "default_fs": _default_fs(sc),
             "working_dir": os.getcwd(), "server_addr": (host, port), "release_port": True}
@@ -102,15 +103,17 @@ def stop_reservations(server: Any, address: Tuple[str, int]) -> None:
 
 def launch(spark: Any, num_proc: int, spec: Dict[str, Any], payload: Any, use_gpu: bool,
            description: str = "sparktrain tfos", echo_logs: bool = True,
-           on_progress: Any = None, max_attempts: Optional[int] = None) -> Any:
+           on_progress: Any = None, max_attempts: Optional[int] = None,
+           **where: Any) -> Any:
     """Train on a TFoS cluster of ``num_proc`` nodes; return rank 0's result.
 
-    ``payload`` is a broadcast of the pickled model/optimizer/loss. Raises
+    ``payload`` holds the pickled model/optimizer/loss (``.value``); ``where`` are
+    :func:`~sparktrain.launch.barrier.run_barrier`'s ``workdir``/``storage_options``. Raises
     :class:`~sparktrain.launch.barrier.TrainingError` if a node fails (after up to
     ``max_attempts`` attempts); the SparkSession keeps working either way.
     """
     sc = spark.sparkContext
-    attempts = min(max_attempts or stage_attempts(sc), stage_attempts(sc))
+    attempts = min(max_attempts or stage_attempts(spark), stage_attempts(spark))
     clusters: List[Tuple[Any, Dict[str, Any]]] = []
     try:
         for _ in range(attempts):  # one per attempt of the stage: a thread and a socket each
@@ -119,7 +122,7 @@ def launch(spark: Any, num_proc: int, spec: Dict[str, Any], payload: Any, use_gp
                                  payload, use_gpu)
         results = run_barrier(spark, num_proc, task, description=description,
                               echo_logs=echo_logs, on_progress=on_progress,
-                              max_attempts=max_attempts)
+                              max_attempts=max_attempts, **where)
     finally:
         for server, meta in clusters:
             stop_reservations(server, meta["server_addr"])
