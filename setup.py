@@ -32,6 +32,9 @@ HOROVOD = ["horovod>=0.28.1"]
 # NumPy 2: the extra states those limits, so it never installs a Petastorm that cannot import.
 # 0.13 pins setuptools<70 (torch needs >= 77.0.3) and can return zero rows.
 PETASTORM = ["petastorm>=0.12.1,<0.13", "pyarrow<15", "numpy<2", "setuptools<81"]
+# Spark Connect clients: pyspark's own "connect" extra (grpcio, grpcio-status,
+# googleapis-common-protos, zstandard); barrier mapInPandas over Connect needs pyspark 4.
+CONNECT = ["pyspark[connect]>=4.0"]
 PLOT = ["matplotlib>=3.7"]
 TEST = ["pytest>=8", "pytest-timeout>=2.3", "packaging", "scikit-learn>=1.4", "psutil",
         "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25", "ipywidgets>=8"] + PLOT
@@ -52,6 +55,7 @@ setup(
         "tfos": TFOS,
         "horovod": TORCH + HOROVOD,
         "petastorm": PETASTORM,
+        "connect": CONNECT,
         "plot": PLOT,
         "test": TEST,
     },

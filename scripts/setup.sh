@@ -15,7 +15,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 stack="${SPARKTRAIN_STACK:-spark4}"
 case "$stack" in
-  spark4) default_venv="$root/.venv"; extras="torch,tf-cpu,tfos,test" ;;
+  spark4) default_venv="$root/.venv"; extras="torch,tf-cpu,tfos,connect,test" ;;
   spark35) default_venv="$root/.venv-spark35"; extras="torch,tf-cpu,tfos,petastorm,test" ;;
   *) printf '[setup] error: SPARKTRAIN_STACK=%s is not a stack; use spark4 (default) or spark35\n' "$stack" >&2
      exit 1 ;;

@@ -1,16 +1,14 @@
-"""What a user sees during and after a fit: live rank logs over an authenticated channel,
+"""What a user sees during and after a fit: live rank logs carried through the store,
 progress events, TensorBoard event files in the run directory, and history plots."""
 from __future__ import annotations
 
-import json
-import socket
 import time
 
 import pytest
 import torch
 
 from sparktrain import TorchEstimator
-from sparktrain.launch.channel import RankChannel, RankClient
+from sparktrain.launch.events import EventWatcher, RankEvents
 from sparktrain.progress import FitProgress
 
 
@@ -21,24 +19,42 @@ def _wait_for(predicate, seconds=5.0):
     return predicate()
 
 
-def test_channel_accepts_only_the_fits_own_token():
-    events = []
-    with RankChannel("127.0.0.1", echo=False, on_progress=events.append) as channel:
-        host, port, token = channel.address
-        assert host == "127.0.0.1"  # bound to the driver's address, not 0.0.0.0
-        intruder = socket.create_connection((host, port))
-        intruder.sendall(b"not-the-token\n" + json.dumps(
-            {"rank": 0, "kind": "log", "text": "forged"}).encode() + b"\n")
-        client = RankClient(host, port, token, rank=1)
-        client.log("hello")
-        client.progress({"event": "start", "epochs": 1, "steps": 2})
-        client.error("Traceback: boom")
-        assert _wait_for(lambda: channel.lines and events and channel.errors)
-        client.close()
-        intruder.close()
-    assert list(channel.lines) == [(1, "hello")]
-    assert events == [{"event": "start", "epochs": 1, "steps": 2}]
-    assert channel.first_error() == (1, "Traceback: boom")
+def test_rank_events_reach_the_client_through_the_store(tmp_path):
+    """Ranks write segments to a directory; the client reads them in order and deletes them.
+    No socket is involved: executors never connect to the client."""
+    url = str(tmp_path / "events")
+    progress, errors = [], []
+    with EventWatcher(url, echo=False, on_progress=progress.append,
+                      on_error=lambda *e: errors.append(e)) as watcher:
+        rank1 = RankEvents(url, rank=1)
+        assert rank1.start() == 0
+        rank1.log("hello")
+        rank1.progress({"event": "start", "epochs": 1, "steps": 2})
+        rank1.error("Traceback: boom")  # errors are written at once
+        assert _wait_for(lambda: watcher.lines and progress and errors)
+        rank1.log("after the error")
+        rank1.close()  # the last lines are flushed on close
+        again = RankEvents(url, rank=1)
+        assert again.start() == 1  # its second start: attempt 1
+        again.error("Traceback: second")
+        again.close()
+        RankEvents(url, rank=0).start()
+    assert list(watcher.lines) == [(1, "hello"), (1, "after the error")]
+    assert progress == [{"event": "start", "epochs": 1, "steps": 2}]
+    assert errors[0] == (1, 0, "Traceback: boom")
+    assert watcher.first_error() == (1, "Traceback: boom") and watcher.failed_attempts() == 2
+    leftover = sorted(p.name for p in (tmp_path / "events").iterdir())
+    assert leftover == ["starts"], leftover  # every segment was consumed
+
+
+def test_rank_events_never_fail_the_rank(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the events directory should be")
+    events = RankEvents(str(blocked / "events"), rank=0)
+    assert events.start() == 0
+    events.log("lost, silently")
+    events.error("also lost")
+    events.close()
 
 
 def test_progress_bar_follows_rank_events(capsys):

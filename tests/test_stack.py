@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import uuid
 import subprocess
 import sys
 
@@ -20,7 +21,9 @@ from packaging.version import Version
 from sparktrain.data.materialize import materialize, plan_key
 from sparktrain.data.schema import training_columns
 from sparktrain.data.store import Store
-from sparktrain.spark_jvm import hadoop_conf, max_concurrent_tasks, qualified_path
+from sparktrain.persistence import saved_root
+from sparktrain.spark_api import slots_from_conf, task_slots
+from sparktrain.spark_jvm import hadoop_conf, max_concurrent_tasks, remove_path
 
 pytestmark = pytest.mark.stack
 
@@ -55,7 +58,7 @@ def test_installing_sparktrain_changes_none_of_the_users_packages(tmp_path):
     """``pip install sparktrain[...]`` into this environment (which already holds one tested
     stack) would install sparktrain alone: no package of the user's is upgraded or downgraded.
     ``--no-index``: pip may use only what is installed, so anything else fails the test."""
-    extras = "torch,tf-cpu,tfos,horovod,plot" + (",petastorm" if CLASSIC else "")
+    extras = "torch,tf-cpu,tfos,horovod,plot" + (",petastorm" if CLASSIC else ",connect")
     report = tmp_path / "report.json"
     result = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation",
@@ -107,10 +110,18 @@ def test_plan_key_is_equal_for_the_same_plan_and_differs_for_other_data(spark, t
 def test_spark_jvm_calls(spark, tmp_path):
     sc = spark.sparkContext
     assert max_concurrent_tasks(sc) == 2  # local[2]
+    assert task_slots(spark) == slots_from_conf(spark) == 2  # the JVM and the conf agree
     assert hadoop_conf(sc, "fs.defaultFS").startswith("file:")
     assert hadoop_conf(sc, "sparktrain.no.such.key") is None
-    assert qualified_path(sc, str(tmp_path)) == f"file:{tmp_path}"
-    assert qualified_path(sc, "relative/dir") == f"file:{os.getcwd()}/relative/dir"
+    # where Spark put a saved model's metadata, qualified (a relative path: Spark's working
+    # directory, which is this process's as long as nothing changed it)
+    relative = f"build/saved model {uuid.uuid4().hex[:6]}"
+    for path, expected in ((relative, os.path.join(os.getcwd(), relative)),
+                           (str(tmp_path / "absolute"), str(tmp_path / "absolute"))):
+        spark.createDataFrame([("{}",)], "value string").write.text(f"{path}/metadata")
+        assert saved_root(spark, path) == expected
+        remove_path(spark, path)
+        assert not os.path.exists(expected)
 
 
 def _read_pyarrow(path):

@@ -1,0 +1,256 @@
+"""A Spark Connect client, run in its own process by tests/test_connect.py.
+
+    python tests/connect_client.py SCENARIO sc://127.0.0.1:PORT WORKDIR
+
+Each scenario starts the session exactly as a user does (``SparkSession.builder.remote(url)
+.getOrCreate()``), uses sparktrain as the README shows, and prints one JSON line of findings
+last. A separate process because pyspark switches a whole process to Connect mode
+(``SPARK_CONNECT_MODE_ENABLED``) once a remote session exists, and the main test process keeps a
+classic session.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+
+def accuracy(output, label):
+    return (output.argmax(dim=1) == label).float().mean()
+
+
+def _digits(spark):
+    from jobs.common import digits_frame
+
+    train, test = digits_frame(spark).randomSplit([0.8, 0.2], seed=3)
+    return train.cache(), test.cache()
+
+
+def _correct(predictions) -> float:
+    import numpy as np
+
+    frame = predictions.select("label", "label__output").toPandas()
+    guesses = np.stack(frame["label__output"].to_numpy()).argmax(axis=1)
+    return float((guesses == frame["label"].to_numpy()).mean())
+
+
+def readme(spark, workdir: str) -> Dict[str, Any]:
+    """The README's flow: Pipeline fit, transform, PipelineModel save/load, CrossValidator,
+    KerasEstimator."""
+    import numpy as np
+    import torch
+    from pyspark.ml import Pipeline, PipelineModel
+    from pyspark.ml.evaluation import RegressionEvaluator
+    from pyspark.ml.feature import StandardScaler, VectorAssembler
+    from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+
+    from helpers import linear_estimator
+    from sparktrain import KerasEstimator, TorchEstimator, TorchModel
+
+    store = os.path.join(workdir, "store")
+    train, test = _digits(spark)
+    pixel_cols = [c for c in train.columns if c != "label"]
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    est = TorchEstimator(num_proc=2, model=net,
+                         optimizer=torch.optim.Adam(net.parameters(), lr=3e-3),
+                         loss=torch.nn.CrossEntropyLoss(), metrics=[accuracy],
+                         feature_cols=["features"], label_cols=["label"], batch_size=64,
+                         epochs=8, validation=0.1, store=store, verbose=1)
+    assembler = VectorAssembler(inputCols=pixel_cols, outputCol="raw")
+    scaler = StandardScaler(inputCol="raw", outputCol="features")
+    model = Pipeline(stages=[assembler, scaler, est]).fit(train)
+    found: Dict[str, Any] = {"history": model.stages[-1].getHistory()}
+    found["torch_accuracy"] = _correct(model.transform(test))
+    path = os.path.join(workdir, "digits model")  # a space: saved paths are URIs to Spark
+    model.write().overwrite().save(path)
+    model.write().overwrite().save(path)  # overwrite an existing one
+    reloaded = PipelineModel.load(path)
+    found["reloaded_is_torch_model"] = isinstance(reloaded.stages[-1], TorchModel)
+    found["reloaded_accuracy"] = _correct(reloaded.transform(test))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(600, 4))
+    y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
+    regression = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y)],
+                                       "features array<double>, label double")
+    linear = linear_estimator(store, epochs=1, batch_size=64)
+    grid = ParamGridBuilder().addGrid(linear.epochs, [1, 4]).build()
+    cv = CrossValidator(estimator=linear, estimatorParamMaps=grid, numFolds=2, seed=5,
+                        evaluator=RegressionEvaluator(predictionCol="label__output"))
+    found["cv_metrics"] = list(cv.fit(regression).avgMetrics)
+
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(shape=(64,))
+    hidden = keras.layers.Dense(64, activation="relu")(inputs)
+    k_model = keras.Model(inputs, keras.layers.Dense(10)(hidden))
+    k_est = KerasEstimator(num_proc=2, model=k_model, optimizer=keras.optimizers.Adam(3e-3),
+                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                           feature_cols=["features"], label_cols=["label"], batch_size=64,
+                           epochs=8, store=store, verbose=1)
+    k_fitted = Pipeline(stages=[assembler, scaler, k_est]).fit(train)
+    found["keras_accuracy"] = _correct(k_fitted.transform(test))
+    k_path = os.path.join(workdir, "keras-model")
+    k_fitted.write().overwrite().save(k_path)
+    found["keras_reloaded_accuracy"] = _correct(PipelineModel.load(k_path).transform(test))
+    return found
+
+
+class FailOnRankOne:
+    """A transformation_fn raising the user's own error on rank 1."""
+
+    def __call__(self, batch):
+        from pyspark import BarrierTaskContext
+
+        if BarrierTaskContext.get().partitionId() == 1:
+            raise ValueError("user error on rank one, over Spark Connect")
+        return batch
+
+
+class KillRankOnce:
+    """SIGKILL rank 1's Python worker at its ``at``-th batch, once per marker file."""
+
+    def __init__(self, marker: str, at: int) -> None:
+        self.marker, self.at, self.seen = marker, at, 0
+
+    def __call__(self, batch):
+        import signal
+
+        from pyspark import BarrierTaskContext
+
+        self.seen += 1
+        if BarrierTaskContext.get().partitionId() == 1 and self.seen == self.at \
+                and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return batch
+
+
+class Slow:
+    """Sleep per batch, so a fit is still running when the test interrupts it."""
+
+    def __call__(self, batch):
+        time.sleep(0.2)
+        return batch
+
+
+def _listening_sockets() -> set:
+    import psutil
+
+    return {c.laddr for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def faults(spark, workdir: str) -> Dict[str, Any]:
+    """Resume after a killed rank, a user's error, too few slots, tfos, Ctrl-C, the session
+    still usable, and no listening socket on the client while it all happens."""
+    import numpy as np
+
+    from helpers import linear_estimator
+    from sparktrain import KerasEstimator, TrainingError
+
+    store = os.path.join(workdir, "store")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2000, 4))
+    y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
+    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y)],
+                               "features array<double>, label double").cache()
+    found: Dict[str, Any] = {"listening": []}
+    stop = threading.Event()
+
+    def watch_sockets() -> None:
+        while not stop.is_set():
+            found["listening"] = sorted({str(a) for a in _listening_sockets()}
+                                        | set(found["listening"]))
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch_sockets, daemon=True)
+    watcher.start()
+
+    marker = os.path.join(workdir, "killed")
+    model = linear_estimator(store, batch_size=100, epochs=4, run_id="connect-kill", verbose=1,
+                             transformation_fn=KillRankOnce(marker, 24)).fit(df)
+    found["killed"] = os.path.exists(marker)
+    found["resumed_history"] = model.getHistory()["loss"]
+
+    try:
+        linear_estimator(store, epochs=1, transformation_fn=FailOnRankOne(),
+                         max_attempts=1).fit(df)
+    except TrainingError as error:
+        found["user_error"] = {"rank": error.rank, "message": str(error),
+                               "attempts": error.attempts}
+
+    started = time.time()
+    try:
+        linear_estimator(store, num_proc=3).fit(df)
+    except RuntimeError as error:
+        found["slots"] = {"message": str(error), "seconds": time.time() - started}
+
+    import keras
+
+    started = time.time()
+    try:
+        KerasEstimator(num_proc=2, model=keras.Sequential([keras.Input((4,)),
+                                                            keras.layers.Dense(1)]),
+                       optimizer="sgd", loss="mse", feature_cols=["features"],
+                       label_cols=["label"], backend="tfos", store=store).fit(df)
+    except ValueError as error:
+        found["tfos"] = {"message": str(error), "seconds": time.time() - started}
+
+    import _thread
+
+    timer = threading.Timer(12.0, _thread.interrupt_main)
+    timer.start()
+    started = time.time()
+    try:
+        linear_estimator(store, epochs=50, transformation_fn=Slow()).fit(df)
+    except KeyboardInterrupt:
+        found["interrupted_after"] = time.time() - started
+    started = time.time()
+    found["after_interrupt"] = len(linear_estimator(store, epochs=1).fit(df)
+                                   .getHistory()["loss"])
+    found["after_interrupt_seconds"] = time.time() - started
+    stop.set()
+    watcher.join()
+    return found
+
+
+def horovod(spark, workdir: str) -> Dict[str, Any]:
+    """backend='horovod' over Connect (its rendezvous server runs on rank 0's executor)."""
+    from helpers import linear_estimator
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1000, 4))
+    y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
+    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y)],
+                               "features array<double>, label double")
+    model = linear_estimator(os.path.join(workdir, "store"), backend="horovod", epochs=3,
+                             batch_size=50).fit(df)
+    return {"history": model.getHistory()["loss"]}
+
+
+SCENARIOS: Dict[str, Callable] = {"readme": readme, "faults": faults, "horovod": horovod}
+
+
+def main(scenario: str, url: str, workdir: str) -> None:
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.builder.remote(url).getOrCreate()
+    started = time.time()
+    found = SCENARIOS[scenario](spark, workdir)
+    found["seconds"] = time.time() - started
+    print(json.dumps(found))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,79 @@
+"""sparktrain on a Spark Connect session: a real Connect server (its own JVM, local[2]) and
+clients in their own processes, as a notebook or a laptop would use it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+pytest.importorskip("pyspark.sql.connect.client", reason="needs pyspark[connect] (Spark 4)")
+pytest.importorskip("grpc_status", reason="needs pyspark[connect]: grpcio-status")
+
+
+@pytest.fixture(scope="module")
+def connect_url():
+    from sparktrain import ConnectServer
+
+    with ConnectServer("local[2]", conf={"spark.stage.maxConsecutiveAttempts": "3",
+                                         "spark.sql.shuffle.partitions": "4"}) as server:
+        yield server.url
+
+
+def run_client(scenario: str, url: str, workdir, timeout: int = 900):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "PYSPARK_GATEWAY_PORT")}
+    result = subprocess.run([sys.executable, os.path.join(HERE, "connect_client.py"), scenario,
+                             url, str(workdir)], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-6000:]
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+def test_readme_flow_over_connect(connect_url, tmp_path):
+    found, stderr = run_client("readme", connect_url, tmp_path)
+    assert found["torch_accuracy"] >= 0.9, found
+    assert found["reloaded_is_torch_model"]
+    assert found["reloaded_accuracy"] == found["torch_accuracy"]
+    assert len(found["history"]["val_loss"]) == 8
+    low, high = found["cv_metrics"]
+    assert high < low, found["cv_metrics"]  # more epochs, lower RMSE
+    assert found["keras_accuracy"] >= 0.9, found
+    assert found["keras_reloaded_accuracy"] == found["keras_accuracy"]
+    # progress and rank logs reached the client through the store
+    assert "[rank 0] epoch 8/8" in stderr
+    assert "epoch 8/8" in stderr.replace("[rank 0] epoch 8/8", "")  # the progress bar
+
+
+def test_faults_over_connect_without_executors_reaching_the_client(connect_url, tmp_path):
+    found, stderr = run_client("faults", connect_url, tmp_path)
+    assert found["listening"] == [], "the client opened a listening socket"
+    assert found["killed"], "the fault was not injected"
+    history = found["resumed_history"]
+    assert len(history) == 4 and history[-1] < history[0]
+    assert "failed on attempt 1 of 3" in stderr  # the retry was announced, live
+    user = found["user_error"]
+    assert user["rank"] == 1 and user["attempts"] == 1
+    assert "ValueError: user error on rank one, over Spark Connect" in user["message"]
+    assert "Traceback from rank 1" in user["message"]
+    slots = found["slots"]
+    assert "num_proc=3 needs 3 task slots" in slots["message"]
+    assert "the cluster has 2" in slots["message"] and "local[3]" in slots["message"]
+    assert slots["seconds"] < 10
+    tfos = found["tfos"]
+    assert "backend='tensorflow'" in tfos["message"] and "Spark Connect" in tfos["message"]
+    assert tfos["seconds"] < 10
+    assert found["interrupted_after"] < 60
+    assert found["after_interrupt"] == 1 and found["after_interrupt_seconds"] < 120
+
+
+def test_horovod_over_connect(connect_url, tmp_path):
+    pytest.importorskip("horovod.torch")
+    found, _ = run_client("horovod", connect_url, tmp_path)
+    history = found["history"]
+    assert len(history) == 3 and history[-1] < history[0]
