@@ -37,6 +37,7 @@ def run_client(scenario: str, url: str, workdir, timeout: int = 900):
 
 def test_readme_flow_over_connect(connect_url, tmp_path):
     found, stderr = run_client("readme", connect_url, tmp_path)
+    print(found)
     assert found["torch_accuracy"] >= 0.9, found
     assert found["reloaded_is_torch_model"]
     assert found["reloaded_accuracy"] == found["torch_accuracy"]
@@ -52,6 +53,7 @@ def test_readme_flow_over_connect(connect_url, tmp_path):
 
 def test_faults_over_connect_without_executors_reaching_the_client(connect_url, tmp_path):
     found, stderr = run_client("faults", connect_url, tmp_path)
+    print(found)
     assert found["listening"] == [], "the client opened a listening socket"
     assert found["killed"], "the fault was not injected"
     history = found["resumed_history"]
