@@ -55,8 +55,13 @@ def parse_args(argv: Sequence[str], doc: str, backends: Sequence[str]) -> argpar
                    help="train on the GPUs Spark assigns to tasks (auto: when tasks have GPUs)")
     p.add_argument("--backend", choices=list(backends), default=backends[0],
                    help=f"distributed engine (default: {backends[0]})")
-    p.add_argument("--master", default=None,
-                   help="Spark master when not set by spark-submit (default: local[*])")
+    session = p.add_mutually_exclusive_group()
+    session.add_argument("--master", default=None,
+                         help="Spark master when not set by spark-submit (default: local[*])")
+    session.add_argument("--remote", default=None, metavar="sc://HOST:PORT",
+                         help="use a Spark Connect server instead of embedded Spark, e.g. "
+                              "sc://localhost:15002 (Databricks: sc://<workspace>:443/;"
+                              "token=...;x-databricks-cluster-id=...)")
     p.add_argument("--min-accuracy", type=float, default=None,
                    help="fail if test accuracy is lower (the demo uses 0.95)")
     args = p.parse_args(argv)
@@ -72,11 +77,14 @@ def run_options(args: argparse.Namespace) -> Dict[str, Any]:
     return {"run_id": args.run_id, "max_time": args.max_time, "max_attempts": args.max_attempts}
 
 
-def get_spark(master: str | None, app_name: str) -> SparkSession:
-    """Under spark-submit (which starts the JVM and sets PYSPARK_GATEWAY_PORT) use its master;
-    run as a plain script, start embedded Spark on ``master`` (default ``local[*]``)."""
-    from sparktrain import local_spark
+def get_spark(master: str | None, app_name: str, remote: str | None = None) -> SparkSession:
+    """A Spark Connect session on ``remote`` if given; under spark-submit (which starts the JVM
+    and sets PYSPARK_GATEWAY_PORT) its master; run as a plain script, embedded Spark on
+    ``master`` (default ``local[*]``)."""
+    from sparktrain import local_spark, remote_spark
 
+    if remote:
+        return remote_spark(remote, app_name=app_name)
     if master is None and "PYSPARK_GATEWAY_PORT" not in os.environ:
         master = "local[*]"
     return local_spark(master, app_name=app_name)
@@ -112,7 +120,7 @@ def run(args: argparse.Namespace, build_estimator: Callable, app_name: str) -> i
     standardized ``features`` column; returns the process exit code."""
     if args.demo and args.min_accuracy is None:
         args.min_accuracy = 0.95
-    spark = get_spark(args.master, app_name)
+    spark = get_spark(args.master, app_name, args.remote)
     if args.demo:
         df = digits_frame(spark)
         feature_cols = [c for c in df.columns if c != "label"]

@@ -4,6 +4,7 @@
     # the demo: scikit-learn's bundled digits, 2 workers on embedded Spark, no download
     python jobs/train_keras.py --demo --backend tensorflow
     python jobs/train_keras.py --demo --backend tfos     # the same on a TensorFlowOnSpark cluster
+    python jobs/train_keras.py --demo --remote sc://localhost:15002   # over Spark Connect
 
     # your data (same flags as jobs/train_torch.py)
     spark-submit --master yarn jobs/train_keras.py --input hdfs:///data/train.parquet \\

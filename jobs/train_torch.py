@@ -9,6 +9,9 @@
         --feature-cols f1,f2,f3 --label-col label --task classification \\
         --num-proc 4 --epochs 10 --store hdfs:///user/me/sparktrain --output hdfs:///models/mlp
 
+    # over Spark Connect (Databricks, a Connect server): no local Spark, the same job
+    python jobs/train_torch.py --demo --remote sc://localhost:15002 --store /shared/sparktrain
+
 Features are assembled (VectorAssembler) and standardized (StandardScaler) in a Pipeline
 before the TorchEstimator; the whole PipelineModel is saved to --output, reloaded and used to
 predict, and the job fails if the reloaded model predicts differently.
