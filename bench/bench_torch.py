@@ -34,9 +34,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from common import (add_common_args, cached, figure, guarded, hang_extras, make_frame,
-                    parse_common, print_json_lines, print_table, progress, timed, versions,
-                    write_results)
+from common import (add_common_args, bench_session, cached, figure, guarded, hang_extras,
+                    make_frame, parse_common, print_json_lines, print_table, progress,
+                    session_kind, timed, versions, write_results)
 
 FIGURES = ("read", "materialize", "fit", "inference")
 READ_BATCH = 1024
@@ -348,6 +348,16 @@ def bench_fit(spark, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict[str,
 
 
 # -- figure 4: inference ------------------------------------------------------------------------
+class _Closure:
+    """The broadcast interface (``value``, ``destroy``) for values carried in a closure."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def destroy(self) -> None:
+        self.value = None
+
+
 def handwritten_udf(spark, module, features: int, chunk: int):
     """What a user would write without sparktrain: an iterator pandas_udf that rebuilds the
     model from a broadcast state_dict once per call and predicts Arrow batches in chunks."""
@@ -355,8 +365,11 @@ def handwritten_udf(spark, module, features: int, chunk: int):
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
+    from sparktrain.spark_api import is_remote
+
     state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
-    weights = spark.sparkContext.broadcast(state)
+    # a broadcast where there is one; over Spark Connect the weights travel in the closure
+    weights = _Closure(state) if is_remote(spark) else spark.sparkContext.broadcast(state)
 
     def predict(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
         import torch
@@ -438,7 +451,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows of the main frame")
     parser.add_argument("--features", type=int, default=32, help="floats per row")
     parser.add_argument("--partitions", type=int, default=2, help="partitions of the main frame")
-    add_common_args(parser, FIGURES, "bench_torch.json", fit_timeout=120.0)
+    add_common_args(parser, FIGURES, "bench_torch.json", fit_timeout=120.0, connect=True)
     args = parse_common(parser, argv, FIGURES)
     if args.rows < 2 * READ_BATCH:
         parser.error(f"--rows must be at least {2 * READ_BATCH}")
@@ -451,45 +464,43 @@ def main(argv: Optional[List[str]] = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
 
-    from sparktrain import local_spark
-
     tmp = tempfile.mkdtemp(prefix="sparktrain-bench-")
-    progress(f"temp dir {tmp}; starting Spark {args.master}")
-    spark = local_spark(args.master, "sparktrain-bench", conf={
-        "spark.driver.memory": "4g",
-        "spark.ui.enabled": "false",
-        "spark.local.dir": os.path.join(tmp, "spark-local")})
-    state: Dict[str, Any] = {"rows": args.rows, "features": args.features, "seed": args.seed,
-                             "fit_timeout": args.fit_timeout, "hangs": []}
-    results: List[Dict[str, Any]] = []
-    load_before = os.getloadavg()
+    progress(f"temp dir {tmp}; starting Spark {args.master} ({session_kind(args)})")
+    conf = {"spark.driver.memory": "4g", "spark.ui.enabled": "false",
+            "spark.local.dir": os.path.join(tmp, "spark-local")}
     try:
-        progress(f"generating {args.rows:,} rows x {args.features} features "
-                 f"({args.partitions} partitions), cached and counted")
-        seconds, df = timed(lambda: cached(make_frame(spark, args.rows, args.features,
-                                                      args.partitions, args.seed)))
-        progress(f"frame ready in {seconds:.1f}s")
+        with bench_session(args, "sparktrain-bench", conf) as spark:
+            state: Dict[str, Any] = {"rows": args.rows, "features": args.features,
+                                     "seed": args.seed, "fit_timeout": args.fit_timeout,
+                                     "hangs": []}
+            results: List[Dict[str, Any]] = []
+            load_before = os.getloadavg()
+            progress(f"generating {args.rows:,} rows x {args.features} features "
+                     f"({args.partitions} partitions), cached and counted")
+            seconds, df = timed(lambda: cached(make_frame(spark, args.rows, args.features,
+                                                          args.partitions, args.seed)))
+            progress(f"frame ready in {seconds:.1f}s")
 
-        order = [("materialize", lambda: bench_materialize(spark, df, tmp, args.repeats, state)),
-                 ("read", lambda: bench_read(spark, df, tmp, args.repeats, state)),
-                 ("fit", lambda: bench_fit(spark, tmp, args.repeats, state)),
-                 ("inference", lambda: bench_inference(spark, df, tmp, args.repeats, state))]
-        for name, run in order:
-            if name in args.skip:
-                progress(f"skipping {name}")
-                continue
-            progress(f"== {name} ==")
-            result = run()
-            results.extend(result if isinstance(result, list) else [result])
-        for r in results:  # Petastorm's converter is created in the read figure
-            if r["figure"] == "materialize" and "petastorm_convert_seconds" in state:
-                r["extras"]["petastorm make_spark_converter(df) (first time)"] = {
-                    "value": state["petastorm_convert_seconds"], "unit": "s",
-                    "note": f"{state['petastorm_convert_seconds'] / r['sparktrain']:.2f}x "
-                            f"sparktrain's time"}
-        df.unpersist()
+            repeats = args.repeats
+            order = [("materialize", lambda: bench_materialize(spark, df, tmp, repeats, state)),
+                     ("read", lambda: bench_read(spark, df, tmp, repeats, state)),
+                     ("fit", lambda: bench_fit(spark, tmp, repeats, state)),
+                     ("inference", lambda: bench_inference(spark, df, tmp, repeats, state))]
+            for name, run in order:
+                if name in args.skip:
+                    progress(f"skipping {name}")
+                    continue
+                progress(f"== {name} ==")
+                result = run()
+                results.extend(result if isinstance(result, list) else [result])
+            for r in results:  # Petastorm's converter is created in the read figure
+                if r["figure"] == "materialize" and "petastorm_convert_seconds" in state:
+                    r["extras"]["petastorm make_spark_converter(df) (first time)"] = {
+                        "value": state["petastorm_convert_seconds"], "unit": "s",
+                        "note": f"{state['petastorm_convert_seconds'] / r['sparktrain']:.2f}x "
+                                f"sparktrain's time"}
+            df.unpersist()
     finally:
-        spark.stop()
         if args.keep_tmp:
             progress(f"kept {tmp}")
         else:
@@ -500,14 +511,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     results.sort(key=lambda r: order[r["figure"]])
     print()
     print(f"sparktrain torch benchmark: {args.rows:,} rows x {args.features} features, "
-          f"{args.master}, {os.cpu_count()} CPUs, load avg {load_before[0]:.2f} -> "
-          f"{os.getloadavg()[0]:.2f}")
+          f"{args.master}, {session_kind(args)}, {os.cpu_count()} CPUs, load avg "
+          f"{load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}")
     print_table(results)
     print_json_lines(results)
 
     if args.json_out:
         meta = {"rows": args.rows, "features": args.features, "partitions": args.partitions,
-                "repeats": args.repeats, "master": args.master, "skipped": sorted(args.skip),
+                "repeats": args.repeats, "master": args.master,
+                "session": session_kind(args), "skipped": sorted(args.skip),
                 "load_avg_before": load_before, "load_avg_after": os.getloadavg(), **versions()}
         write_results(args.json_out, meta, results)
     return 0

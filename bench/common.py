@@ -15,7 +15,8 @@ import platform
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -25,11 +26,19 @@ if REPO not in sys.path:  # normally installed editable in .venv; this makes a b
 _T0 = time.perf_counter()
 
 
-def add_common_args(parser, figures: List[str], json_name: str, fit_timeout: float) -> None:
-    """Flags every benchmark has: repeats, master, seed, --skip, --json-out, --fit-timeout."""
+def add_common_args(parser, figures: List[str], json_name: str, fit_timeout: float,
+                    connect: bool = False) -> None:
+    """Flags every benchmark has: repeats, master, seed, --skip, --json-out, --fit-timeout
+    (and ``--connect``/``--remote`` for those that can run over Spark Connect)."""
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs per variant after the warm-up (median reported)")
     parser.add_argument("--master", default="local[2]", help="Spark master (>= 2 task slots)")
+    if connect:
+        parser.add_argument("--connect", action="store_true",
+                            help="run over Spark Connect: start a Connect server on --master "
+                                 "in its own JVM and use a remote session (or give --remote)")
+        parser.add_argument("--remote", default=None, metavar="sc://HOST:PORT",
+                            help="run over this Spark Connect server")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--skip", action="append", default=[],
                         help=f"figures to skip, comma-separated or repeated: {', '.join(figures)}")
@@ -61,6 +70,47 @@ def timed(fn: Callable[[], Any]) -> tuple:
     return time.perf_counter() - start, value
 
 
+def cancel_all(spark) -> None:
+    """Cancel every running Spark job of ``spark`` (classic or Connect)."""
+    from sparktrain.spark_api import is_remote
+
+    if is_remote(spark):
+        spark.interruptAll()
+    else:
+        spark.sparkContext.cancelAllJobs()
+
+
+@contextmanager
+def bench_session(args, app_name: str, conf: Dict[str, str]) -> Iterator[Any]:
+    """The benchmark's SparkSession: embedded Spark on ``--master`` (executors on this Python),
+    or a Spark Connect session (``--remote`` URL, or ``--connect``: a local Connect server on
+    ``--master`` started here and stopped after)."""
+    from sparktrain import ConnectServer, local_spark, remote_spark
+
+    if args.remote or args.connect:
+        server = None if args.remote else ConnectServer(args.master, conf=conf).start()
+        try:
+            spark = remote_spark(args.remote or server.url, app_name)
+            try:
+                yield spark
+            finally:
+                spark.stop()
+        finally:
+            if server is not None:
+                server.stop()
+        return
+    spark = local_spark(args.master, app_name, conf=conf)
+    try:
+        yield spark
+    finally:
+        spark.stop()
+
+
+def session_kind(args) -> str:
+    return f"Spark Connect ({args.remote or 'local server'})" if args.remote or args.connect \
+        else "classic"
+
+
 class Hang(RuntimeError):
     """A guarded call ran past its time limit (its Spark jobs were cancelled)."""
 
@@ -80,7 +130,7 @@ def guarded(spark, fn: Callable[[], Any], timeout: float, label: str,
         def fire() -> None:
             fired.set()
             progress(f"{label}: still running after {timeout:g}s, cancelling its Spark jobs")
-            spark.sparkContext.cancelAllJobs()
+            cancel_all(spark)
 
         timer = threading.Timer(timeout, fire)
         timer.daemon = True

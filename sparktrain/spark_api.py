@@ -111,6 +111,42 @@ def task_slots(spark: SparkSession) -> Optional[int]:
     return max_concurrent_tasks(spark.sparkContext)
 
 
+# -- the store ----------------------------------------------------------------------------------
+def check_store_shared(spark: SparkSession, store: Any) -> None:
+    """Fail before any training job if the executors cannot see a local-path store.
+
+    A local path is shared only when Spark runs on this machine (a local master on a classic
+    session). Otherwise (a cluster, or a Spark Connect server that may be elsewhere) one tiny
+    job looks for a file written here; without it the data would be written to disks the
+    client never reads.
+    """
+    if not store.is_local or (is_local_master(spark) and not is_remote(spark)):
+        return
+    import os
+    import uuid
+
+    import pandas as pd
+
+    marker = os.path.join(store.prefix, "_probe", uuid.uuid4().hex)
+    os.makedirs(os.path.dirname(marker), exist_ok=True)
+    open(marker, "w").close()
+
+    def look(batches: Iterator[Any]) -> Iterator[pd.DataFrame]:
+        for _ in batches:
+            pass
+        yield pd.DataFrame({"seen": [os.path.exists(marker)]})
+
+    try:
+        seen = spark.range(0, 1, 1, 1).mapInPandas(look, "seen boolean").collect()[0][0]
+    finally:
+        os.remove(marker)
+    if not seen:
+        where = "the Spark Connect server's executors" if is_remote(spark) else "the executors"
+        raise ValueError(f"store={store.prefix!r} is a local path that {where} cannot see; "
+                         f"give a store both sides reach (s3://, abfss://, gs://, hdfs://, or a "
+                         f"shared mount), with storage_options for its credentials")
+
+
 # -- jobs ---------------------------------------------------------------------------------------
 @contextmanager
 def job_tag(spark: SparkSession, tag: str, description: str = "") -> Iterator[None]:

@@ -181,6 +181,19 @@ def faults(spark, workdir: str) -> Dict[str, Any]:
     found["killed"] = os.path.exists(marker)
     found["resumed_history"] = model.getHistory()["loss"]
 
+    linear_estimator(store, batch_size=100, epochs=2, run_id="connect-resume").fit(df)
+    again = linear_estimator(store, batch_size=100, epochs=3, run_id="connect-resume",
+                             verbose=1).fit(df)
+    found["resumed_by_run_id"] = len(again.getHistory()["loss"])
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        limited = linear_estimator(store, epochs=50, max_time=8.0,
+                                   transformation_fn=Slow()).fit(df)
+    found["max_time_epochs"] = len(limited.getHistory()["loss"])
+    found["max_time_warning"] = [str(w.message) for w in caught if "max_time" in str(w.message)]
+
     try:
         linear_estimator(store, epochs=1, transformation_fn=FailOnRankOne(),
                          max_attempts=1).fit(df)

@@ -59,6 +59,8 @@ def test_faults_over_connect_without_executors_reaching_the_client(connect_url, 
     history = found["resumed_history"]
     assert len(history) == 4 and history[-1] < history[0]
     assert "failed on attempt 1 of 3" in stderr  # the retry was announced, live
+    assert found["resumed_by_run_id"] == 3 and "resuming from it" in stderr
+    assert 1 <= found["max_time_epochs"] < 50 and found["max_time_warning"]
     user = found["user_error"]
     assert user["rank"] == 1 and user["attempts"] == 1
     assert "ValueError: user error on rank one, over Spark Connect" in user["message"]

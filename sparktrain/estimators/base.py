@@ -36,7 +36,7 @@ from sparktrain.launch.gpus import check_gpu_conf
 from sparktrain.params import EstimatorParams, ModelParams
 from sparktrain.persistence import EstimatorReader, EstimatorWriter, ModelReader, ModelWriter
 from sparktrain.progress import FitProgress, TqdmLogHandler
-from sparktrain.spark_api import all_conf, master
+from sparktrain.spark_api import all_conf, check_store_shared, master
 
 log = logging.getLogger("sparktrain")
 
@@ -180,6 +180,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                              "bfloat16 only); use mixed_precision='bf16' or train on GPUs")
         check_slots(spark, self.getNumProc())
         store = Store.create(self.getStore())
+        check_store_shared(spark, store)
         validation = self.getValidation() or None
         # uid + time + random: copies of one estimator (CrossValidator) never share a run.
         run_id = self.getRunId() or \
