@@ -112,6 +112,9 @@ def task_slots(spark: SparkSession) -> Optional[int]:
 
 
 # -- the store ----------------------------------------------------------------------------------
+_SHARED_STORES: set = set()  # (session, local store path) already seen from the executors
+
+
 def check_store_shared(spark: SparkSession, store: Any) -> None:
     """Fail before any training job if the executors cannot see a local-path store.
 
@@ -121,6 +124,9 @@ def check_store_shared(spark: SparkSession, store: Any) -> None:
     client never reads.
     """
     if not store.is_local or (is_local_master(spark) and not is_remote(spark)):
+        return
+    key = (id(spark), store.prefix)
+    if key in _SHARED_STORES:
         return
     import os
     import uuid
@@ -140,11 +146,13 @@ def check_store_shared(spark: SparkSession, store: Any) -> None:
         seen = spark.range(0, 1, 1, 1).mapInPandas(look, "seen boolean").collect()[0][0]
     finally:
         os.remove(marker)
-    if not seen:
-        where = "the Spark Connect server's executors" if is_remote(spark) else "the executors"
-        raise ValueError(f"store={store.prefix!r} is a local path that {where} cannot see; "
-                         f"give a store both sides reach (s3://, abfss://, gs://, hdfs://, or a "
-                         f"shared mount), with storage_options for its credentials")
+    if seen:
+        _SHARED_STORES.add(key)
+        return
+    where = "the Spark Connect server's executors" if is_remote(spark) else "the executors"
+    raise ValueError(f"store={store.prefix!r} is a local path that {where} cannot see; give "
+                     f"a store both sides reach (s3://, abfss://, gs://, hdfs://, or a shared "
+                     f"mount), with storage_options for its credentials")
 
 
 # -- jobs ---------------------------------------------------------------------------------------
