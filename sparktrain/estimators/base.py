@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 import uuid
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
