@@ -74,6 +74,16 @@ def readme(spark, workdir: str) -> Dict[str, Any]:
     reloaded = PipelineModel.load(path)
     found["reloaded_is_torch_model"] = isinstance(reloaded.stages[-1], TorchModel)
     found["reloaded_accuracy"] = _correct(reloaded.transform(test))
+    # the estimator and the bare model, saved and loaded on their own
+    est.write().overwrite().save(os.path.join(workdir, "estimator"))
+    loaded_est = TorchEstimator.load(os.path.join(workdir, "estimator"))
+    found["estimator_reloaded"] = [loaded_est.uid == est.uid, loaded_est.getEpochs(),
+                                   bool(torch.equal(loaded_est.getModel()[0].weight,
+                                                    est.getModel()[0].weight))]
+    model.stages[-1].write().overwrite().save(os.path.join(workdir, "torch-model"))
+    bare = TorchModel.load(os.path.join(workdir, "torch-model"))
+    scaled = Pipeline(stages=[assembler, scaler]).fit(train).transform(test)
+    found["bare_model_accuracy"] = _correct(bare.transform(scaled))
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(600, 4))

@@ -41,6 +41,8 @@ def test_readme_flow_over_connect(connect_url, tmp_path):
     assert found["torch_accuracy"] >= 0.9, found
     assert found["reloaded_is_torch_model"]
     assert found["reloaded_accuracy"] == found["torch_accuracy"]
+    assert found["estimator_reloaded"] == [True, 8, True]
+    assert found["bare_model_accuracy"] >= 0.9
     assert len(found["history"]["val_loss"]) == 8
     low, high = found["cv_metrics"]
     assert high < low, found["cv_metrics"]  # more epochs, lower RMSE
