@@ -61,8 +61,14 @@ def _cpus_of_a_task(spark: SparkSession) -> int:
     return max(1, int(conf_value(spark, "spark.task.cpus", "1") or 1))
 
 
+_SERVER_CPUS: Dict[int, int] = {}  # id(session) -> CPUs of its local master's machine
+
+
 def _server_cpu_count(spark: SparkSession) -> int:
-    """CPUs of the machine a local master runs on (the Connect server's, not this client's)."""
+    """CPUs of the machine a local master runs on (the Connect server's, not this client's);
+    one tiny job per session."""
+    if id(spark) in _SERVER_CPUS:
+        return _SERVER_CPUS[id(spark)]
     import pandas as pd
 
     def count(batches: Iterator[Any]) -> Iterator[pd.DataFrame]:
@@ -72,7 +78,9 @@ def _server_cpu_count(spark: SparkSession) -> int:
             pass
         yield pd.DataFrame({"cpus": [os.cpu_count() or 1]})
 
-    return int(spark.range(0, 1, 1, 1).mapInPandas(count, "cpus int").collect()[0][0])
+    cpus = int(spark.range(0, 1, 1, 1).mapInPandas(count, "cpus int").collect()[0][0])
+    _SERVER_CPUS[id(spark)] = cpus
+    return cpus
 
 
 def slots_from_conf(spark: SparkSession) -> Optional[int]:

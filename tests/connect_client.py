@@ -125,25 +125,6 @@ class FailOnRankOne:
         return batch
 
 
-class KillRankOnce:
-    """SIGKILL rank 1's Python worker at its ``at``-th batch, once per marker file."""
-
-    def __init__(self, marker: str, at: int) -> None:
-        self.marker, self.at, self.seen = marker, at, 0
-
-    def __call__(self, batch):
-        import signal
-
-        from pyspark import BarrierTaskContext
-
-        self.seen += 1
-        if BarrierTaskContext.get().partitionId() == 1 and self.seen == self.at \
-                and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return batch
-
-
 class Slow:
     """Sleep per batch, so a fit is still running when the test interrupts it."""
 
@@ -164,7 +145,7 @@ def faults(spark, workdir: str) -> Dict[str, Any]:
     still usable, and no listening socket on the client while it all happens."""
     import numpy as np
 
-    from helpers import linear_estimator
+    from helpers import KillRankOnce, linear_estimator
     from sparktrain import KerasEstimator, TrainingError
 
     store = os.path.join(workdir, "store")

@@ -3,11 +3,10 @@ on every attempt, a time limit, a second fit of the same run."""
 from __future__ import annotations
 
 import os
-import signal
 
 import pytest
 
-from helpers import linear_estimator
+from helpers import KillRankOnce, linear_estimator
 from sparktrain import TrainingError
 from sparktrain.checkpoint import Checkpoints
 from sparktrain.data.store import Store
@@ -20,24 +19,6 @@ def _estimator(store, run_id, **kwargs):
 
 def _checkpoint(store, run_id):
     return Checkpoints(Store.create(store).run_path(run_id)).latest()
-
-
-class KillRankOnce:
-    """A transformation_fn that SIGKILLs rank 1's Python worker at its ``at``-th batch, once
-    per marker file (so the retried attempt runs through)."""
-
-    def __init__(self, marker: str, at: int) -> None:
-        self.marker, self.at, self.seen = marker, at, 0
-
-    def __call__(self, batch):
-        from pyspark import BarrierTaskContext
-
-        self.seen += 1
-        if BarrierTaskContext.get().partitionId() == 1 and self.seen == self.at \
-                and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
-        return batch
 
 
 @pytest.mark.slow

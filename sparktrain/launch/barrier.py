@@ -45,7 +45,6 @@ from pyspark.sql import SparkSession
 
 from sparktrain.data.store import Store, filesystem
 from sparktrain.launch.events import EventWatcher, RankEvents
-from sparktrain.pickling import dumps
 from sparktrain.spark_api import cancel_tag, conf_value, is_local_master, is_remote, job_tag, \
     master, task_slots
 
@@ -230,7 +229,7 @@ def _rank_result_frame(rank: int, result: Any, launch_dir: str,
     """The one-row pandas frame a rank returns: its pickled result, or where it stored it."""
     import pandas as pd
 
-    data, stored = dumps(result), None
+    data, stored = cloudpickle.dumps(result), None
     if len(data) > INLINE_RESULT_BYTES:
         fs, root = filesystem(launch_dir, storage_options)
         stored = f"{root}/results/rank-{rank}.pkl"
