@@ -36,15 +36,18 @@ def test_rank_events_reach_the_client_through_the_store(tmp_path):
         rank1.close()  # the last lines are flushed on close
         again = RankEvents(url, rank=1)
         assert again.start() == 1  # its second start: attempt 1
-        again.error("Traceback: second")
+        assert not again.stopped()
+        again.error("Traceback: a bug", fatal=True)  # retrying cannot fix it: stop the rest
         again.close()
-        RankEvents(url, rank=0).start()
+        rank0 = RankEvents(url, rank=0)
+        rank0.start()
+        assert rank0.stopped()
     assert list(watcher.lines) == [(1, "hello"), (1, "after the error")]
     assert progress == [{"event": "start", "epochs": 1, "steps": 2}]
-    assert errors[0] == (1, 0, "Traceback: boom")
+    assert errors == [(1, 0, "Traceback: boom", False), (1, 1, "Traceback: a bug", True)]
     assert watcher.first_error() == (1, "Traceback: boom") and watcher.failed_attempts() == 2
     leftover = sorted(p.name for p in (tmp_path / "events").iterdir())
-    assert leftover == ["starts"], leftover  # every segment was consumed
+    assert leftover == ["starts", "stop"], leftover  # every segment was consumed
 
 
 def test_rank_events_never_fail_the_rank(tmp_path):

@@ -15,7 +15,9 @@ worker was killed or its executor was lost. So the barrier tasks' results go thr
 partition shuffle (``repartition(1)``), every rank learns its attempt number
 (``RankContext.attempt``) and a training loop can resume from its last checkpoint.
 ``max_attempts`` caps the attempts below Spark's limit: the client cancels the job once that
-many attempts have failed.
+many attempts have failed. Only faults are retried: a rank whose error came out of the user's
+code (:mod:`.faults`) reports it as fatal, the client cancels the job at once, and ranks of a
+re-run Spark started meanwhile stop before training.
 
 Example::
 
@@ -45,6 +47,7 @@ from pyspark.sql import SparkSession
 
 from sparktrain.data.store import Store, filesystem
 from sparktrain.launch.events import EventWatcher, RankEvents
+from sparktrain.launch.faults import user_error_source
 from sparktrain.spark_api import cancel_tag, conf_value, is_local_master, is_remote, job_tag, \
     master, task_slots
 
@@ -177,12 +180,17 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
     gave_up = threading.Event()
     reported: set = set()  # attempts already logged: one line per failed attempt
 
-    def on_error(rank: int, attempt: int, remote: str) -> None:
+    def on_error(rank: int, attempt: int, remote: str, fatal: bool) -> None:
         if gave_up.is_set() or attempt in reported:
             return
         reported.add(attempt)
         last = remote.strip().splitlines()[-1] if remote.strip() else "unknown error"
-        if attempt + 1 >= attempts:
+        if fatal:
+            gave_up.set()
+            log.error("rank %d failed on attempt %d: %s; not retried (an error in the user's "
+                      "code fails the same way again)", rank, attempt + 1, last)
+            cancel_tag(spark, tag)
+        elif attempt + 1 >= attempts:
             gave_up.set()
             log.error("rank %d failed on attempt %d of %d: %s; giving up", rank, attempt + 1,
                       attempts, last)
@@ -257,6 +265,12 @@ def _training_error(reported: Optional[Tuple[int, str]], exc: BaseException,
         return TrainingError(f"training failed on rank {rank}{tries}: {last}\n\n"
                              f"Traceback from rank {rank} (first failure):\n{remote}", rank,
                              remote, attempts)
+    # a Python worker that could not start or import what it needs: say which and how to fix
+    from sparktrain.launch.executor_env import environment_error
+
+    unfit = environment_error(str(exc), attempts=attempts)
+    if unfit is not None:
+        return unfit
     summary = _spark_summary(str(exc))
     return TrainingError(f"training failed in Spark before a rank could report: {summary}",
                          attempts=attempts)
@@ -341,6 +355,10 @@ def run_rank(task: Callable[[RankContext], Any], where: Sequence) -> Tuple[int, 
     rank = barrier.partitionId()
     client = RankEvents(f"{where[0]}/events", where[1], rank)
     started = client.start()
+    if client.stopped():  # an earlier attempt failed in user code: Spark's re-run is moot
+        client.close()
+        raise RuntimeError(f"{_FAILURE_TAG} rank={rank}\nnot retried: an earlier attempt "
+                           f"failed in the user's code\n{_FAILURE_TAG} end")
     try:
         with _captured_output(client, mirror=where[2]):
             context = rank_context(barrier, client)
@@ -350,11 +368,14 @@ def run_rank(task: Callable[[RankContext], Any], where: Sequence) -> Tuple[int, 
             return rank, task(context)
     except BaseException as exc:
         remote = traceback.format_exc()
+        source = user_error_source(exc)
+        if source is not None:
+            remote += f"\nRaised by {source} (user code): not retried.\n"
         if isinstance(exc, ModuleNotFoundError):
             remote += (f"\nThe executors' Python ({sys.executable}) cannot import {exc.name!r}: "
                        f"install it there, or point PYSPARK_PYTHON / spark.pyspark.python at a "
                        f"Python that has it.\n")
-        client.error(remote)
+        client.error(remote, fatal=source is not None)
         # Spark shows only the task's exception text: carry the traceback inside it, tagged.
         raise RuntimeError(f"{_FAILURE_TAG} rank={rank}\n{remote}\n{_FAILURE_TAG} end") from None
     finally:

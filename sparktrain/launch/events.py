@@ -7,11 +7,14 @@ client polls that directory::
 
     r00001-a000-000004.jsonl   a segment: the JSON lines rank 1 wrote in one flush of attempt 0
     starts/r00001-000          one empty marker per start of rank 1: their count is its attempt
+    stop                       written with an error that retrying cannot fix (a bug in the
+                               user's code): a re-run attempt's ranks see it and stop at once
 
 A segment is written under a temporary name and renamed, so the client never reads half of
 one; it handles new segments in name order (per rank: attempt, then sequence) and deletes
 them. Ranks flush at most every :data:`FLUSH_SECONDS`, at once for an error and at the end.
-Lines are ``{"rank", "attempt", "kind": "log" | "progress" | "error", "text", "t"}``.
+Lines are ``{"rank", "attempt", "kind": "log" | "progress" | "error", "text", "t"}``, errors
+with ``"fatal"`` (true: not worth retrying).
 
 Example::
 
@@ -77,9 +80,9 @@ class RankEvents:
         self._thread.start()
         return self.attempt
 
-    def send(self, kind: str, text: str) -> None:
+    def send(self, kind: str, text: str, **extra: Any) -> None:
         line = json.dumps({"rank": self.rank, "attempt": self.attempt, "kind": kind,
-                           "text": text, "t": time.time()})
+                           "text": text, "t": time.time(), **extra})
         with self._lock:
             if len(self._buffer) < _MAX_BUFFER:
                 self._buffer.append(line)
@@ -89,8 +92,22 @@ class RankEvents:
     def log(self, text: str) -> None:
         self.send("log", text)
 
-    def error(self, text: str) -> None:
-        self.send("error", text)
+    def error(self, text: str, fatal: bool = False) -> None:
+        """Report this rank's failure; ``fatal``: retrying cannot help, so later attempts'
+        ranks are told to stop (see :meth:`stopped`)."""
+        if fatal and self._fs is not None:
+            try:
+                self._fs.pipe_file(f"{self.url}/stop", b"")
+            except Exception:  # noqa: BLE001 - the client still cancels the job
+                pass
+        self.send("error", text, fatal=fatal)
+
+    def stopped(self) -> bool:
+        """True when an earlier attempt failed in a way retrying cannot fix."""
+        try:
+            return self._fs is not None and self._fs.exists(f"{self.url}/stop")
+        except Exception:  # noqa: BLE001
+            return False
 
     def progress(self, event: Dict[str, Any]) -> None:
         self.send("progress", json.dumps(event))
@@ -126,17 +143,19 @@ class RankEvents:
 
 class EventWatcher:
     """Client end: polls the events directory on a thread; re-logs ``[rank N]`` lines, feeds
-    progress events to ``on_progress`` and failures to ``on_error(rank, attempt, traceback)``."""
+    progress events to ``on_progress`` and failures to ``on_error(rank, attempt, traceback,
+    fatal)``."""
 
     def __init__(self, url: str, storage_options: Optional[Dict[str, Any]] = None,
                  echo: bool = True,
                  on_progress: Optional[Callable[[Dict[str, Any]], None]] = None,
-                 on_error: Optional[Callable[[int, int, str], None]] = None) -> None:
+                 on_error: Optional[Callable[[int, int, str, bool], None]] = None) -> None:
         self.url = url.rstrip("/")
         self.echo = echo
         self.on_progress = on_progress
         self.on_error = on_error
-        self.errors: List[Tuple[float, int, int, str]] = []  # (time, attempt, rank, traceback)
+        # (time, attempt, rank, traceback, fatal)
+        self.errors: List[Tuple[float, int, int, str, bool]] = []
         self.lines: Deque[Tuple[int, str]] = deque(maxlen=1000)  # the latest, for inspection
         self._fs = filesystem(self.url, storage_options)[0]
         self._fs.makedirs(self.url, exist_ok=True)
@@ -173,9 +192,10 @@ class EventWatcher:
             if self.on_progress is not None:
                 self.on_progress(json.loads(text))
         elif kind == "error":
-            self.errors.append((float(message.get("t", 0.0)), attempt, rank, text))
+            fatal = bool(message.get("fatal", False))
+            self.errors.append((float(message.get("t", 0.0)), attempt, rank, text, fatal))
             if self.on_error is not None:
-                self.on_error(rank, attempt, text)
+                self.on_error(rank, attempt, text, fatal)
         else:
             self.lines.append((rank, text))
             if self.echo:
@@ -186,12 +206,12 @@ class EventWatcher:
         """``(rank, traceback)`` of the earliest failure of the earliest failed attempt."""
         if not self.errors:
             return None
-        _, attempt, rank, text = min(self.errors, key=lambda e: (e[1], e[0]))
+        _, attempt, rank, text, _ = min(self.errors, key=lambda e: (e[1], e[0]))
         return rank, text
 
     def failed_attempts(self) -> int:
         """How many attempts had a rank report an error."""
-        return len({attempt for _, attempt, _, _ in self.errors})
+        return len({error[1] for error in self.errors})
 
     def _poll_loop(self) -> None:
         while not self._stop.wait(POLL_SECONDS):
