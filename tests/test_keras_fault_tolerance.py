@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 keras = pytest.importorskip("keras")
 
-from sparktrain import KerasEstimator  # noqa: E402
+from sparktrain import KerasEstimator, TrainingError  # noqa: E402
 from sparktrain.checkpoint import Checkpoints  # noqa: E402
 from sparktrain.data.store import Store  # noqa: E402
 
@@ -82,3 +82,20 @@ def test_unsupported_keras_loop_params_fail_before_training(spark, regression_df
         _estimator(store, "x", mixed_precision="bf16").fit(df)
     with pytest.raises(TypeError, match="keras.callbacks.Callback"):
         _estimator(store, "x", callbacks=[object()]).fit(df)
+
+
+class FailingCallback(keras.callbacks.Callback):
+    """A Keras callback with a bug that shows at the end of epoch 2."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise ValueError("callback bug at epoch 2")
+
+
+def test_keras_callback_error_fails_on_first_attempt(spark, regression_df, store):
+    est = _estimator(store, "keras-callback-bug", callbacks=[FailingCallback()])
+    with pytest.raises(TrainingError, match="callback bug at epoch 2") as info:
+        est.fit(regression_df.select("features", "label"))
+    assert info.value.attempts == 1
+    assert "callback FailingCallback.on_epoch_end (user code): not retried" in str(info.value)
+    assert _attempts(store, "keras-callback-bug") == (1, [(0, 0)])

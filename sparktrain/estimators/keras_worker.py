@@ -24,7 +24,10 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Tuple
 
+from sparktrain.launch.faults import user_code, user_error_source
+
 PROGRESS_PREFIX = "\x1esparktrain-progress "
+USER_ERROR_FILE = "user_error.txt"  # where the user's code raised the error, if it did
 
 
 def _progress(**event: Any) -> None:
@@ -167,7 +170,7 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
     model_path = os.path.join(workdir, "model.keras")
     with open(model_path, "wb") as f:
         f.write(model_bytes)
-    with strategy.scope():
+    with strategy.scope(), user_code("loading the model and optimizer (custom_objects?)"):
         model = keras.saving.load_model(model_path, custom_objects=custom, compile=False)
         optimizer = keras.optimizers.get(payload["optimizer"])
         if optimizer_state is not None:
@@ -183,10 +186,12 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
                 raise TypeError("scale_learning_rate needs a constant learning rate, not a "
                                 "schedule; scale the schedule yourself")
             optimizer.learning_rate = float(optimizer.learning_rate) * world
-        loss_fn = keras.losses.get(payload["loss"])
+        with user_code("the loss"):
+            loss_fn = keras.losses.get(payload["loss"])
         if hasattr(loss_fn, "reduction"):
             loss_fn.reduction = None  # per-row values; we divide by the global batch ourselves
-    metrics = _resolve_metrics(keras, payload["metrics"], custom)
+    with user_code("the metrics"):
+        metrics = _resolve_metrics(keras, payload["metrics"], custom)
     features, labels = spec["feature_cols"], spec["label_cols"]
     weight_col = spec["sample_weight_col"]
     columns = [ColumnSpec.from_json(c) for c in spec["columns"]]
@@ -257,8 +262,14 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
         last = 0.0
         total = steps or len(source)
         for i, batch in enumerate(take_steps(source, epoch, steps)):
-            x, y, w = tensors(batch if transform is None else transform(batch))
-            stats = step_fn(x, y, w)
+            if transform is not None:
+                with user_code("transformation_fn"):
+                    batch = transform(batch)
+            x, y, w = tensors(batch)
+            # the model's forward, the loss, the metrics and the gradient all-reduce in one
+            # tf.function: a worker lost underneath surfaces as a TF status error (a fault)
+            with user_code("the training step (the model, the loss or the metrics)"):
+                stats = step_fn(x, y, w)
             local += stats
             if report and (time.monotonic() - last > 0.25 or i + 1 == total):
                 last = time.monotonic()
@@ -289,14 +300,16 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
     callbacks = list(payload.get("callbacks") or [])
     model.stop_training = False
     for callback in callbacks:
-        callback.set_model(model)
-        callback.on_train_begin({k: v[-1] for k, v in history.items()})
+        with user_code(f"callback {type(callback).__name__}.on_train_begin"):
+            callback.set_model(model)
+            callback.on_train_begin({k: v[-1] for k, v in history.items()})
     stop_reason = None
     checkpoint_file = os.path.join(workdir, "checkpoint.keras")
     for epoch in range(first, spec["epochs"]):
         started = time.perf_counter()
         for callback in callbacks:
-            callback.on_epoch_begin(epoch)
+            with user_code(f"callback {type(callback).__name__}.on_epoch_begin"):
+                callback.on_epoch_begin(epoch)
         logs = run_epoch(train_step, train_reader, epoch, lead, spec.get("train_steps"))
         if val_reader is not None:
             logs.update({f"val_{k}": v for k, v in
@@ -311,7 +324,8 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
             print(f"epoch {epoch + 1}/{spec['epochs']}  {values}  "
                   f"({time.perf_counter() - started:.1f}s)", flush=True)
         for callback in callbacks:
-            callback.on_epoch_end(epoch, dict(logs))
+            with user_code(f"callback {type(callback).__name__}.on_epoch_end"):
+                callback.on_epoch_end(epoch, dict(logs))
         if rank == 0 and checkpoints is not None:
             model.save(checkpoint_file)
             checkpoints.write(epoch + 1, _checkpoint_bytes(checkpoint_file, optimizer),
@@ -328,7 +342,8 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
                           flush=True)
                 break
     for callback in callbacks:
-        callback.on_train_end({k: v[-1] for k, v in history.items()})
+        with user_code(f"callback {type(callback).__name__}.on_train_end"):
+            callback.on_train_end({k: v[-1] for k, v in history.items()})
     sample = next(iter(train_reader.epoch(0)))
     outputs = model([tf.constant(sample[c][:1].reshape(1, -1)) for c in features]
                     if len(features) > 1 else tf.constant(sample[features[0]][:1].reshape(1, -1)))
@@ -355,10 +370,14 @@ def main(workdir: str) -> int:
         with open(os.path.join(workdir, "result.pkl"), "wb") as f:
             pickle.dump(result, f)
         return 0
-    except BaseException:
+    except BaseException as exc:
         text = traceback.format_exc()
         with open(os.path.join(workdir, "error.txt"), "w") as f:
             f.write(text)
+        source = user_error_source(exc)
+        if source is not None:  # tells the task not to have Spark retry it
+            with open(os.path.join(workdir, USER_ERROR_FILE), "w") as f:
+                f.write(source)
         print(text, file=sys.stderr, flush=True)
         return 1
 

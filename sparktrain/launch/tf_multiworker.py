@@ -27,7 +27,9 @@ import sys
 import tempfile
 from typing import Any, Callable, Dict, Optional
 
+from sparktrain.estimators.keras_worker import USER_ERROR_FILE
 from sparktrain.launch.barrier import RankContext
+from sparktrain.launch.faults import mark_user_error
 from sparktrain.launch.gpus import gpu_environment, rank_gpu
 
 PROGRESS_PREFIX = "\x1esparktrain-progress "
@@ -101,7 +103,12 @@ def spawn_keras_worker(rank: int, world_size: int, config: str, spec: Dict[str, 
         error = os.path.join(workdir, "error.txt")
         if code != 0:
             detail = open(error).read() if os.path.exists(error) else f"exit code {code}"
-            raise RuntimeError(f"the TensorFlow worker process of rank {rank} failed:\n{detail}")
+            failure = RuntimeError(f"the TensorFlow worker process of rank {rank} failed:\n"
+                                   f"{detail}")
+            user_error = os.path.join(workdir, USER_ERROR_FILE)
+            if os.path.exists(user_error):
+                raise mark_user_error(failure, open(user_error).read())
+            raise failure
         with open(os.path.join(workdir, "result.pkl"), "rb") as f:
             return pickle.load(f)
     finally:
