@@ -21,6 +21,7 @@ _EXPORTS = {
     "KerasModel": "sparktrain.estimators.keras",
     "Store": "sparktrain.data.store",
     "TrainingError": "sparktrain.launch.barrier",
+    "ExecutorEnvironmentError": "sparktrain.launch.executor_env",
     "local_spark": "sparktrain.session",
     "remote_spark": "sparktrain.session",
     "ConnectServer": "sparktrain.session",

@@ -2,17 +2,29 @@
 
 Names and meanings follow Horovod's Spark estimators (``horovod.spark.common.params``) where the
 concept is the same, so ``TorchEstimator(num_proc=2, feature_cols=[...], ...)`` reads the same.
+Every param of Horovod 0.28.1's ``TorchEstimator``/``KerasEstimator``/``TorchModel``/
+``KerasModel`` is declared here, with Horovod's ``getX``/``setX`` accessors (generated from the
+Param declarations by :func:`with_accessors`, Horovod's own spellings included, e.g.
+``getShufflingBufferSize``, ``setTrainReaderNumWorker``). What the Petastorm-specific ones do
+here: :mod:`sparktrain.compat`.
+
+Example::
+
+    est = TorchEstimator(num_proc=2, input_shapes=[[-1, 1, 8, 8]], ...)
+    est.setEpochs(5).getInputShapes()     # [[-1, 1, 8, 8]]
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
 from pyspark.ml.param import Param, Params, TypeConverters
 
 # Params whose values are Python objects (modules, optimizers, callables): they are pickled with
 # cloudpickle on save, never written into the JSON metadata.
 OBJECT_PARAMS = ("model", "optimizer", "loss", "metrics", "callbacks", "store", "custom_objects",
-                 "transformation_fn")
+                 "transformation_fn", "loss_constructors", "train_minibatch_fn",
+                 "gradient_compression", "checkpoint_callback", "data_module",
+                 "transformation_edit_fields", "transformation_removed_fields")
 
 MIXED_PRECISION = ("bf16", "fp16")
 
@@ -44,6 +56,93 @@ def _to_mixed_precision(value: Any) -> Optional[str]:
     if value not in MIXED_PRECISION:
         raise ValueError(f"mixed_precision={value!r}; expected None, 'bf16' or 'fp16'")
     return value
+
+
+READER_POOL_TYPES = ("thread", "process", "dummy")
+MP_START_METHODS = ("fork", "spawn", "forkserver")
+
+
+def _to_backend_name(value: Any) -> str:
+    """``backend`` names the engine; Horovod's ``Backend`` objects have no place here."""
+    if isinstance(value, str):
+        return value
+    ranks = getattr(value, "num_processes", None)
+    hint = ""
+    if callable(ranks):
+        try:
+            hint = f" (num_proc={int(ranks())} for this one)"
+        except Exception:  # noqa: BLE001 - only a hint
+            hint = ""
+    raise TypeError(f"backend={type(value).__name__} object; sparktrain's backend is the name "
+                    f"of the distributed engine: 'torch' or 'horovod' for TorchEstimator, "
+                    f"'tensorflow' or 'tfos' for KerasEstimator. Horovod's Backend objects are "
+                    f"not used: ranks are Spark barrier tasks, set their number with "
+                    f"num_proc=N{hint}")
+
+
+def _to_shapes(name: str) -> Any:
+    def convert(value: Any) -> List[List[int]]:
+        example = "[[-1, 1, 8, 8]]" if name == "input_shapes" else "[[-1]]"
+        expected = (f"{name} must be a list with one shape per column, each a list of ints "
+                    f"(-1 for the batch dimension), e.g. {example}")
+        if not isinstance(value, (list, tuple)) or not value:
+            raise TypeError(f"{expected}; found {value!r}")
+        if all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+            raise TypeError(f"{expected}; found the single shape {list(value)!r}: wrap it as "
+                            f"[{list(value)!r}]")
+        shapes = []
+        for shape in value:
+            if not isinstance(shape, (list, tuple)) or not shape or \
+                    not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+                raise TypeError(f"{expected}; found {value!r}")
+            if any(d == 0 or d < -1 for d in shape) or list(shape).count(-1) > 1:
+                raise TypeError(f"{expected}; found {list(shape)!r} (dimensions are >= 1, and at "
+                                f"most one is -1)")
+            shapes.append([int(d) for d in shape])
+        return shapes
+    return convert
+
+
+def _to_loss_weights(value: Any) -> List[float]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        raise TypeError(f"loss_weights must be a list with one number per label column, e.g. "
+                        f"[1.0, 0.5]; found the single number {value!r}")
+    try:
+        weights = TypeConverters.toListFloat(value)
+    except TypeError:
+        raise TypeError(f"loss_weights must be a list with one number per label column, e.g. "
+                        f"[1.0, 0.5]; found {value!r}") from None
+    return weights
+
+
+def _to_env(value: Any) -> Dict[str, str]:
+    if not isinstance(value, dict):
+        raise TypeError(f"backend_env must be a dict of environment variables (name -> value), "
+                        f"found {type(value).__name__}")
+    env = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or not key or "=" in key or \
+                not isinstance(item, (str, int, float)) or isinstance(item, bool):
+            raise TypeError(f"backend_env must map variable names (str, no '=') to str or "
+                            f"number values; found {key!r}: {item!r}")
+        env[key] = str(item)
+    return env
+
+
+def _to_choice(name: str, choices: Sequence[str]) -> Any:
+    def convert(value: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"{name}={value!r}; expected one of {list(choices)}")
+        return value
+    return convert
+
+
+def _to_count(name: str) -> Any:
+    def convert(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"{name} must be an integer >= 0, found {value!r}")
+        return value
+    return convert
 
 
 class EstimatorParams(Params):
@@ -79,7 +178,8 @@ class EstimatorParams(Params):
     verbose = Param(Params._dummy(), "verbose", "0 quiet, 1 one line per epoch, 2 also per-rank detail",
                     TypeConverters.toInt)
     callbacks = Param(Params._dummy(), "callbacks", "objects called at the end of every epoch")
-    backend = Param(Params._dummy(), "backend", "distributed engine", TypeConverters.toString)
+    backend = Param(Params._dummy(), "backend", "distributed engine (a name, e.g. 'torch')",
+                    _to_backend_name)
     use_gpu = Param(Params._dummy(), "use_gpu",
                     "train on the GPU Spark assigned to each task (default: when tasks have GPUs)",
                     _to_optional_bool)
@@ -112,6 +212,60 @@ class EstimatorParams(Params):
                          "attempts of the training stage before a fit fails (default and upper "
                          "bound: spark.stage.maxConsecutiveAttempts)", _to_optional_int)
 
+    # -- Horovod's params (horovod.spark.common.params.EstimatorParams, 0.28.1) ---------------
+    loss_weights = Param(Params._dummy(), "loss_weights",
+                         "weight of each label column's loss in the total loss (default: 1 each)",
+                         _to_loss_weights)
+    label_shapes = Param(Params._dummy(), "label_shapes",
+                         "shape of each label column's batch tensor, -1 for the batch dimension",
+                         _to_shapes("label_shapes"))
+    gradient_compression = Param(Params._dummy(), "gradient_compression",
+                                 "gradient compression for the all-reduce: Horovod's "
+                                 "Compression.fp16 (or 'fp16'), Compression.none (or None)")
+    backend_env = Param(Params._dummy(), "backend_env",
+                        "environment variables set in every rank's process while it trains",
+                        _to_env)
+    train_reader_num_workers = Param(Params._dummy(), "train_reader_num_workers",
+                                     "row groups the training reader decodes ahead (Petastorm: "
+                                     "reader worker count)", _to_count("train_reader_num_workers"))
+    val_reader_num_workers = Param(Params._dummy(), "val_reader_num_workers",
+                                   "row groups the validation reader decodes ahead (Petastorm: "
+                                   "reader worker count)", _to_count("val_reader_num_workers"))
+    reader_pool_type = Param(Params._dummy(), "reader_pool_type",
+                             "'thread' (read ahead in a thread), 'dummy' (read in the training "
+                             "thread); 'process' reads in a thread too, with a warning",
+                             _to_choice("reader_pool_type", READER_POOL_TYPES))
+    shuffle_buffer_size = Param(Params._dummy(), "shuffle_buffer_size",
+                                "(Horovod: deprecated, unused) accepted and ignored with a "
+                                "warning; use shuffle", _to_count("shuffle_buffer_size"))
+    partitions_per_process = Param(Params._dummy(), "partitions_per_process",
+                                   "(Horovod: Parquet files per process) accepted and ignored "
+                                   "with a warning: ranks read row ranges, not files",
+                                   _to_count("partitions_per_process"))
+    mp_start_method = Param(Params._dummy(), "mp_start_method",
+                            "(Horovod: start method of Petastorm's reader processes) accepted "
+                            "and ignored with a warning: the reader starts no processes",
+                            _to_choice("mp_start_method", MP_START_METHODS))
+    data_module = Param(Params._dummy(), "data_module",
+                        "(Horovod: Petastorm/NVTabular data module class) accepted and ignored "
+                        "with a warning: sparktrain reads with its own shard reader")
+    continuous_cols = Param(Params._dummy(), "continuous_cols",
+                            "(Horovod: NVTabular data module only) accepted and ignored with "
+                            "a warning", TypeConverters.toListString)
+    categorical_cols = Param(Params._dummy(), "categorical_cols",
+                             "(Horovod: NVTabular data module only) accepted and ignored with "
+                             "a warning", TypeConverters.toListString)
+    compress_sparse_cols = Param(Params._dummy(), "compress_sparse_cols",
+                                 "(Horovod: store SparseVectors compressed) accepted; vectors "
+                                 "are stored dense, True warns", TypeConverters.toBoolean)
+    transformation_edit_fields = Param(Params._dummy(), "transformation_edit_fields",
+                                       "(Horovod: Petastorm TransformSpec edit fields) accepted "
+                                       "and ignored with a warning: transformation_fn may "
+                                       "return any columns")
+    transformation_removed_fields = Param(Params._dummy(), "transformation_removed_fields",
+                                          "(Horovod: Petastorm TransformSpec removed fields) "
+                                          "accepted and ignored with a warning")
+
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(num_proc=1, metrics=[], label_cols=["label"], sample_weight_col=None,
@@ -121,7 +275,14 @@ class EstimatorParams(Params):
                          validation_steps_per_epoch=None, transformation_fn=None,
                          inmemory_cache_all=False, backward_passes_per_step=1,
                          scale_learning_rate=False, mixed_precision=None, max_time=None,
-                         max_attempts=None)
+                         max_attempts=None, loss_weights=None, label_shapes=None,
+                         gradient_compression=None, backend_env={},
+                         train_reader_num_workers=None, val_reader_num_workers=None,
+                         reader_pool_type="thread", shuffle_buffer_size=None,
+                         partitions_per_process=None, mp_start_method=None, data_module=None,
+                         continuous_cols=None, categorical_cols=None,
+                         compress_sparse_cols=False, transformation_edit_fields=None,
+                         transformation_removed_fields=None)
 
     def getNumProc(self) -> int:
         return self.getOrDefault(self.num_proc)
@@ -210,6 +371,63 @@ class EstimatorParams(Params):
     def getMaxAttempts(self) -> Optional[int]:
         return self.getOrDefault(self.max_attempts)
 
+    def getLossWeights(self) -> Optional[List[float]]:
+        return self.getOrDefault(self.loss_weights)
+
+    def getLabelShapes(self) -> Optional[List[List[int]]]:
+        return self.getOrDefault(self.label_shapes)
+
+    def getBackendEnv(self) -> Dict[str, str]:
+        return dict(self.getOrDefault(self.backend_env) or {})
+
+
+class TorchParams(Params):
+    """Params only ``TorchEstimator`` has (Horovod's ``horovod.spark.torch.TorchEstimator``)."""
+
+    input_shapes = Param(Params._dummy(), "input_shapes",
+                         "shape of each feature column's batch tensor, -1 for the batch "
+                         "dimension, e.g. [[-1, 1, 8, 8]] (default: (batch, n), scalars "
+                         "(batch, 1))", _to_shapes("input_shapes"))
+    loss_constructors = Param(Params._dummy(), "loss_constructors",
+                              "functions returning the loss (one, or one per label column), "
+                              "called on every rank instead of shipping loss")
+    train_minibatch_fn = Param(Params._dummy(), "train_minibatch_fn",
+                               "function running one training minibatch (Horovod's contract), "
+                               "replacing the built-in forward/backward/step")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(input_shapes=None, loss_constructors=None, train_minibatch_fn=None)
+
+    def getInputShapes(self) -> Optional[List[List[int]]]:
+        return self.getOrDefault(self.input_shapes)
+
+    def getLossConstructors(self) -> Any:
+        return self.getOrDefault(self.loss_constructors)
+
+    def getTrainMinibatchFn(self) -> Optional[Callable]:
+        return self.getOrDefault(self.train_minibatch_fn)
+
+
+class KerasParams(Params):
+    """Params only ``KerasEstimator`` has (Horovod's ``horovod.spark.keras.KerasEstimator``)."""
+
+    custom_objects = Param(Params._dummy(), "custom_objects",
+                           "custom layers/functions by name, for loading the model")
+    checkpoint_callback = Param(Params._dummy(), "checkpoint_callback",
+                                "a keras.callbacks.ModelCheckpoint: with save_best_only=True "
+                                "the fitted model is the best epoch's by its monitor and mode")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(custom_objects={}, checkpoint_callback=None)
+
+    def getCustomObjects(self) -> Dict[str, Any]:
+        return self.getOrDefault(self.custom_objects)
+
+    def getCheckpointCallback(self) -> Any:
+        return self.getOrDefault(self.checkpoint_callback)
+
 
 class ModelParams(Params):
     """Params of a fitted model: which columns go in and which prediction columns come out."""
@@ -248,6 +466,76 @@ class ModelParams(Params):
 
     def setBatchSize(self, value: int) -> "ModelParams":
         return self._set(batch_size=value)
+
+    # Horovod's ModelParams names (horovod.spark.common.params, 0.28.1), ``setLabelColoumns``
+    # spelled as there too.
+    def getFeatureColumns(self) -> List[str]:
+        return self.getFeatureCols()
+
+    def setFeatureColumns(self, value: List[str]) -> "ModelParams":
+        return self.setFeatureCols(value)
+
+    def getLabelColumns(self) -> List[str]:
+        return self.getLabelCols()
+
+    def setLabelColumns(self, value: List[str]) -> "ModelParams":
+        return self._set(label_cols=value)
+
+    setLabelColoumns = setLabelColumns
+
+    def setParams(self, **kwargs: Any) -> "ModelParams":
+        """Set params by keyword (Horovod's ``feature_columns``/``label_columns`` too)."""
+        aliases = {"feature_columns": "feature_cols", "label_columns": "label_cols"}
+        return self._set(**{aliases.get(k, k): v for k, v in kwargs.items()})
+
+
+# Horovod's accessor names where they are not get/set + the param's name in CamelCase
+# (horovod/spark/common/params.py, 0.28.1); both spellings exist here.
+HOROVOD_ACCESSOR_NAMES = {"shuffle_buffer_size": "ShufflingBufferSize",
+                          "train_reader_num_workers": "TrainReaderNumWorker",
+                          "val_reader_num_workers": "ValReaderNumWorker",
+                          "inmemory_cache_all": "InMemoryCacheAll"}
+
+
+def _camel(name: str) -> str:
+    return "".join(part[:1].upper() + part[1:] for part in name.split("_"))
+
+
+def _getter(name: str, doc: str) -> Callable:
+    def get(self: Params) -> Any:
+        return self.getOrDefault(name)
+    get.__doc__ = f"The value of ``{name}``: {doc}."
+    return get
+
+
+def _setter(name: str, doc: str) -> Callable:
+    def set_(self: Params, value: Any) -> Params:
+        return self._set(**{name: value})
+    set_.__doc__ = f"Set ``{name}`` ({doc}); returns this object."
+    return set_
+
+
+def with_accessors(cls: Type[Params]) -> Type[Params]:
+    """Add ``getX``/``setX`` for every Param declared on ``cls`` that has no hand-written one
+    (``X``: the param's name in CamelCase, plus Horovod's spelling where it differs).
+
+    Example: ``EstimatorParams.num_proc`` gives ``getNumProc()`` and ``setNumProc(4)``.
+    """
+    for param in [v for v in vars(cls).values() if isinstance(v, Param)]:
+        for suffix in dict.fromkeys([_camel(param.name),
+                                     HOROVOD_ACCESSOR_NAMES.get(param.name, "")]):
+            for prefix, make in (("get", _getter), ("set", _setter)):
+                method = f"{prefix}{suffix}"
+                if suffix and not hasattr(cls, method):
+                    function = make(param.name, param.doc)
+                    function.__name__ = method
+                    function.__qualname__ = f"{cls.__name__}.{method}"
+                    setattr(cls, method, function)
+    return cls
+
+
+for _cls in (EstimatorParams, TorchParams, KerasParams, ModelParams):
+    with_accessors(_cls)
 
 
 def json_params(instance: Params) -> Dict[str, Any]:

@@ -2,6 +2,7 @@
 progress events, TensorBoard event files in the run directory, and history plots."""
 from __future__ import annotations
 
+import io
 import time
 
 import pytest
@@ -60,8 +61,17 @@ def test_rank_events_never_fail_the_rank(tmp_path):
     events.close()
 
 
+class _Terminal(io.StringIO):
+    """What the bar draws on: a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 def test_progress_bar_follows_rank_events(capsys):
-    progress = FitProgress(verbose=1)
+    terminal = _Terminal()
+    progress = FitProgress(verbose=1, stream=terminal)
+    assert not progress.lines  # a terminal gets the live bar
     progress.update({"event": "start", "epochs": 2, "steps": 3})
     progress.update({"event": "step", "epoch": 0, "step": 2, "loss": 0.5})
     progress.update({"event": "epoch", "epoch": 0, "logs": {"loss": 0.4}})
@@ -72,7 +82,8 @@ def test_progress_bar_follows_rank_events(capsys):
     progress.update({"event": "start", "epochs": 2, "steps": 3, "first": 1})
     assert progress._bar.n == 3 and progress._bar.desc.startswith("epoch 2/2")
     progress.close()
-    quiet = FitProgress(verbose=0)
+    assert "\r" in terminal.getvalue() and "epoch 2/2" in terminal.getvalue()  # redrawn live
+    quiet = FitProgress(verbose=0, stream=terminal)
     quiet.update({"event": "start", "epochs": 2, "steps": 3})
     assert quiet._bar is None
 

@@ -20,7 +20,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from pyspark.ml.functions import vector_to_array
 from pyspark.sql import Column, DataFrame
@@ -95,18 +95,50 @@ def _has_null_element(value: Column, element: str) -> Column:
     return F.array_contains(value, first).isNull() | F.array_contains(value, second).isNull()
 
 
+def _stored_value(spec: ColumnSpec) -> Column:
+    """A column in the element type it is stored with (vectors as float32 arrays)."""
+    col = F.col(f"`{spec.name}`")
+    element = "float" if spec.dtype == "float32" else "bigint"
+    if spec.kind == SCALAR:
+        return col.cast(element)
+    return vector_to_array(col, "float32") if spec.kind == VECTOR else col.cast(f"array<{element}>")
+
+
+def sample_batch(df: DataFrame, columns: Sequence[ColumnSpec], rows: int
+                 ) -> Optional[Dict[str, Any]]:
+    """Up to ``rows`` rows of ``columns`` as a batch in the form training reads them (numpy by
+    column name: scalars 1-D, vectors/arrays 2-D), from one small job (``limit``). ``None``
+    when the first rows cannot form a batch (empty, nulls, ragged): materialization's checks
+    then report the data problem precisely."""
+    import numpy as np
+
+    # collect, not toPandas: a few rows need no Arrow set-up (measured: 0.23 vs 0.27 s warm)
+    found = df.select(*[_stored_value(c).alias(c.name) for c in columns]).limit(rows).collect()
+    if not found:
+        return None
+    batch = {}
+    try:
+        for i, spec in enumerate(columns):
+            values = [row[i] for row in found]
+            if any(v is None or (spec.kind != SCALAR and None in v) for v in values):
+                return None
+            batch[spec.name] = np.array(values, dtype=spec.dtype)
+            if batch[spec.name].ndim != (1 if spec.kind == SCALAR else 2):
+                return None
+    except (ValueError, TypeError):  # ragged arrays
+        return None
+    return batch
+
+
 def _prepared_column(spec: ColumnSpec, size: Optional[int], nullable_elements: bool) -> List[Column]:
     """The stored form of one column, and checks that abort the write on a bad row."""
     name = spec.name
     col = F.col(f"`{name}`")
     checks = [_fail_if(col.isNull(), F.lit(f"column {name!r} contains nulls; expected no nulls "
                                            f"(drop or fill them, e.g. df.na.drop(subset=[{name!r}]))"))]
-    if spec.kind == SCALAR:
-        value = col.cast("float" if spec.dtype == "float32" else "bigint")
-    else:
+    value = _stored_value(spec)
+    if spec.kind != SCALAR:
         element = "float" if spec.dtype == "float32" else "bigint"
-        value = (vector_to_array(col, "float32") if spec.kind == VECTOR
-                 else col.cast(f"array<{element}>"))
         checks.append(_fail_if(
             F.size(value) != F.lit(size),
             F.concat(F.lit(f"column {name!r} has rows of different lengths; expected every row "

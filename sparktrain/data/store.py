@@ -10,12 +10,17 @@ Example::
     store = Store.create("s3://bucket/sparktrain", storage_options={"anon": False})
     store.dataset_path("ab12")   # 's3://bucket/sparktrain/datasets/ab12' (fsspec)
     store.spark_path("datasets", "ab12")   # 's3a://bucket/sparktrain/datasets/ab12' (Spark)
+
+Horovod's ``Store.create(prefix_path, ...)`` keywords are understood too (see
+:meth:`Store.create`), and a Horovod store object given as ``store=`` is converted.
 """
 from __future__ import annotations
 
 import os
 import posixpath
+import re
 import tempfile
+import warnings
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 DEFAULT_LOCAL_STORE = os.path.join(tempfile.gettempdir(), "sparktrain-store")
@@ -23,6 +28,18 @@ DEFAULT_LOCAL_STORE = os.path.join(tempfile.gettempdir(), "sparktrain-store")
 # Hadoop scheme -> fsspec protocol, where the two differ.
 _SPARK_TO_FSSPEC = {"s3a": "s3", "s3n": "s3", "wasbs": "abfs", "abfss": "abfs"}
 _FSSPEC_TO_SPARK = {"s3": "s3a"}
+
+# Horovod 0.28.1's Store.create keywords (horovod/spark/common/store.py: AbstractFilesystemStore
+# and HDFSStore) -> what sparktrain does with them instead, for those it does not map.
+_HDFS_KEYWORDS = ("host", "port", "user", "kerb_ticket", "extra_conf")
+_IGNORED_STORE_KEYWORDS = {
+    "train_path": "datasets live under <prefix>/datasets/<key>, one per DataFrame plan",
+    "val_path": "the validation split is stored with the training split",
+    "test_path": "sparktrain materializes no test split",
+    "runs_path": "runs live under <prefix>/runs/<run_id>",
+    "checkpoint_filename": "checkpoints are <prefix>/runs/<run_id>/checkpoints/epoch-N",
+    "driver": "only pyarrow < 0.17 had a choice of HDFS driver",
+}
 
 
 def _split_scheme(url: str) -> Tuple[str, str]:
@@ -122,16 +139,57 @@ class Store:
 
     @classmethod
     def create(cls, store: Union[None, str, "Store"] = None,
-               storage_options: Optional[Dict[str, Any]] = None) -> "Store":
-        """A Store from a URL/path, an existing Store, or ``None`` for the default local store."""
+               storage_options: Optional[Dict[str, Any]] = None, *,
+               prefix_path: Optional[str] = None, **horovod: Any) -> "Store":
+        """A Store from a URL/path, an existing Store, a Horovod store object, or ``None`` for
+        the default local store.
+
+        Horovod's keyword forms work: ``Store.create(prefix_path="hdfs:///user/me/st",
+        host="nn", port=8020, user="me")``. For ``hdfs://`` prefixes ``host``/``port`` go into
+        the URL (when it names no namenode) and ``user``, ``kerb_ticket``, ``extra_conf``
+        into ``storage_options`` (fsspec's HDFS filesystem takes them); ``save_runs=True`` is
+        what sparktrain always does. The other Horovod keywords (``train_path``, ``runs_path``,
+        ``checkpoint_filename``, ...) are accepted with one warning saying what sparktrain does
+        instead; unknown keywords are a ``TypeError``.
+        """
+        if prefix_path is not None:
+            if store is not None:
+                raise TypeError("give the store's path once: Store.create(path) or "
+                                "Store.create(prefix_path=path)")
+            store = prefix_path
         if isinstance(store, Store):
+            if horovod:
+                raise TypeError(f"Store.create(<a Store>) takes no other keywords, got "
+                                f"{sorted(horovod)}")
             return store
+        if store is not None and not isinstance(store, str) and hasattr(store, "prefix_path"):
+            return cls._from_horovod_store(store)
         if store is None:
             store = DEFAULT_LOCAL_STORE
         if not isinstance(store, str):
             raise TypeError(f"store must be a path/URL string or a sparktrain Store, "
                             f"got {type(store).__name__}")
+        if horovod:
+            store, storage_options = _horovod_keywords(store, storage_options, horovod)
         return cls(store, storage_options)
+
+    @classmethod
+    def _from_horovod_store(cls, store: Any) -> "Store":
+        """A sparktrain Store at the same place as a ``horovod.spark.common.store`` object:
+        its ``prefix_path`` and ``storage_options`` (for an ``HDFSStore``, its namenode, user,
+        Kerberos ticket and extra conf)."""
+        hdfs = dict(getattr(store, "_hdfs_kwargs", None) or {})
+        prefix = str(store.prefix_path)
+        options = dict(getattr(store, "storage_options", None) or {})
+        if hdfs:
+            host, port = hdfs.pop("host", None), hdfs.pop("port", None)
+            hdfs.pop("driver", None)
+            scheme, rest = _split_scheme(prefix)
+            if host not in (None, "default") and not rest.split("/", 1)[0]:
+                rest = f"{host}{f':{port}' if port else ''}{rest}"
+                prefix = f"hdfs://{rest}"
+            options.update({k: v for k, v in hdfs.items() if v is not None})
+        return cls(prefix, options)
 
     def __repr__(self) -> str:  # never shows storage_options: they may hold credentials
         return f"Store({self.prefix!r})"
@@ -161,6 +219,50 @@ class Store:
 
     def run_path(self, run_id: str) -> str:
         return self.path("runs", run_id)
+
+
+def _horovod_keywords(prefix: str, storage_options: Optional[Dict[str, Any]],
+                      given: Dict[str, Any]) -> Tuple[str, Optional[Dict[str, Any]]]:
+    """Apply Horovod's ``Store.create`` keywords (see :meth:`Store.create`)."""
+    unknown = sorted(set(given) - set(_HDFS_KEYWORDS) - set(_IGNORED_STORE_KEYWORDS)
+                     - {"save_runs"})
+    if unknown:
+        raise TypeError(f"Store.create() got unexpected keyword(s) {unknown}; it takes "
+                        f"storage_options and Horovod's {sorted(_HDFS_KEYWORDS)} (hdfs://), "
+                        f"save_runs, {sorted(_IGNORED_STORE_KEYWORDS)}")
+    options = dict(storage_options or {})
+    notes = [f"{name}: {_IGNORED_STORE_KEYWORDS[name]}"
+             for name in _IGNORED_STORE_KEYWORDS if given.get(name) is not None]
+    if given.get("save_runs") is False:
+        notes.append("save_runs=False: runs are always kept (each epoch's checkpoint is what a "
+                     "retried attempt resumes from); delete <prefix>/runs/<run_id> after fit")
+    hdfs = {k: given[k] for k in _HDFS_KEYWORDS if given.get(k) is not None}
+    scheme, rest = _split_scheme(prefix)
+    if hdfs and scheme != "hdfs":
+        notes.append(f"{sorted(hdfs)}: they configure HDFS, and {prefix!r} is not an hdfs:// "
+                     f"path")
+    elif hdfs:
+        authority, path = (rest.split("/", 1) + [""])[:2]
+        host, port = hdfs.pop("host", None), hdfs.pop("port", None)
+        if host is not None or port is not None:
+            match = re.fullmatch(r"([^:]*)(?::(\d+))?", authority)
+            url_host, url_port = (match.group(1), match.group(2)) if match else (authority, None)
+            if url_host and host is not None and url_host != host or \
+                    url_port and port is not None and int(url_port) != int(port):
+                raise ValueError(f"Store.create: host={host!r}, port={port!r} disagree with the "
+                                 f"namenode in {prefix!r}; give it in one place")
+            host, port = url_host or host, url_port or port
+            if host in (None, "", "default"):
+                raise ValueError(f"Store.create: port={port!r} without a host; pass host=... or "
+                                 f"write hdfs://<namenode>:<port>/path")
+            prefix = f"hdfs://{host}{f':{port}' if port else ''}/{path}"
+        options.update(hdfs)
+    if notes:
+        from sparktrain.compat import IgnoredParamWarning
+
+        warnings.warn("Store.create: Horovod keyword(s) accepted but without effect here:\n  - "
+                      + "\n  - ".join(notes), IgnoredParamWarning, stacklevel=3)
+    return prefix, options or storage_options
 
 
 class StoredBytes:

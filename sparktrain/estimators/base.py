@@ -30,12 +30,14 @@ from sparktrain.data.materialize import MaterializedDataset, materialize
 from sparktrain.data.schema import SCALAR, VECTOR, ColumnSpec, check_validation_column, \
     column_spec, training_columns
 from sparktrain.data.store import Store, StoredBytes
+from sparktrain.estimators.preflight import run_preflight
 from sparktrain.launch import check_backend
 from sparktrain.launch.barrier import check_slots
+from sparktrain.launch.executor_env import RANK_MODULES, check_executors
 from sparktrain.launch.gpus import check_gpu_conf
 from sparktrain.params import EstimatorParams, ModelParams
 from sparktrain.persistence import EstimatorReader, EstimatorWriter, ModelReader, ModelWriter
-from sparktrain.progress import FitProgress, TqdmLogHandler
+from sparktrain.progress import FitProgress, TqdmLogHandler, interval_from_conf
 from sparktrain.spark_api import all_conf, check_store_shared, master
 
 log = logging.getLogger("sparktrain")
@@ -44,7 +46,7 @@ log = logging.getLogger("sparktrain")
 class _FitLogging:
     """Show sparktrain's INFO lines (epoch progress, rank logs) on stderr during a fit with
     ``verbose >= 1`` when the application has not configured logging itself (printed above
-    the progress bar)."""
+    the progress bar; off a terminal they are the progress, see :mod:`sparktrain.progress`)."""
 
     def __init__(self, verbose: int) -> None:
         self.handler: Optional[logging.Handler] = None
@@ -115,6 +117,22 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
     def _check_session(self, spark: SparkSession) -> None:
         """Raise ``ValueError`` before any job if the backend cannot run on this session."""
 
+    def _check_on_batch(self, batch: Dict[str, Any]) -> None:
+        """Preflight: run the model, loss and metrics on ``batch`` (a few real rows, numpy by
+        column name as training reads them) on the driver; raise ``PreflightError``."""
+
+    def _built_elsewhere(self, name: str) -> bool:
+        """True when the required param ``name`` may stay unset because the framework gets it
+        another way (torch: losses from ``loss_constructors``; Keras: a compiled model's
+        optimizer)."""
+        return False
+
+    def _executor_modules(self) -> List[str]:
+        """Import names every executor's Python must find for this fit (checked up front)."""
+        requirement = self.backends[self.getBackend()][1]
+        return list(RANK_MODULES) + [requirement] + (["keras"] if self.framework == "keras"
+                                                     else [])
+
     def _loop_options(self, run: FitRun) -> Dict[str, Any]:
         """The training-loop settings every framework's worker understands (plain values)."""
         max_time = self.getMaxTime()
@@ -157,7 +175,8 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         if not self.isDefined(self.feature_cols):
             raise ValueError("feature_cols is not set; name the DataFrame columns to feed the model")
         for name in ("model", "optimizer", "loss"):
-            if not self.isDefined(name) or self.getOrDefault(name) is None:
+            if (not self.isDefined(name) or self.getOrDefault(name) is None) \
+                    and not self._built_elsewhere(name):
                 raise ValueError(f"{name} is not set; pass {name}=... to {type(self).__name__}")
         specs = training_columns(df, self.getFeatureCols(), self.getLabelCols(),
                                  self.getSampleWeightCol())
@@ -179,13 +198,18 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
             raise ValueError("mixed_precision='fp16' needs GPU ranks (CPU autocast supports "
                              "bfloat16 only); use mixed_precision='bf16' or train on GPUs")
         check_slots(spark, self.getNumProc())
+        with _FitLogging(self.getVerbose()):
+            run_preflight(self, dataset, specs)
+        check_executors(spark, self._executor_modules(),
+                        f"{type(self).__name__}(backend={self.getBackend()!r})")
         store = Store.create(self.getStore())
         check_store_shared(spark, store)
         validation = self.getValidation() or None
         # uid + time + random: copies of one estimator (CrossValidator) never share a run.
         run_id = self.getRunId() or \
             f"{self.uid}_{time.strftime('%Y%m%d-%H%M%S')}_{uuid.uuid4().hex[:6]}"
-        with _FitLogging(self.getVerbose()), FitProgress(self.getVerbose()) as progress:
+        with _FitLogging(self.getVerbose()), \
+                FitProgress(self.getVerbose(), interval=interval_from_conf(spark)) as progress:
             started = time.perf_counter()
             latest = Checkpoints(store.run_path(run_id), store.storage_options).latest()
             if latest is not None and latest.meta.get("framework") != self.framework:
@@ -269,6 +293,21 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
         """Per-epoch metrics: ``{"loss": [...], "val_loss": [...], "<metric>": [...], ...}``."""
         return {k: list(v) for k, v in self._history.items()}
 
+    def setHistory(self, value: Any) -> "ModelBase":
+        """Set the history: a dict of per-epoch lists, or (Horovod's form) a list with one dict
+        of numbers per epoch."""
+        if isinstance(value, (list, tuple)):
+            if not all(isinstance(epoch, dict) for epoch in value):
+                raise TypeError("history must be a dict of per-epoch lists or a list of "
+                                "per-epoch dicts")
+            keys = dict.fromkeys(k for epoch in value for k in epoch)
+            value = {k: [epoch.get(k) for epoch in value] for k in keys}
+        if not isinstance(value, dict):
+            raise TypeError(f"history must be a dict of per-epoch lists, got "
+                            f"{type(value).__name__}")
+        self._history = {k: list(v) for k, v in value.items()}
+        return self
+
     def plot_history(self, metrics: Optional[Sequence[str]] = None):
         """A matplotlib Figure with one panel per metric (training and validation curves).
 
@@ -300,7 +339,33 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
             size *= dim
         return T.DoubleType() if size == 1 else T.ArrayType(T.DoubleType(), containsNull=False)
 
+    def _complete(self, dataset: DataFrame) -> None:
+        """A model built by hand (Horovod's ``TorchModel(model=net, feature_columns=[...],
+        label_columns=[...])``) takes its input columns from ``dataset`` and its output shapes
+        from one prediction of a zero row on the driver."""
+        import numpy as np
+
+        if not self.isDefined(self.feature_cols):
+            raise ValueError(f"{type(self).__name__} has no feature columns; pass "
+                             f"feature_columns=[...] or call setFeatureCols")
+        if not self._columns:
+            self._columns = [column_spec(dataset, c, "feature") for c in self.getFeatureCols()]
+        if not self._output_shapes:
+            if any(not spec.size for spec in self._columns):
+                row = dataset.select(*[_feature_expr(s) for s in self._columns]).limit(1) \
+                    .toPandas()
+                if row.empty:
+                    raise ValueError("cannot tell the feature columns' sizes from an empty "
+                                     "DataFrame")
+                self._columns = [ColumnSpec(s.name, s.kind, s.dtype, s.size or
+                                            series_to_numpy(row.iloc[:, i], s).shape[1])
+                                 for i, s in enumerate(self._columns)]
+            zeros = [np.zeros((1, s.size), dtype=s.dtype) for s in self._columns]
+            outputs = self._predict_fn_factory()()(zeros)
+            self._output_shapes = [list(o.shape[1:]) for o in outputs]
+
     def _transform(self, dataset: DataFrame) -> DataFrame:
+        self._complete(dataset)
         columns = {c.name: c for c in self._columns}
         specs = []
         for name in self.getFeatureCols():

@@ -12,23 +12,28 @@ Example::
                          batch_size=64, epochs=10)
     model = est.fit(train_df)          # MultiWorkerMirroredStrategy over 2 barrier tasks
     model.transform(test_df)           # adds "label__output"
+
+Horovod's ``horovod.spark.keras`` API works unchanged (``import sparktrain.estimators.keras as
+hvd``); see "Coming from Horovod" in the README.
 """
 from __future__ import annotations
 
 import functools
 import os
 import tempfile
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
 from pyspark import keyword_only
-from pyspark.ml.param import Param, Params
 from pyspark.sql import SparkSession
 
+from sparktrain import compat
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
 from sparktrain.launch import KERAS_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext, run_barrier
+from sparktrain.launch.environment import rank_environment
+from sparktrain.params import KerasParams
 from sparktrain.pickling import dumps
 from sparktrain.spark_api import classic_only
 
@@ -73,7 +78,23 @@ def _load_model(data: bytes, custom_objects: Optional[Dict[str, Any]]) -> Any:
         return keras.saving.load_model(path, custom_objects=custom_objects or {}, compile=False)
 
 
-class KerasEstimator(EstimatorBase):
+def model_shapes(model: Any) -> Tuple[Optional[List[List[int]]], Optional[List[List[int]]]]:
+    """``(input shapes, output shapes)`` of a built Keras model, ``-1`` for unknown dimensions
+    (Horovod's ``get_model_shapes``); ``(None, None)`` for a model without known inputs (a
+    subclassed model that was never called)."""
+    try:
+        inputs, outputs = model.inputs, model.outputs
+    except (AttributeError, ValueError):
+        return None, None
+    if not inputs:
+        return None, None
+
+    def shapes(tensors: Any) -> List[List[int]]:
+        return [[-1 if d is None else int(d) for d in t.shape] for t in tensors]
+    return shapes(inputs), shapes(outputs or [])
+
+
+class KerasEstimator(EstimatorBase, KerasParams):
     """Spark ML estimator training a Keras 3 model in ``num_proc`` barrier tasks.
 
     Params follow Horovod's ``horovod.spark.keras.KerasEstimator`` (``batch_size`` per worker,
@@ -84,12 +105,20 @@ class KerasEstimator(EstimatorBase):
     train step of sparktrain's own (Keras 3's ``model.fit`` fails under it,
     keras-team/keras#20585), so any Keras 3 model trains unchanged. ``backend="tfos"``: the same
     loop on a TensorFlowOnSpark cluster (:mod:`sparktrain.launch.tfos`).
+
+    Horovod's params (all of ``horovod.spark.keras.KerasEstimator``'s are taken): each feature
+    is reshaped to the model's input shape (as Horovod does), and each label to
+    ``label_shapes`` when given; ``loss_weights`` weight each output's loss; ``optimizer`` may
+    be left out for a compiled model (its optimizer is used); ``checkpoint_callback`` (a
+    ``keras.callbacks.ModelCheckpoint``): with ``save_best_only=True`` the fitted model is the
+    best epoch's by its ``monitor`` and ``mode`` (see
+    :mod:`sparktrain.estimators.keras_checkpoint`); ``backend_env`` is set in every worker
+    process; ``gradient_compression`` has no equivalent under MultiWorkerMirroredStrategy
+    (warned); Petastorm's reader params: :mod:`sparktrain.compat`.
     """
 
     backends = KERAS_BACKENDS
     framework = "keras"
-    custom_objects = Param(Params._dummy(), "custom_objects",
-                           "custom layers/functions by name, for loading the model")
 
     @keyword_only
     def __init__(self, *, num_proc: Optional[int] = None, model: Any = None,
@@ -109,9 +138,23 @@ class KerasEstimator(EstimatorBase):
                  backward_passes_per_step: Optional[int] = None,
                  scale_learning_rate: Optional[bool] = None,
                  mixed_precision: Optional[str] = None, max_time: Optional[float] = None,
-                 max_attempts: Optional[int] = None) -> None:
+                 max_attempts: Optional[int] = None,
+                 label_shapes: Optional[List[List[int]]] = None,
+                 loss_weights: Optional[List[float]] = None,
+                 checkpoint_callback: Any = None, backend_env: Optional[Dict[str, str]] = None,
+                 gradient_compression: Any = None,
+                 train_reader_num_workers: Optional[int] = None,
+                 val_reader_num_workers: Optional[int] = None,
+                 reader_pool_type: Optional[str] = None, shuffle_buffer_size: Optional[int] = None,
+                 partitions_per_process: Optional[int] = None,
+                 mp_start_method: Optional[str] = None, data_module: Any = None,
+                 continuous_cols: Optional[List[str]] = None,
+                 categorical_cols: Optional[List[str]] = None,
+                 compress_sparse_cols: Optional[bool] = None,
+                 transformation_edit_fields: Any = None,
+                 transformation_removed_fields: Any = None) -> None:
         super().__init__()
-        self._setDefault(backend="tensorflow", custom_objects={})
+        self._setDefault(backend="tensorflow")
         self._set(**{k: v for k, v in self._input_kwargs.items() if v is not None})
 
     @keyword_only
@@ -119,15 +162,44 @@ class KerasEstimator(EstimatorBase):
         """Set any of the constructor's params by keyword."""
         return self._set(**self._input_kwargs)
 
-    def getCustomObjects(self) -> Dict[str, Any]:
-        return self.getOrDefault(self.custom_objects)
+    def get_model_class(self) -> type:
+        """The class of the model ``fit`` returns (Horovod's ``get_model_class``)."""
+        return KerasModel
+
+    def get_model_shapes(self) -> Tuple[Optional[List[List[int]]], Optional[List[List[int]]]]:
+        """``(input shapes, output shapes)`` of ``model``, ``-1`` for unknown dimensions."""
+        return model_shapes(self.getModel())
+
+    def _built_elsewhere(self, name: str) -> bool:
+        return name == "optimizer" and getattr(self.getModel(), "optimizer", None) is not None
+
+    def _input_shapes(self) -> Optional[List[List[int]]]:
+        """The shapes features are fed in: the model's input shapes (as Horovod feeds them),
+        ``None`` when the model's inputs are unknown or of variable size."""
+        input_shapes, _ = self.get_model_shapes()
+        if input_shapes is not None and len(input_shapes) != len(self.getFeatureCols()):
+            raise ValueError(f"the model has {len(input_shapes)} input(s) for "
+                             f"{len(self.getFeatureCols())} feature column(s) "
+                             f"{self.getFeatureCols()}; give one feature column per input")
+        if input_shapes is None or any(-1 in shape[1:] for shape in input_shapes):
+            return None
+        return [[-1] + shape[1:] for shape in input_shapes]  # any batch size
+
+    def _optimizer(self) -> Any:
+        """``optimizer``, or the compiled model's (Horovod's fallback)."""
+        optimizer = self.getOptimizer()
+        return optimizer if optimizer is not None else getattr(self.getModel(), "optimizer", None)
 
     def _check_framework(self) -> None:
         keras = _keras()
         if not isinstance(self.getModel(), keras.Model):
             raise TypeError(f"model must be a keras.Model (Keras {keras.__version__}), got "
                             f"{type(self.getModel()).__name__}")
-        optimizer = self.getOptimizer()
+        compat.check_common(self)
+        from sparktrain.estimators.keras_checkpoint import checkpoint_settings
+
+        checkpoint_settings(self.getCheckpointCallback(), self.getValidation())
+        optimizer = self._optimizer()
         if not isinstance(optimizer, (str, keras.optimizers.Optimizer)):
             raise TypeError(f"optimizer must be a keras optimizer or its name, got "
                             f"{type(optimizer).__name__}")
@@ -149,7 +221,7 @@ class KerasEstimator(EstimatorBase):
 
     def _payload(self) -> bytes:
         keras = _keras()
-        optimizer, loss = self.getOptimizer(), self.getLoss()
+        optimizer, loss = self._optimizer(), self.getLoss()
         if isinstance(optimizer, keras.optimizers.Optimizer):
             optimizer = keras.optimizers.serialize(optimizer)
         if isinstance(loss, keras.losses.Loss):
@@ -166,7 +238,24 @@ class KerasEstimator(EstimatorBase):
                             f"reach the executors: {exc}") from exc
 
     def _train(self, run: FitRun) -> Dict[str, Any]:
+        from sparktrain.estimators.keras_checkpoint import checkpoint_settings
+
         data = run.data
+        input_shapes = self._input_shapes()
+        sizes = {c.name: c.size for c in data.columns}
+        for name, shapes, cols in (("the model's input shapes", input_shapes,
+                                    self.getFeatureCols()),
+                                   ("label_shapes", self.getLabelShapes(), self.getLabelCols())):
+            compat.check_shapes_fit(name, shapes, [(c, sizes.get(c)) for c in cols])
+        ignored = []
+        if compat.compression_name(self.getGradientCompression()) is not None:
+            ignored.append("gradient_compression: tf.distribute.MultiWorkerMirroredStrategy's "
+                           "all-reduce takes no compression; gradients travel in their own "
+                           "dtype")
+        callback = self.getCheckpointCallback()
+        if callback is not None and getattr(callback, "save_freq", "epoch") != "epoch":
+            ignored.append("checkpoint_callback.save_freq: the best model is chosen at epoch "
+                           "ends")
         spec = {"dataset_root": data.root, "layouts": data.files,
                 "columns": [c.to_json() for c in data.columns],
                 "feature_cols": self.getFeatureCols(), "label_cols": self.getLabelCols(),
@@ -174,7 +263,12 @@ class KerasEstimator(EstimatorBase):
                 "val_batch_size": self.getValBatchSize(), "epochs": self.getEpochs(),
                 "shuffle": self.getShuffle(), "seed": self.getRandomSeed(),
                 "verbose": self.getVerbose(), "backend": self.getBackend(),
-                "storage_options": run.store.storage_options, **self._loop_options(run)}
+                "storage_options": run.store.storage_options, "input_shapes": input_shapes,
+                "label_shapes": self.getLabelShapes(), "loss_weights": self.getLossWeights(),
+                "backend_env": self.getBackendEnv(),
+                "best_model": checkpoint_settings(callback, self.getValidation()),
+                **compat.reader_options(self), **self._loop_options(run)}
+        compat.warn_ignored(self, ignored)
         launch = dict(description=f"sparktrain KerasEstimator {self.uid}",
                       echo_logs=self.getVerbose() >= 1, on_progress=run.progress.update,
                       max_attempts=self.getMaxAttempts())
@@ -195,6 +289,42 @@ class KerasEstimator(EstimatorBase):
                          "same MultiWorkerMirroredStrategy training, launched through the "
                          "DataFrame API.")
 
+    def _check_on_batch(self, batch: Dict[str, Any]) -> None:
+        """Preflight (see :mod:`.preflight`): the user's model in inference mode, the loss and
+        the metrics on ``batch``, as the train step computes them."""
+        import tensorflow as tf
+
+        from sparktrain.estimators import preflight
+        from sparktrain.estimators.keras_worker import batch_tensors, forward_stats, \
+            per_row_loss, _resolve_metrics
+        from sparktrain.launch.faults import user_code
+
+        keras, model = _keras(), self.getModel()
+        features, labels = self.getFeatureCols(), self.getLabelCols()
+        columns = preflight.describe_columns(batch, features, labels)
+        tensors = ""
+        try:
+            transform = self.getTransformationFn()
+            if transform is not None:
+                with user_code("transformation_fn"):
+                    batch = transform(dict(batch))
+            loss = self.getLoss()
+            with user_code("the loss"):
+                loss_fn = per_row_loss(keras, keras.losses.serialize(loss)
+                                       if isinstance(loss, keras.losses.Loss) else loss)
+            with user_code("the metrics"):
+                metrics = _resolve_metrics(keras, list(self.getMetrics() or []),
+                                           loading_objects(keras, self.getCustomObjects()))
+            x, y, w = batch_tensors(tf, batch, features, labels, self.getSampleWeightCol(),
+                                    self._input_shapes(), self.getLabelShapes())
+            tensors = ", ".join(str(tuple(t.shape)) for t in x)
+            with user_code("the model, the loss or the metrics"):
+                forward_stats(tf, model, loss_fn, metrics, x, y, w, False, self.getLossWeights(),
+                              bool(self.getLabelShapes()))
+        except Exception as exc:
+            raise preflight.failure(exc, "the model (inference mode), the loss and the metrics",
+                                    columns, tensors, preflight.keras_expectation(model)) from exc
+
     def _create_model(self, result: Dict[str, Any], data: MaterializedDataset) -> "KerasModel":
         model = KerasModel(result["model"], loading_objects(_keras(), self.getCustomObjects()))
         model._history = result["history"]
@@ -205,7 +335,8 @@ class KerasEstimator(EstimatorBase):
 
 def _keras_rank(spec: Dict[str, Any], payload: Any, use_gpu: bool, ctx: RankContext) -> Any:
     backend = load_backend(KERAS_BACKENDS, spec["backend"])
-    return backend.run(ctx, spec, payload.value, use_gpu)
+    with rank_environment(spec.get("backend_env")):  # the Keras worker process inherits it
+        return backend.run(ctx, spec, payload.value, use_gpu)
 
 
 class KerasModel(ModelBase):
@@ -213,20 +344,48 @@ class KerasModel(ModelBase):
 
     Saved as Spark ML metadata + the native ``model.keras`` file + ``custom_objects.pkl``
     (cloudpickle: loading runs code, load only trusted models); ``custom_objects`` are used
-    when the model is loaded, on the driver and on the executors.
+    when the model is loaded, on the driver and on the executors. Features are reshaped to
+    the model's input shapes, as in training.
+
+    Horovod's constructor works too: ``KerasModel(model=keras_model, feature_columns=[...],
+    label_columns=[...], custom_objects={...})`` (``_floatx`` and ``_metadata`` are accepted
+    and not used: a Keras 3 model carries its dtype policy).
     """
 
-    def __init__(self, model_bytes: bytes = b"", custom_objects: Optional[Dict] = None) -> None:
+    def __init__(self, model_bytes: Any = b"", custom_objects: Optional[Dict] = None, *,
+                 model: Any = None, history: Any = None,
+                 feature_columns: Optional[List[str]] = None,
+                 label_columns: Optional[List[str]] = None, run_id: Optional[str] = None,
+                 _metadata: Any = None, _floatx: Optional[str] = None) -> None:
         super().__init__()
-        self._model_bytes = model_bytes
+        if model is None and not isinstance(model_bytes, (bytes, bytearray)):
+            model, model_bytes = model_bytes, b""  # KerasModel(keras_model)
+        self._model_bytes = _model_bytes(model) if model is not None else bytes(model_bytes)
         self._custom_objects = dict(custom_objects or {})
-        self._model: Any = None
+        self._model: Any = model
+        self._metadata, self._floatx = _metadata, _floatx  # Horovod's: kept, not used
+        given = dict(feature_cols=feature_columns, label_cols=label_columns, run_id=run_id)
+        self._set(**{k: v for k, v in given.items() if v is not None})
+        if history is not None:
+            self.setHistory(history)
 
     def getModel(self) -> Any:
         """The trained ``keras.Model`` (loaded on first use)."""
         if self._model is None:
             self._model = _load_model(self._model_bytes, self._custom_objects)
         return self._model
+
+    def setModel(self, value: Any) -> "KerasModel":
+        """Predict with another ``keras.Model`` (same inputs and outputs)."""
+        self._model_bytes, self._model = _model_bytes(value), value
+        return self
+
+    def getCustomObjects(self) -> Dict[str, Any]:
+        return dict(self._custom_objects)
+
+    def setCustomObjects(self, value: Optional[Dict[str, Any]]) -> "KerasModel":
+        self._custom_objects = dict(value or {})
+        return self
 
     def _framework_files(self) -> Dict[str, bytes]:
         return {"model.keras": self._model_bytes, "custom_objects.pkl": dumps(self._custom_objects)}
@@ -245,7 +404,13 @@ def _make_predictor(files: Dict[str, bytes]) -> Callable:
 
     model = _load_model(files["model.keras"], cloudpickle.loads(files["custom_objects.pkl"]))
 
+    shapes, _ = model_shapes(model)
+    if shapes is not None and any(-1 in shape[1:] for shape in shapes):
+        shapes = None  # inputs of variable size: fed as they come
+
     def predict(features: List[np.ndarray]) -> List[np.ndarray]:
+        if shapes is not None:  # as in training: each feature in its input's shape
+            features = [f.reshape([-1] + s[1:]) for f, s in zip(features, shapes)]
         result = model(features if len(features) > 1 else features[0], training=False)
         outputs = list(result) if isinstance(result, (list, tuple)) else [result]
         return [np.asarray(o, dtype=np.float32) for o in outputs]

@@ -62,10 +62,14 @@ def _metric_function(keras: Any, name: str) -> Any:
 
 
 def _accuracy(y_true: Any, y_pred: Any) -> Any:
-    """Keras' ``"accuracy"``: sparse categorical for (batch, classes) outputs, else binary."""
+    """Keras' ``"accuracy"``: for (batch, classes) outputs categorical with one-hot labels,
+    sparse categorical with class indices; else binary."""
     import tensorflow as tf
 
     if y_pred.shape[-1] is not None and y_pred.shape[-1] > 1:
+        if len(y_true.shape) == len(y_pred.shape) and y_true.shape[-1] == y_pred.shape[-1]:
+            return tf.cast(tf.equal(tf.argmax(y_pred, axis=-1), tf.argmax(y_true, axis=-1)),
+                           tf.float32)
         labels = tf.cast(tf.reshape(y_true, [-1]), tf.int64)
         return tf.cast(tf.equal(tf.argmax(y_pred, axis=-1), labels), tf.float32)
     return tf.cast(tf.equal(tf.cast(y_pred > 0.5, tf.float32),
@@ -80,15 +84,67 @@ def _row_sum(tf: Any, value: Any, rows: Any) -> Any:
     return tf.reduce_sum(tf.reduce_mean(tf.reshape(value, [tf.shape(value)[0], -1]), axis=1))
 
 
-def _match_label(tf: Any, output: Any, label: Any) -> Any:
+def _match_label(tf: Any, output: Any, label: Any, reshape: bool = True) -> Any:
+    """``reshape=False`` (``label_shapes`` given): keep the label's shape."""
     if len(output.shape) >= 2 and output.shape[-1] is not None and output.shape[-1] > 1 \
             and len(label.shape) == 1:
         return tf.cast(label, tf.int64)
-    if label.shape.num_elements() == output.shape.num_elements() and label.shape != output.shape:
+    if reshape and label.shape.num_elements() == output.shape.num_elements() \
+            and label.shape != output.shape:
         label = tf.reshape(label, tf.shape(output))
     if output.dtype.is_floating and not label.dtype.is_floating:
         label = tf.cast(label, output.dtype)
     return label
+
+
+def per_row_loss(keras: Any, loss: Any) -> Any:
+    """The loss (name, function or serialized Loss) as a function giving per-row values: the
+    train step divides their sum by the global batch itself."""
+    loss_fn = keras.losses.get(loss)
+    if hasattr(loss_fn, "reduction"):
+        loss_fn.reduction = None
+    return loss_fn
+
+
+def batch_tensors(tf: Any, batch: Dict[str, Any], features: List[str], labels: List[str],
+                  weight_col: Any, input_shapes: Any = None,
+                  label_shapes: Any = None) -> Tuple[List[Any], List[Any], Any]:
+    """A reader batch as ``(features, labels, sample weights)`` tensors: features in the
+    model's input shapes (``input_shapes``, as Horovod feeds them) when known, else scalar
+    features as ``(batch, 1)``; labels in ``label_shapes`` when given."""
+    def col(name: str) -> Any:
+        value = batch[name]
+        return tf.constant(value.reshape(-1, 1) if value.ndim == 1 and name in features else value)
+    x = [tf.constant(batch[c].reshape(shape)) for c, shape in zip(features, input_shapes)] \
+        if input_shapes else [col(c) for c in features]
+    y = [tf.constant(batch[c].reshape(shape)) for c, shape in zip(labels, label_shapes)] \
+        if label_shapes else [col(c) for c in labels]
+    w = tf.constant(batch[weight_col], tf.float32) if weight_col else None
+    return x, y, w
+
+
+def forward_stats(tf: Any, model: Any, loss_fn: Any, metrics: List[Tuple[str, Any]], x: List[Any],
+                  y: List[Any], w: Any, training: bool, loss_weights: Any = None,
+                  keep_label_shapes: bool = False) -> Tuple[Any, Any, List[Any]]:
+    """The model on one batch: per-row losses, ``[rows, loss sum, metric sums...]`` and the
+    outputs (what the train and eval steps and the driver's preflight compute).
+    ``loss_weights``: one factor per output's loss (Horovod's param)."""
+    outputs = model(x if len(x) > 1 else x[0], training=training)
+    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    y = [_match_label(tf, o, l, not keep_label_shapes) for o, l in zip(outputs, y)]
+    per_row = 0.0
+    for i, (o, l) in enumerate(zip(outputs, y)):
+        value = loss_fn(l, o)
+        if loss_weights:
+            value = value * loss_weights[i]
+        per_row += tf.reshape(value, [tf.shape(o)[0], -1]) if len(value.shape) > 1 else value
+    per_row = tf.reduce_mean(per_row, axis=-1) if len(per_row.shape) > 1 else per_row
+    if w is not None:
+        per_row = per_row * w
+    stats = [tf.cast(tf.shape(per_row)[0], tf.float32), tf.reduce_sum(per_row)]
+    for o, l in zip(outputs, y):
+        stats += [_row_sum(tf, fn(l, o), stats[0]) for _, fn in metrics]
+    return per_row, tf.stack(stats), outputs
 
 
 class _TensorBoard:
@@ -187,9 +243,7 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
                                 "schedule; scale the schedule yourself")
             optimizer.learning_rate = float(optimizer.learning_rate) * world
         with user_code("the loss"):
-            loss_fn = keras.losses.get(payload["loss"])
-        if hasattr(loss_fn, "reduction"):
-            loss_fn.reduction = None  # per-row values; we divide by the global batch ourselves
+            loss_fn = per_row_loss(keras, payload["loss"])
     with user_code("the metrics"):
         metrics = _resolve_metrics(keras, payload["metrics"], custom)
     features, labels = spec["feature_cols"], spec["label_cols"]
@@ -199,7 +253,8 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
     def reader(split: str, batch: int, shuffle: bool) -> ShardReader:
         return ShardReader(spec["dataset_root"], spec["layouts"][split], columns, rank, world,
                            batch, shuffle, spec["seed"], spec["storage_options"],
-                           inmemory_cache_all=bool(spec.get("inmemory_cache_all")))
+                           inmemory_cache_all=bool(spec.get("inmemory_cache_all")),
+                           prefetch=spec.get(f"{split}_prefetch", 2))
 
     train_reader = reader("train", spec["batch_size"], spec["shuffle"])
     val_reader = reader("val", spec["val_batch_size"], False) if spec["layouts"].get("val") else None
@@ -208,20 +263,8 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
     n_stats = 2 + len(metrics) * len(labels)
 
     def forward(x: Any, y: Any, w: Any, training: bool) -> Tuple[Any, Any, List[Any]]:
-        outputs = model(x if len(features) > 1 else x[0], training=training)
-        outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-        y = [_match_label(tf, o, l) for o, l in zip(outputs, y)]
-        per_row = 0.0
-        for o, l in zip(outputs, y):
-            value = loss_fn(l, o)
-            per_row += tf.reshape(value, [tf.shape(o)[0], -1]) if len(value.shape) > 1 else value
-        per_row = tf.reduce_mean(per_row, axis=-1) if len(per_row.shape) > 1 else per_row
-        if w is not None:
-            per_row = per_row * w
-        stats = [tf.cast(tf.shape(per_row)[0], tf.float32), tf.reduce_sum(per_row)]
-        for o, l in zip(outputs, y):
-            stats += [_row_sum(tf, fn(l, o), stats[0]) for _, fn in metrics]
-        return per_row, tf.stack(stats), outputs
+        return forward_stats(tf, model, loss_fn, metrics, x, y, w, training,
+                             spec.get("loss_weights"), bool(spec.get("label_shapes")))
 
     @tf.function(reduce_retracing=True)
     def train_step(x: Any, y: Any, w: Any) -> Any:
@@ -248,11 +291,8 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
                                strategy.run(tf.identity, args=(local,)), axis=None)
 
     def tensors(batch: Dict[str, np.ndarray]) -> Tuple[List[Any], List[Any], Any]:
-        def col(name: str) -> Any:
-            value = batch[name]
-            return tf.constant(value.reshape(-1, 1) if value.ndim == 1 and name in features else value)
-        w = tf.constant(batch[weight_col], tf.float32) if weight_col else None
-        return [col(c) for c in features], [col(c) for c in labels], w
+        return batch_tensors(tf, batch, features, labels, weight_col, spec.get("input_shapes"),
+                             spec.get("label_shapes"))
 
     names = [n if len(labels) == 1 else f"{l}_{n}" for l in labels for n, _ in metrics]
 
@@ -305,6 +345,11 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
             callback.on_train_begin({k: v[-1] for k, v in history.items()})
     stop_reason = None
     checkpoint_file = os.path.join(workdir, "checkpoint.keras")
+    best = None  # checkpoint_callback with save_best_only: rank 0 keeps the best epoch's model
+    if rank == 0 and spec.get("best_model") and run_path:
+        from sparktrain.estimators.keras_checkpoint import BestModel
+
+        best = BestModel(spec["best_model"], run_path, spec["storage_options"], history)
     for epoch in range(first, spec["epochs"]):
         started = time.perf_counter()
         for callback in callbacks:
@@ -328,6 +373,8 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
                 callback.on_epoch_end(epoch, dict(logs))
         if rank == 0 and checkpoints is not None:
             model.save(checkpoint_file)
+            if best is not None:  # before the checkpoint: a resumed run then finds it
+                best.epoch_end(epoch, logs, checkpoint_file)
             checkpoints.write(epoch + 1, _checkpoint_bytes(checkpoint_file, optimizer),
                               {"history": history, "attempts": attempts, "framework": "keras"})
         late = spec.get("deadline") is not None and time.time() >= spec["deadline"]
@@ -345,15 +392,20 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
         with user_code(f"callback {type(callback).__name__}.on_train_end"):
             callback.on_train_end({k: v[-1] for k, v in history.items()})
     sample = next(iter(train_reader.epoch(0)))
-    outputs = model([tf.constant(sample[c][:1].reshape(1, -1)) for c in features]
-                    if len(features) > 1 else tf.constant(sample[features[0]][:1].reshape(1, -1)))
+    x, _, _ = tensors({name: values[:1] for name, values in sample.items()})
+    outputs = model(x if len(features) > 1 else x[0])
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     if rank != 0:
         return {}
-    trained = os.path.join(workdir, "trained.keras")
-    model.save(trained)
-    with open(trained, "rb") as f:
-        weights = f.read()
+    weights = best.model_bytes() if best is not None else None
+    if weights is not None:
+        print(f"the model of the best epoch by {best.monitor} ({best.best:.4g}) is the fitted "
+              f"model (checkpoint_callback)", flush=True)
+    else:
+        trained = os.path.join(workdir, "trained.keras")
+        model.save(trained)
+        with open(trained, "rb") as f:
+            weights = f.read()
     return {"model": weights, "history": history, "stop_reason": stop_reason,
             "attempts": attempts, "output_shapes": [list(o.shape[1:]) for o in outputs]}
 

@@ -11,25 +11,72 @@ Example::
     model = est.fit(train_df)                 # DDP training in 2 Spark barrier tasks
     model.transform(test_df)                  # adds "label__output" (array of 10 logits)
     model.write().overwrite().save("/models/digits")
+
+Horovod's ``horovod.spark.torch`` API works unchanged (``import sparktrain.estimators.torch as
+hvd``): ``hvd.TorchEstimator(..., input_shapes=[[-1, 1, 8, 8]], loss=lambda out, y: ...)``,
+``hvd.TorchModel``; see "Coming from Horovod" in the README.
 """
 from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import io
 from typing import Any, Callable, Dict, List, Optional
 
 import cloudpickle
 from pyspark import keyword_only
 
+from sparktrain import compat
+from sparktrain.checkpoint import Checkpoints
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
 from sparktrain.launch import TORCH_BACKENDS
 from sparktrain.launch.barrier import RankContext, run_barrier
+from sparktrain.launch.environment import rank_environment
+from sparktrain.params import EstimatorParams, TorchParams, with_accessors
 from sparktrain.pickling import dumps
 
 
-class TorchEstimator(EstimatorBase):
+def flat_metrics(metrics: Any, n_labels: int) -> Any:
+    """sparktrain's metric list from Horovod's metric groups too: ``[[fn]]`` (one function
+    applied to every output, Horovod's usual form) becomes ``[fn]``."""
+    if not isinstance(metrics, (list, tuple)):
+        return metrics
+    flat = []
+    for item in metrics:
+        if isinstance(item, list):
+            if len(item) != 1:
+                raise ValueError(f"metrics: the group {item!r} has {len(item)} functions (one "
+                                 f"per output, in Horovod); sparktrain applies every metric to "
+                                 f"every output: pass [fn] or (name, fn) items")
+            item = item[0]
+        flat.append(item)
+    return flat
+
+
+def build_losses(constructors: Any, n_labels: int, **context: Any) -> List[Any]:
+    """Call Horovod-style ``loss_constructors`` on a rank: each gets the keyword arguments of
+    ``context`` it accepts (all of them with ``**kwargs``; Horovod passes its own locals), so
+    ``lambda **kw: nn.CrossEntropyLoss()`` and a plain class such as ``nn.MSELoss`` both work."""
+    items = list(constructors) if isinstance(constructors, (list, tuple)) else [constructors]
+    losses = []
+    for make in items:
+        try:
+            parameters = inspect.signature(make).parameters.values()
+        except (TypeError, ValueError):
+            parameters = []
+        if any(p.kind == p.VAR_KEYWORD for p in parameters):
+            kwargs = dict(context)
+        else:
+            names = {p.name for p in parameters
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+            kwargs = {k: v for k, v in context.items() if k in names}
+        losses.append(make(**kwargs))
+    return losses[0] if len(losses) == 1 else losses
+
+
+class TorchEstimator(EstimatorBase, TorchParams):
     """Spark ML estimator training a ``torch.nn.Module`` in ``num_proc`` barrier tasks.
 
     Params follow Horovod's ``horovod.spark.torch.TorchEstimator``: ``batch_size`` is per
@@ -40,6 +87,33 @@ class TorchEstimator(EstimatorBase):
     ``backend`` is ``"torch"`` (``torch.distributed`` DDP: gloo on CPU, NCCL on GPU) or
     ``"horovod"`` (Horovod over Gloo, ``hvd.DistributedOptimizer``; see
     :mod:`sparktrain.launch.horovod_torch`).
+
+    Horovod's params (all of ``horovod.spark.torch.TorchEstimator``'s are taken):
+
+    * ``input_shapes``: each feature tensor is reshaped to its shape (``-1`` for the batch),
+      in training and in ``TorchModel.transform``; ``label_shapes`` likewise for labels (then
+      labels are no longer reshaped to the output's shape).
+    * ``loss_weights``: the total loss is ``sum(w_i * loss_i)`` over label columns.
+    * ``loss_constructors``: functions called on every rank to build the loss(es) instead of
+      pickling ``loss`` (one, or one per label column; give ``loss`` or these, not both).
+    * ``train_minibatch_fn``: ``fn(model, optimizer, transform_outputs, loss_fn, inputs,
+      labels, sample_weights, backward_passes_per_step, batch_idx) -> (outputs, loss)``,
+      Horovod's contract: it runs the forward pass, ``transform_outputs(outputs, labels) ->
+      (outputs, labels)``, ``loss_fn(outputs, labels, sample_weights)`` and ``backward``, and
+      calls ``optimizer.zero_grad()`` (and, after the first group, ``optimizer.step()``) when
+      ``batch_idx % backward_passes_per_step == 0``; sparktrain calls ``optimizer.step()`` once
+      more after each epoch's last batch, as Horovod does. The function owns gradient
+      accumulation, so DDP all-reduces on every backward pass (the built-in step skips the
+      all-reduce on all but the last pass of a group). With ``mixed_precision='bf16'`` the
+      call runs inside ``torch.autocast``; ``'fp16'`` is refused (its ``GradScaler`` would have
+      to scale your backward pass and step).
+    * ``gradient_compression``: ``horovod.torch.Compression.fp16`` (or ``'fp16'``):
+      ``hvd.DistributedOptimizer(compression=...)`` on ``backend="horovod"``, DDP's
+      ``fp16_compress_hook`` on ``backend="torch"``.
+    * ``backend_env``: environment variables set in every rank's process while it trains.
+    * Petastorm's reader params: see :mod:`sparktrain.compat` (mapped, or one warning).
+    * ``backend`` is the engine's name; a Horovod ``Backend`` object is refused (use
+      ``num_proc``).
     """
 
     backends = TORCH_BACKENDS
@@ -62,10 +136,28 @@ class TorchEstimator(EstimatorBase):
                  backward_passes_per_step: Optional[int] = None,
                  scale_learning_rate: Optional[bool] = None,
                  mixed_precision: Optional[str] = None, max_time: Optional[float] = None,
-                 max_attempts: Optional[int] = None) -> None:
+                 max_attempts: Optional[int] = None,
+                 input_shapes: Optional[List[List[int]]] = None,
+                 label_shapes: Optional[List[List[int]]] = None,
+                 loss_weights: Optional[List[float]] = None,
+                 loss_constructors: Any = None, train_minibatch_fn: Optional[Callable] = None,
+                 gradient_compression: Any = None, backend_env: Optional[Dict[str, str]] = None,
+                 train_reader_num_workers: Optional[int] = None,
+                 val_reader_num_workers: Optional[int] = None,
+                 reader_pool_type: Optional[str] = None, shuffle_buffer_size: Optional[int] = None,
+                 partitions_per_process: Optional[int] = None,
+                 mp_start_method: Optional[str] = None, data_module: Any = None,
+                 continuous_cols: Optional[List[str]] = None,
+                 categorical_cols: Optional[List[str]] = None,
+                 compress_sparse_cols: Optional[bool] = None,
+                 transformation_edit_fields: Any = None,
+                 transformation_removed_fields: Any = None) -> None:
         super().__init__()
-        self._setDefault(backend="torch")
-        self._set(**{k: v for k, v in self._input_kwargs.items() if v is not None})
+        self._setDefault(backend="torch", loss=None)  # None: loss_constructors may build it
+        kwargs = self._input_kwargs
+        if kwargs.get("loss") is not None and kwargs.get("loss_constructors") is not None:
+            raise ValueError("give loss or loss_constructors, not both (as in Horovod)")
+        self._set(**{k: v for k, v in kwargs.items() if v is not None})
 
     @keyword_only
     def setParams(self, **kwargs: Any) -> "TorchEstimator":
@@ -86,16 +178,37 @@ class TorchEstimator(EstimatorBase):
         if not bound or any(id(p) not in own for p in bound):
             raise ValueError("optimizer is not bound to this model's parameters; create it as "
                              "torch.optim.X(model.parameters(), ...) for the same model object")
-        losses = self.getLoss() if isinstance(self.getLoss(), (list, tuple)) else [self.getLoss()]
+        constructors = self.getLossConstructors()
+        if constructors is not None and self.getLoss() is not None:
+            raise ValueError("give loss or loss_constructors, not both (as in Horovod)")
+        name, value = ("loss_constructors", constructors) if constructors is not None \
+            else ("loss", self.getLoss())
+        losses = list(value) if isinstance(value, (list, tuple)) else [value]
         for fn in losses:
             if not callable(fn):
-                raise TypeError(f"loss must be callable (e.g. torch.nn.MSELoss()), got {fn!r}")
+                expected = "torch.nn.MSELoss()" if name == "loss" else \
+                    "lambda **kwargs: torch.nn.MSELoss()"
+                raise TypeError(f"{name} must be callable (e.g. {expected}), got {fn!r}")
         if len(losses) not in (1, len(self.getLabelCols())):
-            raise ValueError(f"loss has {len(losses)} functions for {len(self.getLabelCols())} "
-                             f"label columns; pass one, or one per label column")
+            raise ValueError(f"{name} has {len(losses)} functions for "
+                             f"{len(self.getLabelCols())} label columns; pass one, or one per "
+                             f"label column")
+        compat.check_shapes("input_shapes", self.getInputShapes(), self.getFeatureCols(),
+                            "feature")
+        compat.check_common(self)
+        minibatch = self.getTrainMinibatchFn()
+        if minibatch is not None and not callable(minibatch):
+            raise TypeError(f"train_minibatch_fn must be a function (model, optimizer, "
+                            f"transform_outputs, loss_fn, inputs, labels, sample_weights, "
+                            f"backward_passes_per_step, batch_idx) -> (outputs, loss), got "
+                            f"{type(minibatch).__name__}")
+        if minibatch is not None and self.getMixedPrecision() == "fp16":
+            raise ValueError("mixed_precision='fp16' cannot be combined with train_minibatch_fn: "
+                             "the function runs backward and the optimizer step itself, so "
+                             "sparktrain's GradScaler cannot scale them; use 'bf16'")
         from sparktrain.estimators.torch_worker import named_metrics
 
-        for name, fn in named_metrics(self.getMetrics()):
+        for name, fn in named_metrics(flat_metrics(self.getMetrics(), len(self.getLabelCols()))):
             if not callable(fn):
                 raise TypeError(f"metric {name!r} is not callable; metrics are functions "
                                 f"(output, label) -> tensor")
@@ -108,27 +221,78 @@ class TorchEstimator(EstimatorBase):
             raise ValueError("mixed_precision='fp16' is not supported with backend='horovod' "
                              "(its gradient all-reduce would need unscaling first); use 'bf16'")
 
+    def _built_elsewhere(self, name: str) -> bool:
+        return name == "loss" and self.getLossConstructors() is not None
+
+    def get_model_class(self) -> type:
+        """The class of the model ``fit`` returns (Horovod's ``get_model_class``)."""
+        return TorchModel
+
     def _payload(self) -> bytes:
+        metrics = flat_metrics(self.getMetrics(), len(self.getLabelCols()))
+        # The 7th item holds the objects Horovod's params add (read with .get on the worker).
+        extras = {"loss_constructors": self.getLossConstructors(),
+                  "train_minibatch_fn": self.getTrainMinibatchFn()}
         try:
             return dumps((self.getModel(), self.getOptimizer(), self.getLoss(),
-                          self.getMetrics(), self.getCallbacks(), self.getTransformationFn()))
+                          metrics, self.getCallbacks(), self.getTransformationFn(), extras))
         except Exception as exc:
-            raise TypeError(f"model, optimizer, loss, metrics, callbacks and transformation_fn "
-                            f"must be picklable with cloudpickle to reach the executors: "
-                            f"{exc}") from exc
+            raise TypeError(f"model, optimizer, loss, loss_constructors, metrics, callbacks, "
+                            f"transformation_fn and train_minibatch_fn must be picklable with "
+                            f"cloudpickle to reach the executors: {exc}") from exc
 
-    def _train(self, run: FitRun) -> Dict[str, Any]:
+    def _train_spec(self, run: Optional[FitRun] = None) -> Any:
+        """The plain-valued ``TorchTrainSpec`` every rank trains by; without ``run``, the
+        preflight's (no dataset, the CPU)."""
         from sparktrain.estimators.torch_worker import TorchTrainSpec
 
+        if run is None:
+            where: Dict[str, Any] = dict(dataset_root="", layouts={}, columns=[], use_gpu=False,
+                                         mixed_precision=self.getMixedPrecision())
+        else:
+            where = dict(dataset_root=run.data.root, layouts=run.data.files,
+                         columns=[c.to_json() for c in run.data.columns], use_gpu=run.use_gpu,
+                         storage_options=run.store.storage_options, **self._loop_options(run))
+        return TorchTrainSpec(
+            feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),
+            sample_weight_col=self.getSampleWeightCol(), batch_size=self.getBatchSize(),
+            val_batch_size=self.getValBatchSize(), epochs=self.getEpochs(),
+            shuffle=self.getShuffle(), seed=self.getRandomSeed(), backend=self.getBackend(),
+            verbose=self.getVerbose(), input_shapes=self.getInputShapes(),
+            label_shapes=self.getLabelShapes(), loss_weights=self.getLossWeights(),
+            gradient_compression=compat.compression_name(self.getGradientCompression()),
+            backend_env=self.getBackendEnv(), **compat.reader_options(self), **where)
+
+    def _check_on_batch(self, batch: Dict[str, Any]) -> None:
+        """Preflight (see :mod:`.preflight`): one validation step on ``batch`` on the CPU."""
+        import torch
+
+        from sparktrain.estimators import preflight
+        from sparktrain.estimators.torch_worker import _Batches, check_batch
+
+        spec = self._train_spec()
+        try:
+            check_batch(spec, self._payload(), batch)
+        except Exception as exc:
+            try:
+                transform = self.getTransformationFn()
+                shaped = transform(dict(batch)) if transform is not None else batch
+                tensors = preflight.tensor_shapes(_Batches(spec, torch.device("cpu"))(shaped)[0])
+            except Exception:  # noqa: BLE001 - the description is a courtesy
+                tensors = ""
+            raise preflight.failure(
+                exc, "the model's forward pass (eval mode, no gradients), the loss and the "
+                "metrics", preflight.describe_columns(batch, spec.feature_cols, spec.label_cols),
+                tensors, preflight.torch_expectation(self.getModel())) from exc
+
+    def _train(self, run: FitRun) -> Dict[str, Any]:
         data = run.data
-        spec = TorchTrainSpec(
-            dataset_root=data.root, layouts=data.files,
-            columns=[c.to_json() for c in data.columns], feature_cols=self.getFeatureCols(),
-            label_cols=self.getLabelCols(), sample_weight_col=self.getSampleWeightCol(),
-            batch_size=self.getBatchSize(), val_batch_size=self.getValBatchSize(),
-            epochs=self.getEpochs(), shuffle=self.getShuffle(), seed=self.getRandomSeed(),
-            backend=self.getBackend(), use_gpu=run.use_gpu, verbose=self.getVerbose(),
-            storage_options=run.store.storage_options, **self._loop_options(run))
+        sizes = {c.name: c.size for c in data.columns}
+        for name, shapes, cols in (("input_shapes", self.getInputShapes(), self.getFeatureCols()),
+                                   ("label_shapes", self.getLabelShapes(), self.getLabelCols())):
+            compat.check_shapes_fit(name, shapes, [(c, sizes.get(c)) for c in cols])
+        compat.warn_ignored(self)  # once per fit: Horovod params without an equivalent
+        spec = self._train_spec(run)
         with run.shipped(self._payload()) as (payload, where):
             results = run_barrier(run.spark, self.getNumProc(),
                                   functools.partial(_train_rank, spec, payload),
@@ -136,25 +300,53 @@ class TorchEstimator(EstimatorBase):
                                   echo_logs=self.getVerbose() >= 1,
                                   on_progress=run.progress.update,
                                   max_attempts=self.getMaxAttempts(), **where)
-        return results[0]
+        result = dict(results[0])
+        result["optimizer_state"] = _last_optimizer_state(run)
+        return result
 
     def _create_model(self, result: Dict[str, Any], data: MaterializedDataset) -> "TorchModel":
         import torch
 
-        module = copy.deepcopy(self.getModel())
+        # copied together, the optimizer stays bound to the copied module's parameters
+        module, optimizer = copy.deepcopy((self.getModel(), self.getOptimizer()))
         module.load_state_dict(torch.load(io.BytesIO(result["weights"]), weights_only=True))
         module.eval()
-        model = TorchModel(module)
+        if result.get("optimizer_state") is not None:
+            try:
+                optimizer.load_state_dict(result["optimizer_state"])
+            except (ValueError, KeyError, RuntimeError):
+                pass  # getOptimizer() then has the state the fit started from
+        model = TorchModel(module, optimizer=optimizer, loss=self.getLoss(),
+                           loss_constructors=self.getLossConstructors(),
+                           input_shapes=self.getInputShapes())
         model._history = result["history"]
         model._columns = [c for c in data.columns if c.name in self.getFeatureCols()]
         model._output_shapes = result["output_shapes"]
         return model
 
 
+def _last_optimizer_state(run: FitRun) -> Any:
+    """The optimizer's state_dict in the run's last checkpoint (rank 0 writes one after every
+    epoch), for ``TorchModel.getOptimizer()``; ``None`` if there is none."""
+    import torch
+
+    try:
+        checkpoints = Checkpoints(run.run_path, run.store.storage_options)
+        latest = checkpoints.latest()
+        if latest is None:
+            return None
+        state = torch.load(io.BytesIO(checkpoints.read(latest)), map_location="cpu",
+                           weights_only=True)
+        return state.get("optimizer")
+    except Exception:  # noqa: BLE001 - the model is complete without it
+        return None
+
+
 def _train_rank(spec: Any, payload: Any, ctx: RankContext) -> Any:
     from sparktrain.estimators.torch_worker import train
 
-    return train(spec, payload, ctx)
+    with rank_environment(getattr(spec, "backend_env", None)):
+        return train(spec, payload, ctx)
 
 
 # -- architecture without weights --------------------------------------------------------------
@@ -201,22 +393,57 @@ def _weights_bytes(module: Any) -> bytes:
     return buffer.getvalue()
 
 
+@with_accessors
 class TorchModel(ModelBase):
     """A trained torch module as a Spark ML Model.
 
     ``transform`` appends one column per label (``<label>__output`` unless ``setOutputCols``):
     a double for single-value outputs, an array of doubles otherwise. Saved as Spark ML
-    metadata + ``architecture.pkl`` (cloudpickle: loading runs code, load only trusted models)
-    + ``weights.pt`` (``torch.save`` of the state_dict, loaded with ``weights_only=True``).
+    metadata (``input_shapes`` included) + ``architecture.pkl`` (cloudpickle: loading runs
+    code, load only trusted models) + ``weights.pt`` (``torch.save`` of the state_dict, loaded
+    with ``weights_only=True``).
+
+    Horovod's constructor works too, e.g. to predict with a module trained elsewhere::
+
+        TorchModel(model=net, feature_columns=["features"], label_columns=["label"],
+                   input_shapes=[[-1, 1, 8, 8]]).setOutputCols(["label_prob"]).transform(df)
+
+    ``getOptimizer()`` is the optimizer with its state after the last epoch (from the run's
+    last checkpoint); ``optimizer``, ``loss`` and ``loss_constructors`` are not saved with the
+    model. ``history``: a dict of per-epoch lists (or Horovod's list of per-epoch dicts).
     """
 
-    def __init__(self, model: Any = None) -> None:
+    input_shapes = TorchParams.input_shapes
+    optimizer = EstimatorParams.optimizer
+    loss = EstimatorParams.loss
+    loss_constructors = TorchParams.loss_constructors
+
+    def __init__(self, model: Any = None, *, history: Any = None,
+                 feature_columns: Optional[List[str]] = None,
+                 input_shapes: Optional[List[List[int]]] = None,
+                 label_columns: Optional[List[str]] = None, optimizer: Any = None,
+                 run_id: Optional[str] = None, _metadata: Any = None, loss: Any = None,
+                 loss_constructors: Any = None) -> None:
         super().__init__()
+        self._setDefault(input_shapes=None, optimizer=None, loss=None, loss_constructors=None)
         self._model = model
+        self._metadata = _metadata  # Horovod's column metadata: kept, not used
+        given = dict(feature_cols=feature_columns, label_cols=label_columns, run_id=run_id,
+                     input_shapes=input_shapes, optimizer=optimizer, loss=loss,
+                     loss_constructors=loss_constructors)
+        self._set(**{k: v for k, v in given.items() if v is not None})
+        if history is not None:
+            self.setHistory(history)
 
     def getModel(self) -> Any:
         """The trained ``torch.nn.Module`` (in eval mode, on the CPU)."""
         return self._model
+
+    def setModel(self, value: Any) -> "TorchModel":
+        """Predict with another ``torch.nn.Module`` (same inputs and outputs)."""
+        self._model = value
+        return self
+
 
     def _framework_files(self) -> Dict[str, bytes]:
         return {"architecture.pkl": _architecture_bytes(self._model),
@@ -227,11 +454,14 @@ class TorchModel(ModelBase):
         return cls(_load_module(files["architecture.pkl"], files["weights.pt"]))
 
     def _predict_fn_factory(self) -> Callable[[], Callable]:
-        return functools.partial(_make_predictor, self._framework_files())
+        return functools.partial(_make_predictor, self._framework_files(),
+                                 self.getInputShapes())
 
 
-def _make_predictor(files: Dict[str, bytes]) -> Callable:
-    """Executor side, once per Python worker: load the module and return ``predict``."""
+def _make_predictor(files: Dict[str, bytes],
+                    input_shapes: Optional[List[List[int]]] = None) -> Callable:
+    """Executor side, once per Python worker: load the module and return ``predict``
+    (features reshaped to ``input_shapes`` when given, as in training)."""
     import numpy as np
     import torch
     from pyspark import TaskContext
@@ -242,8 +472,11 @@ def _make_predictor(files: Dict[str, bytes]) -> Callable:
         torch.set_num_threads(max(1, context.cpus()))
 
     def predict(features: List[np.ndarray]) -> List[np.ndarray]:
+        tensors = [torch.from_numpy(f) for f in features]
+        if input_shapes:
+            tensors = [t.reshape(shape) for t, shape in zip(tensors, input_shapes)]
         with torch.inference_mode():
-            result = module(*[torch.from_numpy(f) for f in features])
+            result = module(*tensors)
         outputs = list(result) if isinstance(result, (list, tuple)) else [result]
         return [o.detach().cpu().float().numpy() for o in outputs]
 

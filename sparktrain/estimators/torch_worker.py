@@ -34,6 +34,7 @@ from sparktrain.data.reader import ShardReader, take_steps
 from sparktrain.data.schema import ColumnSpec
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
+from sparktrain.launch.faults import mark_user_error, user_code
 from sparktrain.launch.gpus import rank_gpu
 
 
@@ -64,6 +65,14 @@ class TorchTrainSpec:
     scale_learning_rate: bool = False
     mixed_precision: Optional[str] = None
     deadline: Optional[float] = None  # time.time() after which training stops at an epoch end
+    # Horovod's params (see TorchEstimator)
+    input_shapes: Optional[List[List[int]]] = None
+    label_shapes: Optional[List[List[int]]] = None
+    loss_weights: Optional[List[float]] = None
+    gradient_compression: Optional[str] = None  # "fp16"
+    backend_env: Dict[str, str] = field(default_factory=dict, repr=False)
+    train_prefetch: int = 2  # row groups the readers decode ahead
+    val_prefetch: int = 2
 
 
 def select_device(ctx: RankContext, use_gpu: bool) -> torch.device:
@@ -95,12 +104,13 @@ def named_metrics(metrics: Any) -> List[Tuple[str, Callable]]:
     return named
 
 
-def match_label(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-    """Bring ``label`` to the shape/dtype ``output``'s loss expects (see module docstring)."""
+def match_label(output: torch.Tensor, label: torch.Tensor, reshape: bool = True) -> torch.Tensor:
+    """Bring ``label`` to the shape/dtype ``output``'s loss expects (see module docstring);
+    ``reshape=False`` (``label_shapes`` given) keeps the label's shape."""
     if output.dim() >= 2 and output.shape[-1] > 1 and label.dim() == 1 \
             and label.shape[0] == output.shape[0]:
         return label.long()  # class indices for a (batch, classes) output
-    if label.numel() == output.numel() and label.shape != output.shape:
+    if reshape and label.numel() == output.numel() and label.shape != output.shape:
         label = label.reshape(output.shape)
     if output.is_floating_point() and not label.is_floating_point() \
             and label.shape == output.shape:
@@ -111,13 +121,15 @@ def match_label(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
 class _LossComputer:
     """Total loss over outputs/labels, optionally weighted per row."""
 
-    def __init__(self, loss: Any, n_labels: int, weighted: bool) -> None:
+    def __init__(self, loss: Any, n_labels: int, weighted: bool,
+                 loss_weights: Optional[Sequence[float]] = None) -> None:
         losses = list(loss) if isinstance(loss, (list, tuple)) else [loss] * n_labels
         if len(losses) != n_labels:
             raise ValueError(f"got {len(losses)} losses for {n_labels} label columns")
         if weighted:
             losses = [self._per_row(fn) for fn in losses]
         self.losses, self.weighted = losses, weighted
+        self.loss_weights = list(loss_weights) if loss_weights else None  # Horovod's loss_weights
 
     @staticmethod
     def _per_row(fn: Any) -> Any:
@@ -129,7 +141,7 @@ class _LossComputer:
     def __call__(self, outputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
                  weights: Optional[torch.Tensor]) -> torch.Tensor:
         total = 0
-        for fn, output, label in zip(self.losses, outputs, labels):
+        for index, (fn, output, label) in enumerate(zip(self.losses, outputs, labels)):
             value = fn(output, label)
             if self.weighted:
                 if value.dim() == 0:
@@ -140,12 +152,16 @@ class _LossComputer:
                 # Keras' convention, mean over rows of w * loss (not / sum(w)): each rank's
                 # gradient then adds up to the globally weighted one under DDP averaging.
                 value = (per_row * weights).mean()
+            if self.loss_weights is not None:
+                value = value * self.loss_weights[index]
             total = total + value
         return total
 
 
 class _Batches:
-    """Turns reader batches (numpy) into device tensors in the model's calling convention."""
+    """Turns reader batches (numpy) into device tensors in the model's calling convention:
+    features reshaped to ``spec.input_shapes`` (Horovod's param) when given, else 2-D; labels
+    reshaped to ``spec.label_shapes`` when given."""
 
     def __init__(self, spec: TorchTrainSpec, device: torch.device) -> None:
         self.spec, self.device = spec, device
@@ -154,10 +170,29 @@ class _Batches:
         def tensor(name: str) -> torch.Tensor:
             return torch.from_numpy(batch[name]).to(self.device, non_blocking=True)
 
-        features = [as_2d(tensor(c)) for c in self.spec.feature_cols]
-        labels = [tensor(c) for c in self.spec.label_cols]
+        spec = self.spec
+        if spec.input_shapes:
+            features = [_reshaped("input_shapes", c, tensor(c), shape)
+                        for c, shape in zip(spec.feature_cols, spec.input_shapes)]
+        else:
+            features = [as_2d(tensor(c)) for c in spec.feature_cols]
+        labels = [tensor(c) for c in spec.label_cols]
+        if spec.label_shapes:
+            labels = [_reshaped("label_shapes", c, label, shape)
+                      for c, label, shape in zip(spec.label_cols, labels, spec.label_shapes)]
         weights = tensor(self.spec.sample_weight_col) if self.spec.sample_weight_col else None
         return features, labels, weights
+
+
+def _reshaped(param: str, column: str, t: torch.Tensor, shape: List[int]) -> torch.Tensor:
+    """``t.reshape(shape)``, or an error naming the param, the column and the sizes."""
+    try:
+        return t.reshape(shape)
+    except RuntimeError:
+        per_row = t[0].numel() if t.dim() and t.shape[0] else 0
+        raise ValueError(f"{param}: column {column!r} has {per_row} value(s) per row (a batch "
+                         f"of {tuple(t.shape)}), which do not fit the shape {list(shape)}; "
+                         f"change {param} or the column") from None
 
 
 def as_2d(t: torch.Tensor) -> torch.Tensor:
@@ -176,10 +211,35 @@ class _Step:
     optimizer: Any
     passes: int = 1  # backward_passes_per_step
     scaler: Any = None  # torch.amp.GradScaler for fp16
+    minibatch_fn: Any = None  # Horovod's train_minibatch_fn: owns backward and the steps
+    keep_label_shapes: bool = False  # label_shapes given: transform_outputs keeps them
+
+    def minibatch(self, model: Any, features: List[torch.Tensor], labels: List[torch.Tensor],
+                  weights: Optional[torch.Tensor], step: int, compute_loss: Any
+                  ) -> Tuple[List[torch.Tensor], torch.Tensor]:
+        """One training batch by the user's ``train_minibatch_fn`` (Horovod's signature and
+        contract, see ``TorchEstimator``): forward, loss, backward and the optimizer's
+        ``zero_grad``/``step`` at group boundaries are the function's."""
+        def transform_outputs(outputs: Any, labels: List[torch.Tensor]) -> Tuple[List, List]:
+            outputs = _as_outputs(outputs)
+            return outputs, [match_label(o, l, not self.keep_label_shapes)
+                             for o, l in zip(outputs, labels)]
+
+        outputs, loss = self.minibatch_fn(model, self.optimizer, transform_outputs, compute_loss,
+                                          features, labels, weights, self.passes, step)
+        return _as_outputs(outputs), loss
+
+    def end_epoch(self) -> None:
+        """With a ``train_minibatch_fn``, one more ``optimizer.step()`` after the epoch's last
+        batch applies its last group's gradients (what Horovod's loop does)."""
+        if self.minibatch_fn is not None:
+            self.optimizer.step()
 
     def backward(self, model: Any, loss: torch.Tensor, step: int, steps: int) -> None:
         """Backward pass of ``step``; the optimizer steps after every ``passes`` batches (and
         after the last). Each group's gradient is the mean of its batches' gradients."""
+        if self.minibatch_fn is not None:
+            return  # the user's train_minibatch_fn ran backward already
         group_start = step - step % self.passes
         group = min(self.passes, steps - group_start)
         last = step + 1 == group_start + group
@@ -198,6 +258,11 @@ class _Step:
             else:
                 self.optimizer.step()
             self.optimizer.zero_grad()  # set_to_none by default in torch 2; Horovod takes no args
+
+
+def _transformed(transform: Callable, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    with user_code("transformation_fn"):
+        return transform(batch)
 
 
 def _run_epoch(model: torch.nn.Module, batches: Iterator[Dict], steps: int,
@@ -220,26 +285,43 @@ def _run_epoch(model: torch.nn.Module, batches: Iterator[Dict], steps: int,
     with torch.set_grad_enabled(training):
         for step, batch in enumerate(batches):
             features, labels, weights = to_tensors(batch)
+            loss = None
             with casting:
-                outputs = _as_outputs(model(*features))
+                if training and step_rule.minibatch_fn is not None:
+                    with user_code("train_minibatch_fn"):
+                        outputs, loss = step_rule.minibatch(model, features, labels, weights,
+                                                            step, compute_loss)
+                else:
+                    with user_code("the model's forward pass"):
+                        outputs = _as_outputs(model(*features))
                 if len(outputs) != len(labels):
-                    raise ValueError(f"the model returned {len(outputs)} outputs for "
-                                     f"{len(labels)} label columns {label_cols}")
-                labels = [match_label(o, l) for o, l in zip(outputs, labels)]
-                loss = compute_loss(outputs, labels, weights)
+                    raise mark_user_error(ValueError(
+                        f"the model returned {len(outputs)} outputs for {len(labels)} label "
+                        f"columns {label_cols}"), "the model's outputs")
+                with user_code("the loss"):
+                    labels = [match_label(o, l, not to_tensors.spec.label_shapes)
+                              for o, l in zip(outputs, labels)]
+                    if loss is None:
+                        loss = compute_loss(outputs, labels, weights)
             if training:
-                step_rule.backward(model, loss, step, steps)
+                with user_code("the backward pass or the optimizer step"):
+                    step_rule.backward(model, loss, step, steps)
             rows = features[0].shape[0]
             values = [loss.detach().float()]
             with torch.no_grad():
                 for output, label in zip(outputs, labels):
-                    values += [torch.as_tensor(fn(output.float(), label)).detach().float().mean()
-                               for _, fn in metrics]
+                    for name, fn in metrics:
+                        with user_code(f"metric {name!r}"):
+                            values.append(torch.as_tensor(fn(output.float(), label))
+                                          .detach().float().mean())
             sums[0] += rows
             sums[1:] += torch.stack([v.to(sums.dtype) for v in values]) * rows
             shapes = [list(o.shape[1:]) for o in outputs]
             if on_step is not None:
                 on_step(step, loss)
+    if training:
+        with user_code("the optimizer step"):
+            step_rule.end_epoch()
     return sums, names, shapes
 
 
@@ -334,8 +416,9 @@ def _restore(checkpoint: bytes, model: torch.nn.Module, optimizer: Any) -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     except (RuntimeError, ValueError, KeyError) as exc:
-        raise RuntimeError(f"the run's checkpoint does not fit this model/optimizer ({exc}); "
-                           f"pass a new run_id to start a fresh run") from None
+        raise mark_user_error(RuntimeError(
+            f"the run's checkpoint does not fit this model/optimizer ({exc}); pass a new run_id "
+            f"to start a fresh run"), "resuming from the run's checkpoint") from None
 
 
 def _autocast_dtype(spec: TorchTrainSpec) -> Optional[torch.dtype]:
@@ -363,7 +446,10 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     # again, so torch's warning about read-only arrays does not apply.
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     blob = payload.value if hasattr(payload, "value") else payload
-    model, optimizer, loss, metrics, callbacks, transform = cloudpickle.loads(blob)
+    with user_code("unpickling the model, optimizer, loss, metrics and callbacks on the "
+                   "executor (its Python needs the modules and versions they were made with)"):
+        model, optimizer, loss, metrics, callbacks, transform, *more = cloudpickle.loads(blob)
+    extras: Dict[str, Any] = more[0] if more else {}  # Horovod's loss_constructors, minibatch fn
     callbacks = list(callbacks or [])
     checkpoints = Checkpoints(spec.run_path, spec.storage_options) if spec.run_path else None
     resume = checkpoints.latest() if checkpoints is not None else None
@@ -373,7 +459,8 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     columns = [ColumnSpec.from_json(c) for c in spec.columns]
     make_reader = lambda split, batch, shuffle: ShardReader(  # noqa: E731
         spec.dataset_root, spec.layouts[split], columns, ctx.rank, ctx.world_size, batch,
-        shuffle, spec.seed, spec.storage_options, inmemory_cache_all=spec.inmemory_cache_all)
+        shuffle, spec.seed, spec.storage_options, inmemory_cache_all=spec.inmemory_cache_all,
+        prefetch=spec.train_prefetch if split == "train" else spec.val_prefetch)
     train_reader = make_reader("train", spec.batch_size, spec.shuffle)
     val_reader = make_reader("val", spec.val_batch_size, False) if spec.layouts.get("val") else None
     train_steps = spec.train_steps or len(train_reader)
@@ -381,7 +468,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
 
     def batches(reader: ShardReader, epoch: int, steps: Optional[int]) -> Iterator[Dict]:
         source = take_steps(reader, epoch, steps)
-        return source if transform is None else (transform(batch) for batch in source)
+        return source if transform is None else (_transformed(transform, b) for b in source)
 
     dist = load_backend(TORCH_BACKENDS, spec.backend)(ctx, device)
     ddp_model = board = None
@@ -398,12 +485,25 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and key != "step":
                     state[key] = value.to(device)
+        compression = {"compression": spec.gradient_compression} \
+            if spec.gradient_compression else {}
         ddp_model, optimizer = dist.wrap(model, optimizer,
-                                         backward_passes_per_step=spec.backward_passes_per_step)
+                                         backward_passes_per_step=spec.backward_passes_per_step,
+                                         **compression)
         autocast = _autocast_dtype(spec)
         scaler = torch.amp.GradScaler(device.type) if autocast == torch.float16 else None
-        step_rule = _Step(optimizer, spec.backward_passes_per_step, scaler)
-        compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col))
+        step_rule = _Step(optimizer, spec.backward_passes_per_step, scaler,
+                          minibatch_fn=extras.get("train_minibatch_fn"),
+                          keep_label_shapes=bool(spec.label_shapes))
+        if extras.get("loss_constructors") is not None:
+            from sparktrain.estimators.torch import build_losses
+
+            with user_code("loss_constructors"):
+                loss = build_losses(extras["loss_constructors"], len(spec.label_cols),
+                                    model=model, optimizer=optimizer, device=device,
+                                    rank=ctx.rank, world_size=ctx.world_size)
+        compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col),
+                                     spec.loss_weights)
         metric_fns = named_metrics(metrics)
         to_tensors = _Batches(spec, device)
         history: Dict[str, List[float]] = {k: list(v) for k, v in meta.get("history", {}).items()}
@@ -424,7 +524,8 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
             board = _TensorBoard(spec.run_path, spec.storage_options)
         for callback in callbacks:
             if hasattr(callback, "on_train_begin"):
-                callback.on_train_begin(model, {k: list(v) for k, v in history.items()})
+                with user_code(f"callback {type(callback).__name__}.on_train_begin"):
+                    callback.on_train_begin(model, {k: list(v) for k, v in history.items()})
         stop_reason = None
         for epoch in range(first, spec.epochs):
             started = time.perf_counter()
@@ -440,7 +541,9 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
                     compute_loss, metric_fns, spec.label_cols, autocast=autocast)
                 logs.update(_averaged(dist, val_sums, names, "val_"))
             if not all(math.isfinite(v) for v in logs.values()):
-                raise FloatingPointError(f"non-finite metrics at epoch {epoch + 1}: {logs}")
+                raise mark_user_error(FloatingPointError(
+                    f"non-finite metrics at epoch {epoch + 1}: {logs}; lower the learning "
+                    f"rate or check the data"), "the loss or metrics")
             for key, value in logs.items():
                 history.setdefault(key, []).append(value)
             if board is not None:
@@ -448,8 +551,11 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
             if lead:
                 ctx.progress(event="epoch", epoch=epoch, logs=logs)
                 ctx.log(_format_epoch(epoch, spec.epochs, logs, time.perf_counter() - started))
-            asked = [bool(cb.on_epoch_end(epoch, dict(logs)))
-                     for cb in callbacks if hasattr(cb, "on_epoch_end")]
+            asked = []
+            for callback in callbacks:
+                if hasattr(callback, "on_epoch_end"):
+                    with user_code(f"callback {type(callback).__name__}.on_epoch_end"):
+                        asked.append(bool(callback.on_epoch_end(epoch, dict(logs))))
             late = spec.deadline is not None and time.time() >= spec.deadline
             if ctx.rank == 0 and checkpoints is not None:
                 checkpoints.write(epoch + 1, _checkpoint_bytes(model, optimizer),
@@ -464,7 +570,8 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
                 break
         for callback in callbacks:
             if hasattr(callback, "on_train_end"):
-                callback.on_train_end(model)
+                with user_code(f"callback {type(callback).__name__}.on_train_end"):
+                    callback.on_train_end(model)
         if ctx.rank != 0:
             return None
         buffer = io.BytesIO()
@@ -476,3 +583,28 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
             board.close()
         ddp_model = None  # the DDP reducer holds the process group: release it first
         dist.close()
+
+
+def check_batch(spec: TorchTrainSpec, blob: bytes, batch: Dict[str, np.ndarray]) -> None:
+    """Driver-side preflight (see :mod:`.preflight`): what one validation step of training
+    runs (``transformation_fn``, the batch's tensors, the forward pass, the loss and the
+    metrics) on ``batch``, on the CPU without gradients, with a copy of the model unpickled
+    from the training payload ``blob``: nothing of the user's objects changes.
+
+    Raises what training would raise; ``PreflightError`` is built from it by the caller.
+    """
+    device = torch.device("cpu")
+    model, optimizer, loss, metrics, _, transform, *more = cloudpickle.loads(blob)
+    extras: Dict[str, Any] = more[0] if more else {}
+    if extras.get("loss_constructors") is not None:
+        from sparktrain.estimators.torch import build_losses
+
+        with user_code("loss_constructors"):
+            loss = build_losses(extras["loss_constructors"], len(spec.label_cols), model=model,
+                                optimizer=optimizer, device=device, rank=0, world_size=1)
+    compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col),
+                                 spec.loss_weights)
+    batches = iter([batch if transform is None else _transformed(transform, batch)])
+    _run_epoch(model, batches, 1, _Batches(spec, device), compute_loss, named_metrics(metrics),
+               spec.label_cols, autocast=_autocast_dtype(spec) if spec.mixed_precision == "bf16"
+               else None)

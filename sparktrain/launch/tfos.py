@@ -45,6 +45,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from sparktrain.launch import import_quietly
 from sparktrain.launch.barrier import RankContext, run_barrier, stage_attempts
+from sparktrain.launch.environment import rank_environment
 from sparktrain.launch.gpus import rank_gpu
 from sparktrain.launch.tf_multiworker import spawn_keras_worker
 from sparktrain.spark_jvm import hadoop_conf
@@ -134,7 +135,8 @@ def launch(spark: Any, num_proc: int, spec: Dict[str, Any], payload: Any, use_gp
 # ---------------------------------------------------------------------------------------------
 
 def _node_task(spec: Dict[str, Any], payload: Any, use_gpu: bool, ctx: RankContext) -> Any:
-    return run_node(ctx, spec, payload.value, use_gpu)
+    with rank_environment(spec.get("backend_env")):  # backend_env, inherited by the Keras worker
+        return run_node(ctx, spec, payload.value, use_gpu)
 
 
 def _stop_manager(node_module: Any) -> None:

@@ -135,19 +135,28 @@ class TorchDDP:
                                     world_size=ctx.world_size, timeout=TIMEOUT)
         self._store = store  # rank 0's store server must outlive the group
 
-    def wrap(self, model: torch.nn.Module, optimizer: Any,
-             backward_passes_per_step: int = 1) -> Tuple[torch.nn.Module, Any]:
+    def wrap(self, model: torch.nn.Module, optimizer: Any, backward_passes_per_step: int = 1,
+             compression: Optional[str] = None) -> Tuple[torch.nn.Module, Any]:
         """DDP-wrap ``model`` (rank 0's parameters are broadcast on construction).
 
         ``backward_passes_per_step`` is accepted for the shared interface; with DDP the
         training loop accumulates gradients itself (``no_sync`` on all but the last pass).
+        ``compression="fp16"`` registers DDP's ``fp16_compress_hook``: gradient buckets are
+        cast to float16, all-reduced and cast back, what Horovod's ``Compression.fp16`` does.
         """
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        if compression not in (None, "fp16"):
+            raise ValueError(f"gradient compression {compression!r}; expected None or 'fp16'")
         if self.world_size == 1 or not any(p.requires_grad for p in model.parameters()):
             return model, optimizer
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids), optimizer
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        if compression == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(state=None, hook=default_hooks.fp16_compress_hook)
+        return ddp, optimizer
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:

@@ -1,0 +1,123 @@
+"""Preflight: the model, loss and metrics on a few real rows, on the driver, before training.
+
+A shape, dtype or label mistake otherwise shows up on every rank after materialization and the
+launch, and Spark used to retry it. ``fit`` therefore takes a few rows of the DataFrame (one
+``limit`` job), turns them into the tensors training feeds the model (``transformation_fn``,
+``input_shapes`` included) and runs the forward pass, the loss and the metrics once, on the CPU,
+without gradients, on a copy of the model (unpickled from the training payload) or, for Keras,
+the user's model called in inference mode: neither the model's weights nor the optimizer's state
+change. A failure raises :class:`PreflightError` naming the columns, their shapes and what the
+model expects.
+
+Set ``spark.sparktrain.preflight=false`` to skip it (say, a model that only runs on a GPU).
+
+Example::
+
+    est.fit(df)   # ValueError (PreflightError): ... feature column 'features': (8, 7) float32;
+                  # the model's first layer Linear(in_features=64) expects 64 values per row
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from pyspark.sql import DataFrame
+
+from sparktrain.data.materialize import sample_batch
+from sparktrain.data.schema import ColumnSpec
+from sparktrain.launch.faults import user_error_source
+from sparktrain.spark_api import conf_value
+
+log = logging.getLogger("sparktrain")
+
+PREFLIGHT_CONF = "spark.sparktrain.preflight"
+PREFLIGHT_ROWS = 8
+
+
+class PreflightError(ValueError):
+    """The model, loss or metrics failed on a few real rows before any training started."""
+
+
+def enabled(df: DataFrame) -> bool:
+    return str(conf_value(df.sparkSession, PREFLIGHT_CONF, "true")).lower() != "false"
+
+
+def run_preflight(estimator: Any, df: DataFrame, specs: Sequence[ColumnSpec]) -> None:
+    """Sample a batch of ``df`` and have ``estimator._check_on_batch`` run it; logs the cost."""
+    if not enabled(df):
+        return
+    started = time.perf_counter()
+    batch = sample_batch(df, specs, min(estimator.getBatchSize(), PREFLIGHT_ROWS))
+    if batch is None:  # empty, nulls, ragged: materialization reports it precisely
+        return
+    sampled = time.perf_counter()
+    estimator._check_on_batch(batch)
+    log.info("preflight: the model, loss and metrics ran on %d rows (sampled in %.2fs, run in "
+             "%.2fs)", len(next(iter(batch.values()))), sampled - started,
+             time.perf_counter() - sampled)
+
+
+def describe_columns(batch: Dict[str, Any], feature_cols: Sequence[str],
+                     label_cols: Sequence[str]) -> str:
+    """``feature column 'x': (8, 7) float32; label column 'y': (8,) int64`` for the batch."""
+    parts = []
+    for role, names in (("feature", feature_cols), ("label", label_cols)):
+        for name in names:
+            value = batch.get(name)
+            if value is not None:
+                parts.append(f"{role} column {name!r}: {tuple(value.shape)} {value.dtype}")
+    return "; ".join(parts)
+
+
+def failure(exc: BaseException, what_ran: str, columns: str, tensors: str,
+            expectation: Optional[str]) -> PreflightError:
+    """The error for ``exc`` raised while the preflight ran the user's objects."""
+    where = user_error_source(exc) or "preparing the batch"
+    lines = [f"preflight failed in {where}: {type(exc).__name__}: {exc}",
+             f"It ran {what_ran} on a few rows of the DataFrame on the driver, before any "
+             f"training job.",
+             f"The rows: {columns}."]
+    if tensors:
+        lines.append(f"The model was called with {tensors}.")
+    if expectation:
+        lines.append(f"The model expects {expectation}.")
+    lines.append("Check feature_cols/label_cols (and input_shapes/label_shapes), the model's "
+                 f"input size and the loss. ({PREFLIGHT_CONF}=false skips this check.)")
+    return PreflightError("\n".join(lines))
+
+
+# -- torch ----------------------------------------------------------------------------------------
+def torch_expectation(model: Any) -> Optional[str]:
+    """What the first layer with weights takes (``in_features``, ``in_channels``...)."""
+    for module in model.modules():
+        name = type(module).__name__
+        if hasattr(module, "in_features"):
+            return f"{module.in_features} values per row in its first layer {name}"
+        if hasattr(module, "in_channels"):
+            return f"{module.in_channels} channels (dimension 1) in its first layer {name}"
+        if hasattr(module, "num_embeddings"):
+            return (f"integer indices below {module.num_embeddings} in its first layer "
+                    f"{name}")
+        if hasattr(module, "normalized_shape"):
+            return f"a last dimension of {tuple(module.normalized_shape)} in its first layer {name}"
+        if hasattr(module, "input_size"):  # recurrent layers
+            return f"{module.input_size} features per step in its first layer {name}"
+    return None
+
+
+def tensor_shapes(tensors: List[Any]) -> str:
+    return ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors)
+
+
+# -- keras ----------------------------------------------------------------------------------------
+def keras_expectation(model: Any) -> Optional[str]:
+    """The model's declared input shapes, when it has them."""
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        return None
+    if not inputs:
+        return None
+    shapes = ", ".join(str(tuple(i.shape)) for i in inputs)
+    return f"inputs of shape {shapes}"
