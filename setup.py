@@ -41,7 +41,7 @@ TEST = ["pytest>=8", "pytest-timeout>=2.3", "packaging", "scikit-learn>=1.4", "p
 
 setup(
     name="sparktrain",
-    version="0.3.0",
+    version="0.4.0",
     description="Train PyTorch and Keras models on Spark DataFrames with Spark ML estimators",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 _EXPORTS = {
     "TorchEstimator": "sparktrain.estimators.torch",
@@ -21,6 +21,7 @@ _EXPORTS = {
     "KerasModel": "sparktrain.estimators.keras",
     "Store": "sparktrain.data.store",
     "TrainingError": "sparktrain.launch.barrier",
+    "PreflightError": "sparktrain.estimators.preflight",
     "ExecutorEnvironmentError": "sparktrain.launch.executor_env",
     "local_spark": "sparktrain.session",
     "remote_spark": "sparktrain.session",

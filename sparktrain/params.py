@@ -209,7 +209,9 @@ class EstimatorParams(Params):
                      "seconds after which training stops at the end of an epoch",
                      _to_optional_float)
     max_attempts = Param(Params._dummy(), "max_attempts",
-                         "attempts of the training stage before a fit fails (default and upper "
+                         "attempts of the training stage before a fit fails on a fault (a lost "
+                         "process or executor, a store error: retried from the checkpoint); an "
+                         "error raised by user code fails the fit at once (default and upper "
                          "bound: spark.stage.maxConsecutiveAttempts)", _to_optional_int)
 
     # -- Horovod's params (horovod.spark.common.params.EstimatorParams, 0.28.1) ---------------

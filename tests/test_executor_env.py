@@ -4,14 +4,17 @@ Spark's own error texts (captured from real failures on pyspark 4.3) for the par
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from sparktrain import ExecutorEnvironmentError, TrainingError
-from sparktrain.launch.executor_env import check_executors, environment_error
+from sparktrain.launch.executor_env import RANK_MODULES, _warn_on_version_differences, \
+    check_executors, environment_error
 
 # The executors lacked pyarrow (a bare venv as PYSPARK_PYTHON) when a barrier mapInPandas ran.
 BARRIER_NO_PYARROW = """An error occurred while calling o109.collectToPython.
@@ -90,13 +93,36 @@ def test_spark_texts_of_unfit_executors_become_one_clear_error():
     assert environment_error(TRAINING_FAILURE) is None
 
 
-def test_fit_ready_executors_pass_the_check(spark):
-    """The shared session's executors run this Python: the probe passes (and is cached)."""
-    check_executors(spark, ["pandas", "pyarrow", "numpy", "cloudpickle", "sparktrain",
-                            "torch", "horovod.torch"])
+def test_fit_ready_executors_pass_the_check(spark, caplog):
+    """The shared session's executors run this Python: every backend's modules are found
+    (submodules without importing their packages), no version differs, and it is cached."""
+    caplog.set_level(logging.WARNING, logger="sparktrain")
+    modules = list(RANK_MODULES) + ["torch", "horovod.torch", "tensorflow", "keras",
+                                    "tensorflowonspark.TFSparkNode"]
+    check_executors(spark, modules)
+    assert not [r for r in caplog.records if r.name.startswith("sparktrain")], caplog.text
+    started = time.perf_counter()
+    check_executors(spark, modules)  # cached for the session: no job
+    assert time.perf_counter() - started < 0.01
     with pytest.raises(ExecutorEnvironmentError, match=r"cannot find no_such_module_xyz, "
                                                        r"which a test needs on every executor"):
         check_executors(spark, ["numpy", "no_such_module_xyz"], "a test")
+    with pytest.raises(ExecutorEnvironmentError, match=r"cannot find numpy.no_such_submodule"):
+        check_executors(spark, ["numpy.no_such_submodule"], "a test")
+
+
+def test_version_differences_are_one_warning(spark, caplog):
+    here = {"python": sys.executable, "version": "3.11.7",
+            "versions": {"cloudpickle": "3.1.2", "sparktrain": "0.4.0", "torch": "2.13.0"}}
+    executors = {"python": "/opt/py/bin/python", "version": "3.11.2",
+                 "versions": {"cloudpickle": "3.0.0", "sparktrain": "0.4.0", "torch": None}}
+    caplog.set_level(logging.WARNING, logger="sparktrain")
+    _warn_on_version_differences(spark, here, executors)
+    assert len(caplog.records) == 1 and caplog.records[0].levelname == "WARNING"
+    message = caplog.records[0].getMessage()
+    assert "the executors' Python (/opt/py/bin/python) differs from this client's: " \
+           "cloudpickle 3.1.2 here, 3.0.0 on the executors." in message
+    assert "Python 3.11" not in message and "torch" not in message  # same minor; unknown
 
 
 SCRIPT = """

@@ -23,6 +23,7 @@ def test_demo(tmp_path, job):
     assert summary["reloaded_test_accuracy"] == summary["test_accuracy"]
     assert (output / "metadata").exists() and (output / "stages").exists()
     assert "[rank 0] epoch 30/30" in result.stderr  # rank logs reached the driver, live
+    assert "\r" not in result.stderr  # stderr is a pipe (a YARN log): no bar redraws in it
 
 
 def test_job_rejects_missing_arguments_and_unknown_backends():

@@ -23,7 +23,9 @@ def seven_wide(spark):
     rng = np.random.default_rng(3)
     rows = [(Vectors.dense(rng.normal(size=7).tolist()), int(i % 3),
              rng.normal(size=2).tolist()) for i in range(200)]
-    return spark.createDataFrame(rows, ["features", "label", "pair"]).cache()
+    df = spark.createDataFrame(rows, ["features", "label", "pair"]).cache()
+    df.count()
+    return df
 
 
 def _mlp(inputs: int = 64, outputs: int = 3) -> torch.nn.Module:
@@ -123,3 +125,17 @@ def test_keras_input_width_mismatch(spark, seven_wide, tmp_path):
     assert "feature column 'features': (8, 7) float32" in message
     assert "inputs of shape (None, 64)" in message
     assert time.perf_counter() - started < 10
+
+
+def test_transformation_fn_needing_a_task_only_skips_the_preflight(spark, seven_wide, tmp_path,
+                                                                   caplog):
+    def needs_a_task(batch):
+        from pyspark import TaskContext
+
+        TaskContext.get().partitionId()  # None on the driver: AttributeError
+        return batch
+
+    est = _estimator(str(tmp_path / "store"), _mlp(64), transformation_fn=needs_a_task)
+    with caplog.at_level(logging.WARNING, logger="sparktrain"):
+        run_preflight(est, seven_wide, est._check_params(seven_wide))
+    assert any("preflight skipped: AttributeError" in r.getMessage() for r in caplog.records)

@@ -194,11 +194,26 @@ def test_failing_rank_raises_its_traceback_and_cleans_up(spark, store, regressio
 
 @pytest.mark.stack
 def test_too_few_slots_fails_fast(spark, store, regression_df):
+    """num_proc=5 on local[2]: a clear error at once, before any Spark job. A local master has
+    all its slots from the start, so the wait for executors (set long here) is skipped."""
+    sc = spark.sparkContext
+    group = f"slots-{time.time_ns()}"
+    spark.conf.set("spark.sparktrain.slotWaitSeconds", "30")
+    sc.setJobGroup(group, "slot check")
     started = time.time()
-    with pytest.raises(RuntimeError, match=r"num_proc=3 needs 3 task slots .* the cluster has 2 "
-                                           r".*local\[3\]"):
-        linear_estimator(store, num_proc=3).fit(regression_df)
-    assert time.time() - started < 30  # Spark's own barrier check would retry for minutes
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            linear_estimator(store, num_proc=5).fit(regression_df)
+        seconds = time.time() - started
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+        spark.conf.set("spark.sparktrain.slotWaitSeconds", "1")  # the session fixture's value
+    message = str(raised.value)
+    assert "num_proc=5 needs 5 task slots" in message and "the cluster has 2" in message
+    assert "(master local[2])" in message and "waited" not in message
+    assert "Lower num_proc to 2 or start Spark with master local[5]" in message
+    assert sc.statusTracker().getJobIdsForGroup(group) == []  # no Spark job ran
+    assert seconds < 5, seconds  # was 12 s: it waited 10 s for executors local[2] never adds
 
 
 def test_materialization_is_reused(spark, tmp_path, regression_df):

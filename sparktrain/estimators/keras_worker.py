@@ -115,9 +115,18 @@ def batch_tensors(tf: Any, batch: Dict[str, Any], features: List[str], labels: L
     def col(name: str) -> Any:
         value = batch[name]
         return tf.constant(value.reshape(-1, 1) if value.ndim == 1 and name in features else value)
-    x = [tf.constant(batch[c].reshape(shape)) for c, shape in zip(features, input_shapes)] \
+    def shaped(what: str, name: str, shape: List[int]) -> Any:
+        value = batch[name]
+        try:
+            return tf.constant(value.reshape(shape))
+        except ValueError:
+            per_row = int(value[0].size) if len(value) else 0
+            raise ValueError(f"{what}: column {name!r} has {per_row} value(s) per row (a batch "
+                             f"of {value.shape}), which do not fit the shape {list(shape)}") \
+                from None
+    x = [shaped("the model's input shape", c, s) for c, s in zip(features, input_shapes)] \
         if input_shapes else [col(c) for c in features]
-    y = [tf.constant(batch[c].reshape(shape)) for c, shape in zip(labels, label_shapes)] \
+    y = [shaped("label_shapes", c, s) for c, s in zip(labels, label_shapes)] \
         if label_shapes else [col(c) for c in labels]
     w = tf.constant(batch[weight_col], tf.float32) if weight_col else None
     return x, y, w

@@ -7,7 +7,8 @@ launch, and Spark used to retry it. ``fit`` therefore takes a few rows of the Da
 without gradients, on a copy of the model (unpickled from the training payload) or, for Keras,
 the user's model called in inference mode: neither the model's weights nor the optimizer's state
 change. A failure raises :class:`PreflightError` naming the columns, their shapes and what the
-model expects.
+model expects. A ``transformation_fn`` that fails on the driver (it may need a task's context)
+or a network error only skips the preflight, with a warning.
 
 Set ``spark.sparktrain.preflight=false`` to skip it (say, a model that only runs on a GPU).
 
@@ -26,7 +27,7 @@ from pyspark.sql import DataFrame
 
 from sparktrain.data.materialize import sample_batch
 from sparktrain.data.schema import ColumnSpec
-from sparktrain.launch.faults import user_error_source
+from sparktrain.launch.faults import is_fault, user_error_source
 from sparktrain.spark_api import conf_value
 
 log = logging.getLogger("sparktrain")
@@ -52,7 +53,18 @@ def run_preflight(estimator: Any, df: DataFrame, specs: Sequence[ColumnSpec]) ->
     if batch is None:  # empty, nulls, ragged: materialization reports it precisely
         return
     sampled = time.perf_counter()
-    estimator._check_on_batch(batch)
+    try:
+        estimator._check_on_batch(batch)
+    except PreflightError as error:
+        cause = error.__cause__
+        # A transformation_fn may need a task (TaskContext) or the executors' files, and the
+        # network may fail under the user's code here: neither says the model is wrong.
+        if cause is None or not (is_fault(cause) or
+                                 user_error_source(cause) == "transformation_fn"):
+            raise
+        log.warning("preflight skipped: %s: %s (on the driver; training goes on)",
+                    type(cause).__name__, cause)
+        return
     log.info("preflight: the model, loss and metrics ran on %d rows (sampled in %.2fs, run in "
              "%.2fs)", len(next(iter(batch.values()))), sampled - started,
              time.perf_counter() - sampled)

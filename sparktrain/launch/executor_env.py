@@ -71,7 +71,7 @@ class ExecutorEnvironmentError(TrainingError):
 
 
 def check_executors(spark: SparkSession, modules: Sequence[str],
-                    needed_by: str = "sparktrain") -> None:
+                    needed_by: str = "a training rank") -> None:
     """Fail fast, once per session, if the executors' Python lacks one of ``modules``.
 
     ``modules`` are import names (``"horovod.torch"`` is looked up without importing
@@ -221,7 +221,7 @@ _CANNOT_IMPORT = re.compile(r"cannot import name '(\w+)' from '([\w.]+)'")
 
 
 def environment_error(text: str, spark: Optional[SparkSession] = None,
-                      needed_by: str = "sparktrain",
+                      needed_by: str = "a training rank",
                       attempts: int = 1) -> Optional[ExecutorEnvironmentError]:
     """The :class:`ExecutorEnvironmentError` that Spark's error ``text`` shows (a Python worker
     that could not start or import what it needs), or ``None`` if it shows none of them.
