@@ -336,6 +336,12 @@ def bench_fit(spark, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict[str,
         seconds, _ = guarded(spark, st_fit, limit, f"fit: sparktrain fit {i + 1}", hangs)
         st_times.append(seconds)
         progress(f"fit: sparktrain fit {i + 1}/{repeats}: {seconds:.2f}s")
+    from sparktrain.estimators.preflight import run_preflight
+
+    specs = estimator._check_params(tiny)
+    preflight_times = [timed(lambda: run_preflight(estimator, tiny, specs))[0]
+                       for _ in range(repeats)]
+    progress(f"fit: preflight alone {statistics.median(preflight_times):.3f}s (median)")
     progress("fit: warm-up TorchDistributor run")
     guarded(spark, td_run, limit, "fit: TorchDistributor warm-up run", hangs)
     for i in range(repeats):
@@ -351,6 +357,9 @@ def bench_fit(spark, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict[str,
               "sparktrain fit right after a TorchDistributor run": {
                   "value": after_td, "unit": "s",
                   "note": "its Python workers start cold (separate worker pools)"},
+              "preflight (inside every fit: 8 rows sampled, forward + loss + metrics)": {
+                  "value": statistics.median(preflight_times), "unit": "s",
+                  "note": f"{statistics.median(preflight_times) / st:.2f}x of the fit"},
               **hang_extras(hangs, "fit:")}
     return figure("fit", f"wall s of a warm 1-step 2-rank fit ({2 * FIT_BATCH} rows, batch "
                   f"{FIT_BATCH}/rank, data already materialized), median of {repeats}", "s",

@@ -389,6 +389,23 @@ def test_backend_env_reaches_every_torch_rank_and_is_restored(spark, store, regr
             .fit(regression_df)
 
 
+def test_estimator_with_horovod_params_saves_and_loads(spark, tmp_path):
+    import horovod.torch as hvd
+
+    params = dict(input_shapes=[[-1, 2, 2]], label_shapes=[[-1, 1]], loss_weights=[0.5],
+                  backend_env={"A": "1"}, reader_pool_type="dummy", train_reader_num_workers=3,
+                  partitions_per_process=4)
+    objects = dict(gradient_compression=hvd.Compression.fp16, loss_constructors=[build_mse],
+                   train_minibatch_fn=horovod_minibatch)
+    TorchEstimator(**params, **objects).write().overwrite().save(str(tmp_path / "est"))
+    loaded = TorchEstimator.load(str(tmp_path / "est"))
+    for name, value in params.items():
+        assert loaded.getOrDefault(name) == value, name
+    assert loaded.getGradientCompression() is hvd.Compression.fp16
+    assert loaded.getTrainMinibatchFn().__name__ == "horovod_minibatch"
+    assert loaded.getLossConstructors()[0].__name__ == "build_mse"
+
+
 def test_reader_params_map_to_the_reader():
     assert reader_options(TorchEstimator()) == {"train_prefetch": 2, "val_prefetch": 2}
     est = TorchEstimator(train_reader_num_workers=5, val_reader_num_workers=0)

@@ -97,8 +97,9 @@ def model_shapes(model: Any) -> Tuple[Optional[List[List[int]]], Optional[List[L
 class KerasEstimator(EstimatorBase, KerasParams):
     """Spark ML estimator training a Keras 3 model in ``num_proc`` barrier tasks.
 
-    Params follow Horovod's ``horovod.spark.keras.KerasEstimator`` (``batch_size`` per worker,
-    learning rate as given). ``optimizer``: a Keras optimizer or its name; ``loss``: a Keras
+    Params follow Horovod's ``horovod.spark.keras.KerasEstimator`` (``batch_size`` per worker;
+    learning rate as given, where Horovod multiplies it by ``num_proc``:
+    ``scale_learning_rate=True``). ``optimizer``: a Keras optimizer or its name; ``loss``: a Keras
     loss, its name, or a function ``(y_true, y_pred) -> per-row values``; ``metrics``: names or
     functions ``(y_true, y_pred)``; ``custom_objects``: as for ``keras.saving.load_model``.
     ``backend="tensorflow"``: ``tf.distribute.MultiWorkerMirroredStrategy`` with a distributed

@@ -38,7 +38,7 @@ from sparktrain.params import EstimatorParams, TorchParams, with_accessors
 from sparktrain.pickling import dumps
 
 
-def flat_metrics(metrics: Any, n_labels: int) -> Any:
+def flat_metrics(metrics: Any) -> Any:
     """sparktrain's metric list from Horovod's metric groups too: ``[[fn]]`` (one function
     applied to every output, Horovod's usual form) becomes ``[fn]``."""
     if not isinstance(metrics, (list, tuple)):
@@ -55,10 +55,11 @@ def flat_metrics(metrics: Any, n_labels: int) -> Any:
     return flat
 
 
-def build_losses(constructors: Any, n_labels: int, **context: Any) -> List[Any]:
+def build_losses(constructors: Any, n_labels: int, **context: Any) -> Any:
     """Call Horovod-style ``loss_constructors`` on a rank: each gets the keyword arguments of
     ``context`` it accepts (all of them with ``**kwargs``; Horovod passes its own locals), so
-    ``lambda **kw: nn.CrossEntropyLoss()`` and a plain class such as ``nn.MSELoss`` both work."""
+    ``lambda **kw: nn.CrossEntropyLoss()`` and a plain class such as ``nn.MSELoss`` both work.
+    Returns one loss (for every label column) or one per label column."""
     items = list(constructors) if isinstance(constructors, (list, tuple)) else [constructors]
     losses = []
     for make in items:
@@ -73,6 +74,9 @@ def build_losses(constructors: Any, n_labels: int, **context: Any) -> List[Any]:
                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
             kwargs = {k: v for k, v in context.items() if k in names}
         losses.append(make(**kwargs))
+    if len(losses) not in (1, n_labels):
+        raise ValueError(f"loss_constructors built {len(losses)} losses for {n_labels} label "
+                         f"columns; give one, or one per label column")
     return losses[0] if len(losses) == 1 else losses
 
 
@@ -81,7 +85,7 @@ class TorchEstimator(EstimatorBase, TorchParams):
 
     Params follow Horovod's ``horovod.spark.torch.TorchEstimator``: ``batch_size`` is per
     process (the global batch is ``num_proc * batch_size``); the learning rate is used as given
-    (no scaling by ``num_proc``). ``model`` is called as ``model(*features)`` with one tensor per
+    (Horovod multiplies it by ``num_proc``: ``scale_learning_rate=True``). ``model`` is called as ``model(*features)`` with one tensor per
     feature column; ``metrics`` are functions ``(output, label) -> tensor``; ``callbacks`` are
     objects with ``on_epoch_end(epoch, logs) -> bool | None`` (``True`` stops training).
     ``backend`` is ``"torch"`` (``torch.distributed`` DDP: gloo on CPU, NCCL on GPU) or
@@ -208,7 +212,7 @@ class TorchEstimator(EstimatorBase, TorchParams):
                              "sparktrain's GradScaler cannot scale them; use 'bf16'")
         from sparktrain.estimators.torch_worker import named_metrics
 
-        for name, fn in named_metrics(flat_metrics(self.getMetrics(), len(self.getLabelCols()))):
+        for name, fn in named_metrics(flat_metrics(self.getMetrics())):
             if not callable(fn):
                 raise TypeError(f"metric {name!r} is not callable; metrics are functions "
                                 f"(output, label) -> tensor")
@@ -229,7 +233,7 @@ class TorchEstimator(EstimatorBase, TorchParams):
         return TorchModel
 
     def _payload(self) -> bytes:
-        metrics = flat_metrics(self.getMetrics(), len(self.getLabelCols()))
+        metrics = flat_metrics(self.getMetrics())
         # The 7th item holds the objects Horovod's params add (read with .get on the worker).
         extras = {"loss_constructors": self.getLossConstructors(),
                   "train_minibatch_fn": self.getTrainMinibatchFn()}

@@ -21,8 +21,8 @@ What listens, and where (see "Security" in the README):
 - Gloo's sockets bind to the interface of each rank's executor address (``HOROVOD_GLOO_IFACE``).
   They are unauthenticated plain TCP, as in any Horovod job.
 
-Learning rate: used as given, as Horovod's Spark estimators do (no scaling by the number of
-processes). ``hvd.DistributedOptimizer`` averages gradients; parameters and optimizer state are
+Learning rate: used as given (Horovod's Spark estimators multiply it by ``hvd.size()``,
+horovod/spark/torch/remote.py in 0.28.1; ``scale_learning_rate=True`` does that here). ``hvd.DistributedOptimizer`` averages gradients; parameters and optimizer state are
 broadcast from rank 0 before the first step.
 """
 from __future__ import annotations
