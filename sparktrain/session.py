@@ -56,6 +56,8 @@ def remote_spark(url: str, app_name: str = "sparktrain",
     Example: ``spark = remote_spark("sc://localhost:15002")``; then use sparktrain as on any
     session. The cluster's Python needs sparktrain and the ML framework installed.
     """
+    if not url.startswith("sc://"):  # a server in this process: its tasks run this Python
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.remote(url).appName(app_name)
     for key, value in (conf or {}).items():
         builder = builder.config(key, value)

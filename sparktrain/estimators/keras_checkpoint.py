@@ -2,7 +2,7 @@
 
 Horovod's ``KerasEstimator`` runs the ``keras.callbacks.ModelCheckpoint`` given as
 ``checkpoint_callback`` on rank 0 with its ``filepath`` replaced by the run's checkpoint file,
-and returns the model read back from that file: with ``save_best_only=True`` the best epoch's
+and returns the model read back from that file (horovod/spark/keras/remote.py, 0.28.1): with ``save_best_only=True`` the best epoch's
 model by the callback's ``monitor`` and ``mode``, else the last epoch's. sparktrain keeps that
 meaning. It checkpoints every epoch to the store itself (for retries and resume), so the
 callback's own file is not written: its settings are read on the driver

@@ -145,8 +145,9 @@ def check_slots(spark: SparkSession, num_proc: int,
         raise RuntimeError(
             f"num_proc={num_proc} needs {num_proc} task slots running at the same time (Spark "
             f"barrier mode), but the cluster has {slots} (master {master(spark)}{waited}). "
-            f"Lower num_proc to {max(slots, 1)} or {_slot_hint(spark, num_proc)}. "
-            f"({SLOT_WAIT_CONF} sets how long to wait for executors.)")
+            f"Lower num_proc to {max(slots, 1)} or {_slot_hint(spark, num_proc)}."
+            + ("" if is_local_master(spark) or is_remote(spark) else
+               f" ({SLOT_WAIT_CONF} sets how long to wait for executors.)"))
     return slots
 
 

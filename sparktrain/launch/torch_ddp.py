@@ -153,6 +153,8 @@ class TorchDDP:
         ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         if compression == "fp16":
+            # PyTorch's built-in DDP communication hook: casts each gradient bucket to float16,
+            # all-reduces it (divided by the world size) and casts the result back.
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             ddp.register_comm_hook(state=None, hook=default_hooks.fp16_compress_hook)
