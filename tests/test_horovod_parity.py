@@ -18,7 +18,7 @@ import torch
 
 from helpers import linear_estimator
 from sparktrain import Store, TorchEstimator, TorchModel, TrainingError
-from sparktrain.compat import IgnoredParamWarning, reader_options
+from sparktrain.compat import IgnoredParamWarning, reader_options, warn_ignored
 
 # Every getter/setter and constructor param of Horovod 0.28.1's classes, from
 # horovod/spark/{common/params.py, torch/estimator.py, keras/estimator.py} at tag v0.28.1
@@ -410,12 +410,14 @@ def test_reader_params_map_to_the_reader():
     assert reader_options(TorchEstimator()) == {"train_prefetch": 2, "val_prefetch": 2}
     est = TorchEstimator(train_reader_num_workers=5, val_reader_num_workers=0)
     assert reader_options(est) == {"train_prefetch": 5, "val_prefetch": 0}
+    dummy = TorchEstimator(reader_pool_type="dummy", train_reader_num_workers=4)
+    assert reader_options(dummy) == {"train_prefetch": 0, "val_prefetch": 0}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # 'dummy' and 'thread' have an equivalent: no warning
-        assert reader_options(TorchEstimator(reader_pool_type="dummy")) == \
-            {"train_prefetch": 0, "val_prefetch": 0}
+        warn_ignored(dummy)
+        warn_ignored(TorchEstimator(reader_pool_type="thread", compress_sparse_cols=False))
     with pytest.warns(IgnoredParamWarning, match="data_module.*\n.*categorical_cols"):
-        reader_options(TorchEstimator(data_module=object, categorical_cols=["c"]))
+        warn_ignored(TorchEstimator(data_module=object, categorical_cols=["c"]))
 
 
 def test_store_create_takes_horovods_keywords(tmp_path):

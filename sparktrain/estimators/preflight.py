@@ -7,8 +7,9 @@ launch, and Spark used to retry it. ``fit`` therefore takes a few rows of the Da
 without gradients, on a copy of the model (unpickled from the training payload) or, for Keras,
 the user's model called in inference mode: neither the model's weights nor the optimizer's state
 change. A failure raises :class:`PreflightError` naming the columns, their shapes and what the
-model expects. A ``transformation_fn`` that fails on the driver (it may need a task's context)
-or a network error only skips the preflight, with a warning.
+model expects. Code that needs a training rank (a ``transformation_fn`` reading the task's
+context, a model asking ``torch.distributed`` for its rank) or a network error only skips the
+preflight, with a warning.
 
 Set ``spark.sparktrain.preflight=false`` to skip it (say, a model that only runs on a GPU).
 
@@ -57,9 +58,10 @@ def run_preflight(estimator: Any, df: DataFrame, specs: Sequence[ColumnSpec]) ->
         estimator._check_on_batch(batch)
     except PreflightError as error:
         cause = error.__cause__
-        # A transformation_fn may need a task (TaskContext) or the executors' files, and the
-        # network may fail under the user's code here: neither says the model is wrong.
-        if cause is None or not (is_fault(cause) or
+        # A transformation_fn may need a task (TaskContext) or the executors' files, the model
+        # may ask torch.distributed for its rank, and the network may fail under the user's
+        # code here: none of that says the model is wrong.
+        if cause is None or not (is_fault(cause) or _needs_a_rank(cause) or
                                  user_error_source(cause) == "transformation_fn"):
             raise
         log.warning("preflight skipped: %s: %s (on the driver; training goes on)",
@@ -68,6 +70,18 @@ def run_preflight(estimator: Any, df: DataFrame, specs: Sequence[ColumnSpec]) ->
     log.info("preflight: the model, loss and metrics ran on %d rows (sampled in %.2fs, run in "
              "%.2fs)", len(next(iter(batch.values()))), sampled - started,
              time.perf_counter() - sampled)
+
+
+def _needs_a_rank(exc: BaseException) -> bool:
+    """True when ``exc`` was raised inside torch.distributed, Horovod or pyspark's task
+    context: the user's code needs a training rank, which the driver is not."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename.replace("\\", "/"))
+        tb = tb.tb_next
+    return any(part in name for name in frames[-3:]
+               for part in ("/torch/distributed/", "/horovod/", "/pyspark/"))
 
 
 def describe_columns(batch: Dict[str, Any], feature_cols: Sequence[str],
