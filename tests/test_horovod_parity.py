@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
-import io
 import os
 import warnings
 
@@ -123,7 +122,8 @@ def _classes():
 
 def test_every_horovod_getter_and_setter_exists():
     missing = [f"{cls.__name__}.{name}" for group, names in HOROVOD_ACCESSORS.items()
-               for cls in _classes()[group] for name in names if not callable(getattr(cls, name, None))]
+               for cls in _classes()[group] for name in names
+               if not callable(getattr(cls, name, None))]
     assert not missing
 
 

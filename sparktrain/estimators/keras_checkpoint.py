@@ -2,8 +2,9 @@
 
 Horovod's ``KerasEstimator`` runs the ``keras.callbacks.ModelCheckpoint`` given as
 ``checkpoint_callback`` on rank 0 with its ``filepath`` replaced by the run's checkpoint file,
-and returns the model read back from that file (horovod/spark/keras/remote.py, 0.28.1): with ``save_best_only=True`` the best epoch's
-model by the callback's ``monitor`` and ``mode``, else the last epoch's. sparktrain keeps that
+and returns the model read back from that file (horovod/spark/keras/remote.py, 0.28.1): with
+``save_best_only=True`` the best epoch's model by the callback's ``monitor`` and ``mode``, else
+the last epoch's. sparktrain keeps that
 meaning. It checkpoints every epoch to the store itself (for retries and resume), so the
 callback's own file is not written: its settings are read on the driver
 (:func:`checkpoint_settings`), and on rank 0 :class:`BestModel` keeps the best epoch's

@@ -85,9 +85,10 @@ class TorchEstimator(EstimatorBase, TorchParams):
 
     Params follow Horovod's ``horovod.spark.torch.TorchEstimator``: ``batch_size`` is per
     process (the global batch is ``num_proc * batch_size``); the learning rate is used as given
-    (Horovod multiplies it by ``num_proc``: ``scale_learning_rate=True``). ``model`` is called as ``model(*features)`` with one tensor per
-    feature column; ``metrics`` are functions ``(output, label) -> tensor``; ``callbacks`` are
-    objects with ``on_epoch_end(epoch, logs) -> bool | None`` (``True`` stops training).
+    (Horovod multiplies it by ``num_proc``: ``scale_learning_rate=True``). ``model`` is called
+    as ``model(*features)`` with one tensor per feature column; ``metrics`` are functions
+    ``(output, label) -> tensor``; ``callbacks`` are objects with ``on_epoch_end(epoch, logs)
+    -> bool | None`` (``True`` stops training).
     ``backend`` is ``"torch"`` (``torch.distributed`` DDP: gloo on CPU, NCCL on GPU) or
     ``"horovod"`` (Horovod over Gloo, ``hvd.DistributedOptimizer``; see
     :mod:`sparktrain.launch.horovod_torch`).
