@@ -96,9 +96,10 @@ KILL_EXECUTOR_SCRIPT = textwrap.dedent('''
         if BarrierTaskContext.get().partitionId() == 1 and kill_my_executor.seen == 15 \\
                 and not os.path.exists(MARKER):
             open(MARKER, "w").close()
-            for process in psutil.Process().parents():
-                if "CoarseGrainedExecutorBackend" in " ".join(process.cmdline()):
+            for process in psutil.Process().parents():  # the executor's JVM, by its main class
+                if "org.apache.spark.executor.CoarseGrainedExecutorBackend" in process.cmdline():
                     process.kill()
+                    break
         return batch
 
     spark = local_spark("local-cluster[2,1,1024]", conf={{

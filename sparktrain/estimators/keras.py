@@ -305,7 +305,7 @@ class KerasEstimator(EstimatorBase, KerasParams):
         columns = preflight.describe_columns(batch, features, labels)
         tensors = ""
         try:
-            transform = self.getTransformationFn()
+            transform = preflight.detached(self.getTransformationFn())
             if transform is not None:
                 with user_code("transformation_fn"):
                     batch = transform(dict(batch))

@@ -84,6 +84,16 @@ def _needs_a_rank(exc: BaseException) -> bool:
                for part in ("/torch/distributed/", "/horovod/", "/pyspark/"))
 
 
+def detached(obj: Any) -> Any:
+    """A copy of the user's object (a stateful ``transformation_fn``, say) for the preflight to
+    call, so the one shipped to the ranks is left as it was."""
+    import cloudpickle
+
+    from sparktrain.pickling import dumps
+
+    return obj if obj is None else cloudpickle.loads(dumps(obj))
+
+
 def describe_columns(batch: Dict[str, Any], feature_cols: Sequence[str],
                      label_cols: Sequence[str]) -> str:
     """``feature column 'x': (8, 7) float32; label column 'y': (8,) int64`` for the batch."""

@@ -280,7 +280,7 @@ class TorchEstimator(EstimatorBase, TorchParams):
             check_batch(spec, self._payload(), batch)
         except Exception as exc:
             try:
-                transform = self.getTransformationFn()
+                transform = preflight.detached(self.getTransformationFn())
                 shaped = transform(dict(batch)) if transform is not None else batch
                 tensors = preflight.tensor_shapes(_Batches(spec, torch.device("cpu"))(shaped)[0])
             except Exception:  # noqa: BLE001 - the description is a courtesy

@@ -370,8 +370,8 @@ def run_rank(task: Callable[[RankContext], Any], where: Sequence) -> Tuple[int, 
     except BaseException as exc:
         remote = traceback.format_exc()
         source = user_error_source(exc)
-        if source is not None:
-            remote += f"\nRaised by {source} (user code): not retried.\n"
+        if source is not None:  # first: the traceback's last line stays the error's summary
+            remote = f"Raised by {source} (user code): not retried.\n{remote}"
         if isinstance(exc, ModuleNotFoundError):
             remote += (f"\nThe executors' Python ({sys.executable}) cannot import {exc.name!r}: "
                        f"install it there, or point PYSPARK_PYTHON / spark.pyspark.python at a "
