@@ -24,9 +24,37 @@ from pyspark.ml.param import Param, Params, TypeConverters
 OBJECT_PARAMS = ("model", "optimizer", "loss", "metrics", "callbacks", "store", "custom_objects",
                  "transformation_fn", "loss_constructors", "train_minibatch_fn",
                  "gradient_compression", "checkpoint_callback", "data_module",
-                 "transformation_edit_fields", "transformation_removed_fields")
+                 "transformation_edit_fields", "transformation_removed_fields",
+                 "resource_profile", "fsdp_wrap", "activation_checkpointing")
 
 MIXED_PRECISION = ("bf16", "fp16")
+STRATEGIES = ("ddp", "fsdp")
+
+
+def _to_strategy(value: Any) -> str:
+    value = TypeConverters.toString(value)
+    if value not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES} (replicated or sharded data "
+                         f"parallel), found {value!r}")
+    return value
+
+
+def _to_module_classes(name: str, allow: type) -> Callable[[Any], Any]:
+    """Converter for params taking module classes (or one ``allow``-typed value instead)."""
+    def convert(value: Any) -> Any:
+        if value is None or (isinstance(value, allow)
+                             and (allow is bool or not isinstance(value, bool))):
+            if allow is int and value < 1:
+                raise ValueError(f"{name}: a minimum parameter count must be >= 1, found "
+                                 f"{value}")
+            return value
+        items = list(value) if isinstance(value, (list, tuple, set)) else [value]
+        if not items or not all(isinstance(c, type) for c in items):
+            kinds = "True, " if allow is bool else "a minimum parameter count, "
+            raise TypeError(f"{name} takes {kinds}or a list of torch.nn.Module subclasses "
+                            f"(e.g. [TransformerBlock]); found {value!r}")
+        return items
+    return convert
 
 
 def _to_validation(value: Any) -> Any:
@@ -48,6 +76,16 @@ def _to_optional_int(value: Any) -> Optional[int]:
 
 def _to_optional_float(value: Any) -> Optional[float]:
     return None if value is None else TypeConverters.toFloat(value)
+
+
+def _to_resource_profile(value: Any) -> Any:
+    from pyspark.resource import ResourceProfile
+
+    if value is not None and not isinstance(value, ResourceProfile):
+        raise TypeError(f"resource_profile must be a pyspark.resource.ResourceProfile (from "
+                        f"ResourceProfileBuilder().require(...).build), found "
+                        f"{type(value).__name__}")
+    return value
 
 
 def _to_mixed_precision(value: Any) -> Optional[str]:
@@ -396,10 +434,28 @@ class TorchParams(Params):
     train_minibatch_fn = Param(Params._dummy(), "train_minibatch_fn",
                                "function running one training minibatch (Horovod's contract), "
                                "replacing the built-in forward/backward/step")
+    strategy = Param(Params._dummy(), "strategy",
+                     "'ddp' (every rank holds the whole model, DistributedDataParallel) or "
+                     "'fsdp' (parameters, gradients and optimizer state sharded across ranks, "
+                     "FSDP2; backend='torch' only)", _to_strategy)
+    fsdp_wrap = Param(Params._dummy(), "fsdp_wrap",
+                      "with strategy='fsdp', the blocks sharded as one unit: module classes "
+                      "(e.g. [TransformerBlock]) or a minimum parameter count (default 1e6)",
+                      _to_module_classes("fsdp_wrap", int))
+    fsdp_cpu_offload = Param(Params._dummy(), "fsdp_cpu_offload",
+                             "with strategy='fsdp' on GPUs, keep parameter shards and optimizer "
+                             "state in CPU memory", TypeConverters.toBoolean)
+    activation_checkpointing = Param(Params._dummy(), "activation_checkpointing",
+                                     "recompute blocks' activations in backward instead of "
+                                     "storing them: True (the blocks fsdp_wrap picks) or "
+                                     "module classes", _to_module_classes(
+                                         "activation_checkpointing", bool))
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(input_shapes=None, loss_constructors=None, train_minibatch_fn=None)
+        self._setDefault(input_shapes=None, loss_constructors=None, train_minibatch_fn=None,
+                         strategy="ddp", fsdp_wrap=None, fsdp_cpu_offload=False,
+                         activation_checkpointing=False)
 
     def getInputShapes(self) -> Optional[List[List[int]]]:
         return self.getOrDefault(self.input_shapes)
@@ -442,10 +498,19 @@ class ModelParams(Params):
     batch_size = Param(Params._dummy(), "batch_size", "rows per inference batch",
                        TypeConverters.toInt)
     run_id = EstimatorParams.run_id
+    use_gpu = Param(Params._dummy(), "use_gpu",
+                    "predict on the first GPU Spark assigned to each task: None (default) when "
+                    "the task has one, True require one, False always on the CPU",
+                    _to_optional_bool)
+    resource_profile = Param(Params._dummy(), "resource_profile",
+                             "a pyspark.resource.ResourceProfile for the prediction stage (e.g. "
+                             "a GPU per task; stage-level scheduling), not saved with the model",
+                             _to_resource_profile)
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(output_cols=None, batch_size=1024, run_id=None)
+        self._setDefault(output_cols=None, batch_size=1024, run_id=None, use_gpu=None,
+                         resource_profile=None)
 
     def getFeatureCols(self) -> List[str]:
         return self.getOrDefault(self.feature_cols)

@@ -232,7 +232,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                           f"continue from its checkpoint.", RuntimeWarning, stacklevel=3)
         model = self._create_model(result, data)
         model._set(feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),
-                   run_id=run_id)
+                   run_id=run_id, use_gpu=self.getUseGpu())
         return model
 
     # -- persistence ----------------------------------------------------------------------------
@@ -385,16 +385,18 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
             raise ValueError(f"output columns {clash} already exist in the DataFrame; choose "
                              f"others with setOutputCols")
         types = [self._output_type(shape) for shape in self._output_shapes]
-        udf = _prediction_udf(self._token, self._predict_fn_factory(), specs, types,
-                              self.getBatchSize())
+        # use_gpu in the key: a worker's cached predictor must not outlive a setUseGpu
+        udf = _prediction_udf(f"{self._token}/use_gpu={self.getUseGpu()}",
+                              self._predict_fn_factory(), specs, types, self.getBatchSize())
         prediction = udf(*[_feature_expr(s) for s in specs])
         if len(outputs) == 1:
-            return dataset.withColumn(outputs[0], prediction)
+            return _with_profile(dataset.withColumn(outputs[0], prediction),
+                                 self.getOrDefault("resource_profile"))
         tmp = f"__sparktrain_{self.uid}"
         result = dataset.withColumn(tmp, prediction)
         for i, name in enumerate(outputs):
             result = result.withColumn(name, F.col(f"`{tmp}`.`_{i}`"))
-        return result.drop(tmp)
+        return _with_profile(result.drop(tmp), self.getOrDefault("resource_profile"))
 
     # -- persistence ----------------------------------------------------------------------------
     def _extra_metadata(self) -> Dict[str, Any]:
@@ -416,6 +418,33 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
     @classmethod
     def read(cls) -> ModelReader:
         return ModelReader(cls)
+
+
+def _pass_batches(batches: Iterator[Any]) -> Iterator[Any]:
+    """``mapInArrow``'s identity: Arrow record batches through unchanged."""
+    yield from batches
+
+
+def _with_profile(result: DataFrame, profile: Any) -> DataFrame:
+    """``result`` run in a stage with ``profile`` (stage-level scheduling), or as it is.
+
+    A DataFrame carries a ResourceProfile only through ``mapInPandas``/``mapInArrow(...,
+    profile=)`` (pyspark >= 4.0, SPARK-46812); the prediction UDF is a column expression, so an
+    identity ``mapInArrow`` on top takes the profile. There is no shuffle between the two, so
+    they share one stage, and Spark runs a stage with the profile of its RDDs (the DAGScheduler
+    merges a stage's profiles, core/.../DAGScheduler.scala ``mergeResourceProfilesForStage``):
+    the UDF's tasks get the profile's GPUs in ``TaskContext.resources()``. The cost is one more
+    Arrow round trip of the rows through Python.
+    """
+    if profile is None:
+        return result
+    import inspect
+
+    if "profile" not in inspect.signature(result.mapInArrow).parameters:
+        raise ValueError("resource_profile needs pyspark >= 4.0 (DataFrame.mapInArrow(..., "
+                         "profile=)); with older Spark set the GPUs for the whole session "
+                         "(spark.task.resource.gpu.amount) and leave resource_profile unset")
+    return result.mapInArrow(_pass_batches, result.schema, profile=profile)
 
 
 # Python-worker-wide cache of loaded predictors: deserialize a model once per worker process,

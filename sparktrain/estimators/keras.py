@@ -396,23 +396,75 @@ class KerasModel(ModelBase):
         return cls(files["model.keras"], cloudpickle.loads(files["custom_objects.pkl"]))
 
     def _predict_fn_factory(self) -> Callable[[], Callable]:
-        return functools.partial(_make_predictor, self._framework_files())
+        return functools.partial(_make_predictor, self._framework_files(), self.getUseGpu())
 
 
-def _make_predictor(files: Dict[str, bytes]) -> Callable:
-    """Executor side, once per Python worker: load the model and return ``predict``."""
+def predict_device(tf: Any, address: Optional[str]) -> str:
+    """The TensorFlow device name to predict on for the task's GPU ``address`` (``None``:
+    ``/CPU:0``); a ``RuntimeError`` when TensorFlow cannot use that GPU.
+
+    TensorFlow names the GPUs it sees ``/GPU:0``, ``/GPU:1``, ... in CUDA's order, so the
+    address (a CUDA ordinal, as torch's ``cuda:<address>``) is the index. Training runs in a
+    child process that sees only its GPU (``CUDA_VISIBLE_DEVICES``); prediction runs in the
+    Python worker, which may already have started TensorFlow, so it picks the device instead.
+    """
+    from sparktrain.launch.gpus import cuda_ordinal
+
+    if address is None:
+        return "/CPU:0"
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        raise RuntimeError(f"Spark assigned GPU {address} to this prediction task, but "
+                           f"TensorFlow {tf.__version__} sees no GPU here; install TensorFlow "
+                           f"with CUDA on the executors (pip install 'tensorflow[and-cuda]'), "
+                           f"or call setUseGpu(False) on the model to predict on the CPU")
+    return f"/GPU:{cuda_ordinal(address, len(gpus), 'TensorFlow')}"
+
+
+def _grow_gpu_memory(tf: Any) -> None:
+    """Let TensorFlow take GPU memory as needed instead of nearly all of every visible GPU
+    when it starts (its default; tensorflow.org/guide/gpu, "Limiting GPU memory growth"): the
+    Python workers of an executor share its GPUs. Only possible before TensorFlow has
+    initialised its GPUs in this process."""
+    for gpu in tf.config.list_physical_devices("GPU"):
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except (RuntimeError, ValueError):  # already initialised: leave it as it is
+            pass
+
+
+def _make_predictor(files: Dict[str, bytes], use_gpu: Optional[bool] = None) -> Callable:
+    """Executor side, once per Python worker: return ``predict``, which runs the model on the
+    GPU Spark gave the task (see ``use_gpu``), chosen per call (a reused worker's later task
+    may hold another GPU); the model is loaded once per device, its weights placed there."""
     import numpy as np
 
-    model = _load_model(files["model.keras"], cloudpickle.loads(files["custom_objects.pkl"]))
+    from sparktrain.launch.gpus import task_gpu
 
-    shapes, _ = model_shapes(model)
+    _keras()
+    import tensorflow as tf
+
+    _grow_gpu_memory(tf)
+    custom_objects = cloudpickle.loads(files["custom_objects.pkl"])
+    loaded: Dict[str, Any] = {}  # device name -> the model with its variables there
+
+    def model_on(device: str) -> Any:
+        if device not in loaded:
+            with tf.device(device):  # variables are created on the scope's device
+                loaded[device] = _load_model(files["model.keras"], custom_objects)
+        return loaded[device]
+
+    shapes, _ = model_shapes(model_on(predict_device(tf, task_gpu(use_gpu))))
     if shapes is not None and any(-1 in shape[1:] for shape in shapes):
         shapes = None  # inputs of variable size: fed as they come
 
     def predict(features: List[np.ndarray]) -> List[np.ndarray]:
+        device = predict_device(tf, task_gpu(use_gpu))
         if shapes is not None:  # as in training: each feature in its input's shape
             features = [f.reshape([-1] + s[1:]) for f, s in zip(features, shapes)]
-        result = model(features if len(features) > 1 else features[0], training=False)
+        with tf.device(device):
+            result = model_on(device)(features if len(features) > 1 else features[0],
+                                      training=False)
         outputs = list(result) if isinstance(result, (list, tuple)) else [result]
         return [np.asarray(o, dtype=np.float32) for o in outputs]
 

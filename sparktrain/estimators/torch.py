@@ -156,7 +156,9 @@ class TorchEstimator(EstimatorBase, TorchParams):
                  categorical_cols: Optional[List[str]] = None,
                  compress_sparse_cols: Optional[bool] = None,
                  transformation_edit_fields: Any = None,
-                 transformation_removed_fields: Any = None) -> None:
+                 transformation_removed_fields: Any = None, strategy: Optional[str] = None,
+                 fsdp_wrap: Any = None, fsdp_cpu_offload: Optional[bool] = None,
+                 activation_checkpointing: Any = None) -> None:
         super().__init__()
         self._setDefault(backend="torch", loss=None)  # None: loss_constructors may build it
         kwargs = self._input_kwargs
@@ -225,6 +227,46 @@ class TorchEstimator(EstimatorBase, TorchParams):
         if self.getMixedPrecision() == "fp16" and self.getBackend() == "horovod":
             raise ValueError("mixed_precision='fp16' is not supported with backend='horovod' "
                              "(its gradient all-reduce would need unscaling first); use 'bf16'")
+        self._check_strategy(model)
+
+    def _check_strategy(self, model: Any) -> None:
+        """``strategy`` and its params fit the backend, the torch version and the model."""
+        from sparktrain.estimators import torch_sharding
+
+        strategy, wrap = self.getStrategy(), self.getFsdpWrap()
+        if strategy == "fsdp":
+            if self.getBackend() != "torch":
+                raise ValueError(f"strategy='fsdp' needs backend='torch' (torch.distributed's "
+                                 f"FSDP2); backend={self.getBackend()!r} has no sharded "
+                                 f"training: use backend='torch', or strategy='ddp'")
+            try:
+                from torch.distributed.fsdp import fully_shard  # noqa: F401
+            except ImportError:
+                import torch
+
+                raise ValueError(f"strategy='fsdp' needs torch >= 2.6 "
+                                 f"(torch.distributed.fsdp.fully_shard); this is torch "
+                                 f"{torch.__version__}") from None
+        else:
+            for name, value in (("fsdp_wrap", wrap), ("fsdp_cpu_offload",
+                                                      self.getFsdpCpuOffload() or None)):
+                if value is not None:
+                    raise ValueError(f"{name} is for strategy='fsdp'; strategy is "
+                                     f"{strategy!r}")
+        for name, rule in (("fsdp_wrap", wrap),
+                           ("activation_checkpointing", self.getActivationCheckpointing())):
+            if isinstance(rule, list):
+                missing = [c.__name__ for c in rule
+                           if not any(isinstance(m, c) for m in model.modules())]
+                if missing:
+                    raise ValueError(f"{name}: the model has no submodule of class "
+                                     f"{', '.join(missing)}")
+        if self.getActivationCheckpointing() is True and not torch_sharding.blocks(model, wrap):
+            size = wrap if isinstance(wrap, int) else torch_sharding.DEFAULT_MIN_PARAMS
+            raise ValueError(f"activation_checkpointing=True recomputes the blocks fsdp_wrap "
+                             f"picks, and this model has none (no submodule with >= {size:,} "
+                             f"parameters); pass the classes to recompute, e.g. "
+                             f"activation_checkpointing=[torch.nn.Linear]")
 
     def _built_elsewhere(self, name: str) -> bool:
         return name == "loss" and self.getLossConstructors() is not None
@@ -237,7 +279,9 @@ class TorchEstimator(EstimatorBase, TorchParams):
         metrics = flat_metrics(self.getMetrics())
         # The 7th item holds the objects Horovod's params add (read with .get on the worker).
         extras = {"loss_constructors": self.getLossConstructors(),
-                  "train_minibatch_fn": self.getTrainMinibatchFn()}
+                  "train_minibatch_fn": self.getTrainMinibatchFn(),
+                  "fsdp_wrap": self.getFsdpWrap(),
+                  "activation_checkpointing": self.getActivationCheckpointing()}
         try:
             return dumps((self.getModel(), self.getOptimizer(), self.getLoss(),
                           metrics, self.getCallbacks(), self.getTransformationFn(), extras))
@@ -266,7 +310,8 @@ class TorchEstimator(EstimatorBase, TorchParams):
             verbose=self.getVerbose(), input_shapes=self.getInputShapes(),
             label_shapes=self.getLabelShapes(), loss_weights=self.getLossWeights(),
             gradient_compression=compat.compression_name(self.getGradientCompression()),
-            backend_env=self.getBackendEnv(), **compat.reader_options(self), **where)
+            backend_env=self.getBackendEnv(), strategy=self.getStrategy(),
+            fsdp_cpu_offload=self.getFsdpCpuOffload(), **compat.reader_options(self), **where)
 
     def _check_on_batch(self, batch: Dict[str, Any]) -> None:
         """Preflight (see :mod:`.preflight`): one validation step on ``batch`` on the CPU."""
@@ -460,28 +505,59 @@ class TorchModel(ModelBase):
 
     def _predict_fn_factory(self) -> Callable[[], Callable]:
         return functools.partial(_make_predictor, self._framework_files(),
-                                 self.getInputShapes())
+                                 self.getInputShapes(), self.getUseGpu())
+
+
+def predict_device(address: Optional[str]) -> Any:
+    """The ``torch.device`` to predict on for the task's GPU ``address`` (``None``: CPU); a
+    ``RuntimeError`` when torch cannot use that GPU (as training's ``select_device``)."""
+    import torch
+
+    from sparktrain.launch.gpus import cuda_ordinal
+
+    if address is None:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"Spark assigned GPU {address} to this prediction task, but torch "
+                           f"{torch.__version__} cannot use CUDA here; install a CUDA build of "
+                           f"torch on the executors, or call setUseGpu(False) on the model to "
+                           f"predict on the CPU")
+    # by ordinal, not CUDA_VISIBLE_DEVICES: CUDA may already be initialised in this reused worker
+    return torch.device("cuda", cuda_ordinal(address, torch.cuda.device_count(), "torch"))
 
 
 def _make_predictor(files: Dict[str, bytes],
-                    input_shapes: Optional[List[List[int]]] = None) -> Callable:
+                    input_shapes: Optional[List[List[int]]] = None,
+                    use_gpu: Optional[bool] = None) -> Callable:
     """Executor side, once per Python worker: load the module and return ``predict``
-    (features reshaped to ``input_shapes`` when given, as in training)."""
+    (features reshaped to ``input_shapes`` when given, as in training) on the GPU Spark gave the
+    task (see ``use_gpu``), chosen per call: a reused worker's later task may hold another."""
+    import contextlib
+
     import numpy as np
     import torch
     from pyspark import TaskContext
 
+    from sparktrain.launch.gpus import task_gpu
+
     module = _load_module(files["architecture.pkl"], files["weights.pt"])
+    placed = {torch.device("cpu"): module}  # the module on each device used so far
     context = TaskContext.get()
     if context is not None:
         torch.set_num_threads(max(1, context.cpus()))
 
     def predict(features: List[np.ndarray]) -> List[np.ndarray]:
-        tensors = [torch.from_numpy(f) for f in features]
+        device = predict_device(task_gpu(use_gpu))
+        if device not in placed:
+            placed[device] = copy.deepcopy(module).to(device)
+        tensors = [torch.from_numpy(f).to(device) for f in features]
         if input_shapes:
             tensors = [t.reshape(shape) for t, shape in zip(tensors, input_shapes)]
-        with torch.inference_mode():
-            result = module(*tensors)
+        # the current CUDA device too, for modules that make tensors on "cuda" themselves
+        current = torch.cuda.device(device) if device.type == "cuda" \
+            else contextlib.nullcontext()
+        with torch.inference_mode(), current:
+            result = placed[device](*tensors)
         outputs = list(result) if isinstance(result, (list, tuple)) else [result]
         return [o.detach().cpu().float().numpy() for o in outputs]
 

@@ -73,6 +73,8 @@ class TorchTrainSpec:
     backend_env: Dict[str, str] = field(default_factory=dict, repr=False)
     train_prefetch: int = 2  # row groups the readers decode ahead
     val_prefetch: int = 2
+    strategy: str = "ddp"  # or "fsdp": see sparktrain.estimators.torch_sharding
+    fsdp_cpu_offload: bool = False
 
 
 def select_device(ctx: RankContext, use_gpu: bool) -> torch.device:
@@ -246,7 +248,9 @@ class _Step:
         scaled = loss / group if group > 1 else loss
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
-        # DDP all-reduces gradients in backward: skip that until the group's last batch.
+        # DDP all-reduces gradients in backward: skip that until the group's last batch. An
+        # FSDP2 module has no no_sync: it reduce-scatters every pass and accumulates sharded
+        # gradients (more traffic, but no full-size gradients held between passes).
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") \
             else model.no_sync()
         with sync:
@@ -392,11 +396,60 @@ def _format_epoch(epoch: int, epochs: int, logs: Dict[str, float], seconds: floa
     return f"epoch {epoch + 1}/{epochs}  {values}  ({seconds:.1f}s)"
 
 
-def _checkpoint_bytes(model: torch.nn.Module, optimizer: Any) -> bytes:
+def _checkpoint_bytes(weights: Dict[str, torch.Tensor], optimizer_state: Any) -> bytes:
     buffer = io.BytesIO()
-    torch.save({"model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                "optimizer": optimizer.state_dict()}, buffer)
+    torch.save({"model": weights, "optimizer": optimizer_state}, buffer)
     return buffer.getvalue()
+
+
+class _Replicated:
+    """The model whole on every rank (``strategy="ddp"``, and Horovod): rank 0's copy is
+    the state."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    @staticmethod
+    def reshard(model: torch.nn.Module) -> None:
+        """Nothing to free: the model is whole everywhere."""
+
+    def full_state(self, model: torch.nn.Module, optimizer: Any = None
+                   ) -> Tuple[Dict[str, torch.Tensor], Any]:
+        if self.rank != 0:
+            return {}, None
+        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        return weights, optimizer.state_dict() if optimizer is not None else None
+
+
+def _hold(spec: TorchTrainSpec, dist: Any, model: torch.nn.Module, optimizer: Any,
+          device: torch.device, extras: Dict[str, Any]) -> Tuple[Any, torch.nn.Module, Any]:
+    """Place the model for training by ``spec.strategy``: ``(holder, module to train,
+    optimizer)``; ``holder.full_state`` gives the checkpointed state."""
+    from sparktrain.estimators import torch_sharding
+
+    wrap = extras.get("fsdp_wrap")
+    recompute = extras.get("activation_checkpointing")
+    if recompute:
+        chosen = torch_sharding.blocks(model, wrap if recompute is True else recompute)
+        torch_sharding.checkpoint_activations(chosen)
+    if spec.strategy == "fsdp":
+        holder = torch_sharding.FullySharded(
+            device, wrap, mixed_precision=_autocast_dtype(spec),
+            reduce_fp16=spec.gradient_compression == "fp16",
+            cpu_offload=spec.fsdp_cpu_offload and device.type == "cuda")
+        with user_code("rebuilding the optimizer over the sharded parameters"):
+            model, optimizer = holder.wrap(model, optimizer)
+        return holder, model, optimizer
+    model.to(device)
+    for state in optimizer.state.values():  # optimizer state (e.g. Adam moments) follows
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device)
+    compression = {"compression": spec.gradient_compression} if spec.gradient_compression else {}
+    trained, optimizer = dist.wrap(model, optimizer,
+                                   backward_passes_per_step=spec.backward_passes_per_step,
+                                   **compression)
+    return _Replicated(dist.rank), trained, optimizer
 
 
 def _agree_on(dist: Any, device: torch.device, resume: Optional[Checkpoint]) -> None:
@@ -423,6 +476,16 @@ def _restore(checkpoint: bytes, model: torch.nn.Module, optimizer: Any) -> None:
 
 def _autocast_dtype(spec: TorchTrainSpec) -> Optional[torch.dtype]:
     return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.mixed_precision]
+
+
+def _grad_scaler(spec: TorchTrainSpec, device: torch.device) -> Any:
+    """fp16's loss scaler. Sharded gradients need every rank to agree on whether to skip a
+    step: FSDP's ``ShardedGradScaler`` all-reduces the inf/NaN check, ``GradScaler`` does not."""
+    if spec.strategy == "fsdp":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
 
 
 def _stop_votes(dist: Any, device: torch.device, vote: bool) -> bool:
@@ -480,18 +543,9 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
             factor = ctx.world_size * spec.backward_passes_per_step
             for group in optimizer.param_groups:
                 group["lr"] = group["lr"] * factor
-        model.to(device)
-        for state in optimizer.state.values():  # optimizer state (e.g. Adam moments) follows
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and key != "step":
-                    state[key] = value.to(device)
-        compression = {"compression": spec.gradient_compression} \
-            if spec.gradient_compression else {}
-        ddp_model, optimizer = dist.wrap(model, optimizer,
-                                         backward_passes_per_step=spec.backward_passes_per_step,
-                                         **compression)
+        holder, ddp_model, optimizer = _hold(spec, dist, model, optimizer, device, extras)
         autocast = _autocast_dtype(spec)
-        scaler = torch.amp.GradScaler(device.type) if autocast == torch.float16 else None
+        scaler = _grad_scaler(spec, device) if autocast == torch.float16 else None
         step_rule = _Step(optimizer, spec.backward_passes_per_step, scaler,
                           minibatch_fn=extras.get("train_minibatch_fn"),
                           keep_label_shapes=bool(spec.label_shapes))
@@ -540,6 +594,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
                     ddp_model, batches(val_reader, 0, spec.val_steps), val_steps, to_tensors,
                     compute_loss, metric_fns, spec.label_cols, autocast=autocast)
                 logs.update(_averaged(dist, val_sums, names, "val_"))
+                holder.reshard(model)
             if not all(math.isfinite(v) for v in logs.values()):
                 raise mark_user_error(FloatingPointError(
                     f"non-finite metrics at epoch {epoch + 1}: {logs}; lower the learning "
@@ -557,10 +612,13 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
                     with user_code(f"callback {type(callback).__name__}.on_epoch_end"):
                         asked.append(bool(callback.on_epoch_end(epoch, dict(logs))))
             late = spec.deadline is not None and time.time() >= spec.deadline
-            if ctx.rank == 0 and checkpoints is not None:
-                checkpoints.write(epoch + 1, _checkpoint_bytes(model, optimizer),
-                                  {"history": history, "output_shapes": shapes,
-                                   "attempts": attempts, "framework": "torch"})
+            if checkpoints is not None:
+                state = holder.full_state(model, optimizer)  # with fsdp, every rank gathers
+                if ctx.rank == 0:
+                    checkpoints.write(epoch + 1, _checkpoint_bytes(*state),
+                                      {"history": history, "output_shapes": shapes,
+                                       "attempts": attempts, "framework": "torch",
+                                       "strategy": spec.strategy})
             if epoch + 1 < spec.epochs and _stop_votes(dist, device, any(asked) or late):
                 stop_reason = "callback" if any(asked) else "max_time"
                 if ctx.rank == 0:
@@ -572,10 +630,11 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
             if hasattr(callback, "on_train_end"):
                 with user_code(f"callback {type(callback).__name__}.on_train_end"):
                     callback.on_train_end(model)
+        weights, _ = holder.full_state(model)
         if ctx.rank != 0:
             return None
         buffer = io.BytesIO()
-        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buffer)
+        torch.save(weights, buffer)
         return {"weights": buffer.getvalue(), "history": history, "output_shapes": shapes,
                 "stop_reason": stop_reason, "attempts": attempts}
     finally:

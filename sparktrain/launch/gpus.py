@@ -63,15 +63,58 @@ def check_gpu_conf(conf: Dict[str, str], master: str, use_gpu: Optional[bool]) -
     return True
 
 
-def rank_gpu(resources: Dict[str, List[str]], use_gpu: bool) -> Optional[str]:
-    """The GPU address this rank trains on (the first Spark assigned), or ``None`` for CPU."""
+def rank_gpu(resources: Dict[str, List[str]], use_gpu: Optional[bool]) -> Optional[str]:
+    """The GPU address this task runs on (the first Spark assigned), or ``None`` for CPU.
+
+    ``use_gpu``: ``True`` requires a GPU (``RuntimeError`` without one), ``False`` means CPU,
+    ``None`` (inference: the task decides) the task's GPU when it has one. Training passes
+    the bool :func:`check_gpu_conf` resolved on the driver.
+
+    Example: ``rank_gpu({"gpu": ["1"]}, None) == "1"``; ``rank_gpu({}, None) is None``.
+    """
     gpus = resources.get("gpu", [])
-    if not use_gpu:
+    if use_gpu is False or (use_gpu is None and not gpus):
         return None
     if not gpus:
-        raise RuntimeError(f"use_gpu is on but Spark assigned no GPU to this task; set "
-                           f"{TASK_GPUS} and {EXECUTOR_GPUS}")
+        raise RuntimeError(f"use_gpu=True but Spark assigned no GPU to this task; set "
+                           f"{TASK_GPUS}=1 and {EXECUTOR_GPUS} (with "
+                           f"spark.executor.resource.gpu.discoveryScript), give the stage a "
+                           f"ResourceProfile with GPUs, or use_gpu=False for the CPU")
     return gpus[0]
+
+
+def task_gpu(use_gpu: Optional[bool]) -> Optional[str]:
+    """The GPU address the running Spark task predicts on (:func:`rank_gpu` of its
+    ``TaskContext.resources()``), or ``None``: the CPU, and always outside a Spark task (a
+    driver-side probe). Asked per batch: a reused Python worker runs tasks that may hold
+    different GPUs."""
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    if context is None:
+        return None
+    resources = {name: list(info.addresses) for name, info in context.resources().items()}
+    return rank_gpu(resources, use_gpu)
+
+
+def cuda_ordinal(address: str, visible: int, framework: str) -> int:
+    """Spark's GPU ``address`` as a CUDA device ordinal among ``visible`` GPUs, or a
+    ``RuntimeError`` saying why it cannot be one.
+
+    Spark's discovery script reports ``nvidia-smi`` indices (PCI bus order); CUDA numbers
+    devices fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (CUDA programming guide,
+    environment variables); on hosts with identical GPUs the two orders usually agree, set
+    ``spark.executorEnv.CUDA_DEVICE_ORDER=PCI_BUS_ID`` to be sure.
+    """
+    if not address.isdigit():
+        raise RuntimeError(f"Spark assigned GPU {address!r} to this task; sparktrain expects "
+                           f"the discovery script to report CUDA device ordinals (0, 1, ...)")
+    if int(address) >= visible:
+        raise RuntimeError(f"Spark assigned GPU {address} to this task, but {framework} sees "
+                           f"{visible} GPU(s) here: the discovery script's addresses must be "
+                           f"CUDA device ordinals of this executor (check CUDA_VISIBLE_DEVICES "
+                           f"and set CUDA_DEVICE_ORDER=PCI_BUS_ID in spark.executorEnv)")
+    return int(address)
 
 
 def gpu_environment(address: Optional[str]) -> Dict[str, str]:
