@@ -21,7 +21,8 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 
-def parse_args(argv: Sequence[str], doc: str, backends: Sequence[str]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str], doc: str, backends: Sequence[str],
+               strategies: Sequence[str] = ()) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=doc.split("\n")[1], epilog=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group()
@@ -55,6 +56,10 @@ def parse_args(argv: Sequence[str], doc: str, backends: Sequence[str]) -> argpar
                    help="train on the GPUs Spark assigns to tasks (auto: when tasks have GPUs)")
     p.add_argument("--backend", choices=list(backends), default=backends[0],
                    help=f"distributed engine (default: {backends[0]})")
+    if strategies:
+        p.add_argument("--strategy", choices=list(strategies), default=strategies[0],
+                       help=f"how ranks hold the model (default: {strategies[0]}; fsdp: "
+                            f"sharded across ranks)")
     session = p.add_mutually_exclusive_group()
     session.add_argument("--master", default=None,
                          help="Spark master when not set by spark-submit (default: local[*])")

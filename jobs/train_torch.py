@@ -2,7 +2,7 @@
 """Train an MLP on a Spark DataFrame with sparktrain's TorchEstimator (spark-submit entry point).
 
     # the demo: scikit-learn's bundled digits, 2 ranks on embedded Spark, no download
-    python jobs/train_torch.py --demo [--backend horovod]
+    python jobs/train_torch.py --demo [--backend horovod | --strategy fsdp]
 
     # your data: a Parquet path or a table, feature and label columns
     spark-submit --master yarn jobs/train_torch.py --input hdfs:///data/train.parquet \\
@@ -51,11 +51,13 @@ def build_estimator(args, n_in: int, n_out: int, store: str):
         metrics=[accuracy] if classification else [], feature_cols=["features"],
         label_cols=[args.label_col], batch_size=args.batch_size, epochs=args.epochs,
         validation=args.validation or None, random_seed=args.seed, store=store, verbose=1,
-        backend=args.backend, use_gpu=use_gpu(args), **run_options(args))
+        backend=args.backend, strategy=args.strategy, use_gpu=use_gpu(args),
+        **run_options(args))
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    args = parse_args(list(argv), __doc__, backends=["torch", "horovod"])
+    args = parse_args(list(argv), __doc__, backends=["torch", "horovod"],
+                      strategies=["ddp", "fsdp"])
     return run(args, build_estimator, "sparktrain-train-torch")
 
 

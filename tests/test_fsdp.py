@@ -140,10 +140,21 @@ def test_activation_checkpointing_recomputes_blocks(spark, digits, store, tmp_pa
     assert counts == {"fsdp": [10, 10], "ddp": [10, 10]}
 
 
-def test_fsdp_bf16_trains(spark, digits, store):
+@pytest.mark.parametrize("precision", [dict(mixed_precision="bf16"),
+                                       dict(gradient_compression="fp16")])
+def test_fsdp_reduced_precision_trains(spark, digits, store, precision):
+    # bf16: blocks gathered and computed in bf16 (FSDP's policy + autocast); fp16 compression:
+    # gradients reduce-scattered in float16
     train, test = digits
-    model = _estimator(store, mixed_precision="bf16", epochs=4).fit(train)
+    model = _estimator(store, epochs=4, **precision).fit(train)
     assert _accuracy(model, test) >= 0.85
+
+
+def test_cpu_offload_on_cpu_ranks_warns_and_trains(spark, digits, store):
+    train, _ = digits
+    with pytest.warns(UserWarning, match="fsdp_cpu_offload"):
+        model = _estimator(store, epochs=1, fsdp_cpu_offload=True).fit(train)
+    assert len(model.getHistory()["loss"]) == 1
 
 
 @pytest.mark.slow
@@ -175,3 +186,12 @@ def test_bad_strategy_configurations_fail_before_launch(spark, digits, store):
             _estimator(store, **overrides).fit(train)
     with pytest.raises(ValueError, match="strategy must be one of"):
         _estimator(store, strategy="zero3")
+
+
+def test_a_ddp_run_resumes_under_fsdp(spark, digits, store):
+    train, test = digits
+    _estimator(store, strategy="ddp", run_id="ddp-then-fsdp", epochs=2).fit(train)
+    model = _estimator(store, run_id="ddp-then-fsdp", epochs=4).fit(train)
+    latest = Checkpoints(Store.create(store).run_path("ddp-then-fsdp")).latest()
+    assert [(a["attempt"], a["start_epoch"]) for a in latest.meta["attempts"]] == [(0, 0), (0, 2)]
+    assert len(model.getHistory()["loss"]) == 4 and _accuracy(model, test) >= 0.9

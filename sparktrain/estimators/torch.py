@@ -22,6 +22,7 @@ import copy
 import functools
 import inspect
 import io
+import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 import cloudpickle
@@ -91,7 +92,11 @@ class TorchEstimator(EstimatorBase, TorchParams):
     -> bool | None`` (``True`` stops training).
     ``backend`` is ``"torch"`` (``torch.distributed`` DDP: gloo on CPU, NCCL on GPU) or
     ``"horovod"`` (Horovod over Gloo, ``hvd.DistributedOptimizer``; see
-    :mod:`sparktrain.launch.horovod_torch`).
+    :mod:`sparktrain.launch.horovod_torch`). ``strategy="fsdp"`` (``backend="torch"``) shards
+    parameters, gradients and optimizer state across ranks with FSDP2 (``fsdp_wrap``,
+    ``fsdp_cpu_offload``; see :mod:`sparktrain.estimators.torch_sharding`);
+    ``activation_checkpointing`` recomputes blocks' activations in backward, with either
+    strategy.
 
     Horovod's params (all of ``horovod.spark.torch.TorchEstimator``'s are taken):
 
@@ -342,6 +347,10 @@ class TorchEstimator(EstimatorBase, TorchParams):
                                    ("label_shapes", self.getLabelShapes(), self.getLabelCols())):
             compat.check_shapes_fit(name, shapes, [(c, sizes.get(c)) for c in cols])
         compat.warn_ignored(self)  # once per fit: Horovod params without an equivalent
+        if self.getFsdpCpuOffload() and not run.use_gpu:
+            warnings.warn("fsdp_cpu_offload=True is ignored: the ranks train on CPUs, where "
+                          "parameter shards already live in CPU memory", UserWarning,
+                          stacklevel=3)
         spec = self._train_spec(run)
         with run.shipped(self._payload()) as (payload, where):
             results = run_barrier(run.spark, self.getNumProc(),

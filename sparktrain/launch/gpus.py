@@ -10,6 +10,8 @@ first GPU Spark gave it:
 * ``spark.task.resource.gpu.amount`` must be a whole number >= 1. A fraction would put several
   ranks on one GPU, which NCCL refuses; more than 1 gives the rank several GPUs, of which it
   uses the first (the others stay idle: use more ranks instead).
+* Prediction (``TorchModel``/``KerasModel.transform``) asks each task: :func:`task_gpu`, with
+  the model's ``use_gpu``; any task GPU amount works there (fractions share a GPU).
 
 Example::
 
