@@ -195,3 +195,13 @@ def test_a_ddp_run_resumes_under_fsdp(spark, digits, store):
     latest = Checkpoints(Store.create(store).run_path("ddp-then-fsdp")).latest()
     assert [(a["attempt"], a["start_epoch"]) for a in latest.meta["attempts"]] == [(0, 0), (0, 2)]
     assert len(model.getHistory()["loss"]) == 4 and _accuracy(model, test) >= 0.9
+
+
+def test_estimator_with_strategy_params_saves_and_loads(spark, store, tmp_path):
+    import torch
+
+    est = _estimator(store, fsdp_wrap=[torch.nn.Linear], activation_checkpointing=True)
+    est.write().overwrite().save(str(tmp_path / "est"))
+    loaded = TorchEstimator.load(str(tmp_path / "est"))
+    assert loaded.getStrategy() == "fsdp" and loaded.getFsdpWrap() == [torch.nn.Linear]
+    assert loaded.getActivationCheckpointing() is True

@@ -534,7 +534,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         return source if transform is None else (_transformed(transform, b) for b in source)
 
     dist = load_backend(TORCH_BACKENDS, spec.backend)(ctx, device)
-    ddp_model = board = None
+    trained = board = None
     try:
         _agree_on(dist, device, resume)
         if resume is not None:
@@ -543,7 +543,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
             factor = ctx.world_size * spec.backward_passes_per_step
             for group in optimizer.param_groups:
                 group["lr"] = group["lr"] * factor
-        holder, ddp_model, optimizer = _hold(spec, dist, model, optimizer, device, extras)
+        holder, trained, optimizer = _hold(spec, dist, model, optimizer, device, extras)
         autocast = _autocast_dtype(spec)
         scaler = _grad_scaler(spec, device) if autocast == torch.float16 else None
         step_rule = _Step(optimizer, spec.backward_passes_per_step, scaler,
@@ -585,13 +585,13 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
             started = time.perf_counter()
             reporter = _StepReporter(ctx, epoch, train_steps) if lead else None
             sums, names, shapes = _run_epoch(
-                ddp_model, batches(train_reader, epoch, spec.train_steps), train_steps,
+                trained, batches(train_reader, epoch, spec.train_steps), train_steps,
                 to_tensors, compute_loss, metric_fns, spec.label_cols, step_rule, autocast,
                 reporter)
             logs = _averaged(dist, sums, names, "")
             if val_reader is not None:
                 val_sums, names, _ = _run_epoch(
-                    ddp_model, batches(val_reader, 0, spec.val_steps), val_steps, to_tensors,
+                    trained, batches(val_reader, 0, spec.val_steps), val_steps, to_tensors,
                     compute_loss, metric_fns, spec.label_cols, autocast=autocast)
                 logs.update(_averaged(dist, val_sums, names, "val_"))
                 holder.reshard(model)
@@ -640,7 +640,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     finally:
         if board is not None:
             board.close()
-        ddp_model = None  # the DDP reducer holds the process group: release it first
+        trained = None  # a DDP reducer holds the process group: release it first
         dist.close()
 
 
