@@ -214,3 +214,26 @@ def test_prediction_tasks_use_the_gpu_spark_assigns(tmp_path):
     # use_gpu=False, or a stage profile without GPUs: the CPU, same predictions as the driver
     for name in ("torch_cpu", "torch_profile_without_gpu", "keras_cpu"):
         assert report[name].get("max_error", 1) < 1e-5, (name, report[name])
+
+
+def test_a_changed_model_is_not_served_from_a_workers_cache(spark):
+    """Executors keep a predictor per model; new weights (setModel, or changed in place)
+    must predict with the new weights in the same reused Python worker."""
+    import torch
+
+    from sparktrain import TorchModel
+
+    net = torch.nn.Linear(2, 1)
+    df = spark.createDataFrame([([1.0, 2.0],)], "features array<double>")
+    model = TorchModel(model=net, feature_columns=["features"], label_columns=["y"])
+    model._output_shapes = [[1]]
+    before = model.transform(df).first()["y__output"]
+    with torch.no_grad():
+        net.bias += 10.0  # in place
+    after = model.transform(df).first()["y__output"]
+    assert after == pytest.approx(before + 10.0, abs=1e-4)
+    replaced = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        replaced.weight.zero_()
+        replaced.bias.fill_(-3.0)
+    assert model.setModel(replaced).transform(df).first()["y__output"] == pytest.approx(-3.0)

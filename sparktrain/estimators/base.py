@@ -9,6 +9,7 @@ per Python worker and predicts whole Arrow batches, never row by row.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -17,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import cloudpickle
 import pandas as pd
 from pyspark.ml import Estimator, Model
 from pyspark.ml.functions import vector_to_array
@@ -273,7 +275,6 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
         self._history: Dict[str, List[float]] = {}
         self._columns: List[ColumnSpec] = []
         self._output_shapes: List[List[int]] = []
-        self._token = uuid.uuid4().hex  # names this model's weights in the worker-side cache
 
     # -- framework hooks ------------------------------------------------------------------------
     def _predict_fn_factory(self) -> Callable[[], Callable[[List[Any]], List[Any]]]:
@@ -385,9 +386,11 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
             raise ValueError(f"output columns {clash} already exist in the DataFrame; choose "
                              f"others with setOutputCols")
         types = [self._output_type(shape) for shape in self._output_shapes]
-        # use_gpu in the key: a worker's cached predictor must not outlive a setUseGpu
-        udf = _prediction_udf(f"{self._token}/use_gpu={self.getUseGpu()}",
-                              self._predict_fn_factory(), specs, types, self.getBatchSize())
+        factory = self._predict_fn_factory()
+        # A worker keeps a predictor per key: keyed by what the factory holds (weights,
+        # use_gpu, shapes), it never outlives setModel, setUseGpu or weights changed in place.
+        key = hashlib.sha1(cloudpickle.dumps(factory)).hexdigest()
+        udf = _prediction_udf(key, factory, specs, types, self.getBatchSize())
         prediction = udf(*[_feature_expr(s) for s in specs])
         if len(outputs) == 1:
             return _with_profile(dataset.withColumn(outputs[0], prediction),
