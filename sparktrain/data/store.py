@@ -274,13 +274,15 @@ class StoredBytes:
     Example::
 
         payload = StoredBytes.put(store.path("runs", run_id, "payload.pkl"), data)
-        payload.value      # on an executor: the bytes, read from the store once
+        payload.value      # on an executor: the bytes, read from the store
+
+    ``value`` is read on each access and not kept: a rank unpickles it once, and a copy kept
+    for the whole fit would cost as much memory as the model.
     """
 
     def __init__(self, url: str, storage_options: Optional[Dict[str, Any]] = None) -> None:
         self.url = url
         self._storage_options = dict(storage_options or {})
-        self._value: Optional[bytes] = None
 
     @classmethod
     def put(cls, url: str, data: bytes,
@@ -292,10 +294,8 @@ class StoredBytes:
 
     @property
     def value(self) -> bytes:
-        if self._value is None:
-            fs, path = filesystem(self.url, self._storage_options)
-            self._value = fs.cat_file(path)
-        return self._value
+        fs, path = filesystem(self.url, self._storage_options)
+        return fs.cat_file(path)
 
     def delete(self) -> None:
         fs, path = filesystem(self.url, self._storage_options)
@@ -305,7 +305,7 @@ class StoredBytes:
             pass
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {"url": self.url, "_storage_options": self._storage_options, "_value": None}
+        return {"url": self.url, "_storage_options": self._storage_options}
 
     def __repr__(self) -> str:
         return f"StoredBytes({self.url!r})"

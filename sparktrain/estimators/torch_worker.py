@@ -512,6 +512,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     with user_code("unpickling the model, optimizer, loss, metrics and callbacks on the "
                    "executor (its Python needs the modules and versions they were made with)"):
         model, optimizer, loss, metrics, callbacks, transform, *more = cloudpickle.loads(blob)
+    del blob  # as large as the model: not kept through the fit
     extras: Dict[str, Any] = more[0] if more else {}  # Horovod's loss_constructors, minibatch fn
     callbacks = list(callbacks or [])
     checkpoints = Checkpoints(spec.run_path, spec.storage_options) if spec.run_path else None
@@ -613,12 +614,14 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
                         asked.append(bool(callback.on_epoch_end(epoch, dict(logs))))
             late = spec.deadline is not None and time.time() >= spec.deadline
             if checkpoints is not None:
-                state = holder.full_state(model, optimizer)  # with fsdp, every rank gathers
+                # with fsdp every rank gathers; the full copy is rank 0's only until written
+                checkpoint = _checkpoint_bytes(*holder.full_state(model, optimizer))
                 if ctx.rank == 0:
-                    checkpoints.write(epoch + 1, _checkpoint_bytes(*state),
+                    checkpoints.write(epoch + 1, checkpoint,
                                       {"history": history, "output_shapes": shapes,
                                        "attempts": attempts, "framework": "torch",
                                        "strategy": spec.strategy})
+                del checkpoint
             if epoch + 1 < spec.epochs and _stop_votes(dist, device, any(asked) or late):
                 stop_reason = "callback" if any(asked) else "max_time"
                 if ctx.rank == 0:
