@@ -57,17 +57,6 @@ def _local_bytes(t: Any) -> int:
     return local.numel() * local.element_size()
 
 
-def _tensor_bytes(value: Any) -> int:
-    """Bytes of the tensors in ``value`` (nested dicts, lists, tuples); 0 for None."""
-    if hasattr(value, "element_size") and hasattr(value, "numel"):
-        return _local_bytes(value)
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
-
-
 class RankProbe:
     """A sparktrain callback (on_train_begin / on_epoch_end / on_train_end, run on every rank)
     measuring the rank's memory and speed; writes ``<out_dir>/<tag>-rank<r>.json`` at the end.
@@ -145,7 +134,7 @@ class RankProbe:
             "threads": torch.get_num_threads(), "param_bytes": held,
             "param_bytes_full": total, "rss_begin": self._process.memory_info().rss,
             "maxrss_begin": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "payload_bytes_held": self._payload_bytes(), "epochs": []}
+            "epochs": []}
         self._handles = [register_optimizer_step_post_hook(self._after_step),
                          model.register_forward_pre_hook(self._before_forward)]
         self._stop = threading.Event()
@@ -159,8 +148,7 @@ class RankProbe:
         self._record["epochs"].append({
             "epoch": epoch, "seconds": seconds, "rows": self._rows, "steps": self._steps,
             "step_seconds": [b - a for a, b in zip(ends, ends[1:])],
-            "peak_rss_steps": self._peaks.pop("steps", 0), "loss": logs.get("loss"),
-            "checkpoint_state_held_bytes": _tensor_bytes(self._train_local("state"))})
+            "peak_rss_steps": self._peaks.pop("steps", 0), "loss": logs.get("loss")})
         self._phase = "epoch_end"  # metrics all-reduce, checkpoint (rank 0), next epoch's setup
 
     def on_train_end(self, model: Any) -> None:
@@ -182,22 +170,6 @@ class RankProbe:
             json.dump(self._record, f)
         os.replace(path + ".part", path)
 
-    @staticmethod
-    def _train_local(name: str) -> Any:
-        """Diagnostic: a local variable of sparktrain's rank training function
-        (``torch_worker.train``, the caller of the callbacks), or None."""
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame.f_code.co_name == "train" and "blob" in frame.f_locals:
-                return frame.f_locals.get(name)
-            frame = frame.f_back
-        return None
-
-    def _payload_bytes(self) -> Optional[int]:
-        """Size of the pickled payload (model, optimizer, ...) the training function still
-        references (its ``blob``): held for the whole fit."""
-        blob = self._train_local("blob")
-        return None if blob is None else len(blob)
 
 
 # -- driver side --------------------------------------------------------------------------------
@@ -265,8 +237,6 @@ def rank_row(r: Dict[str, Any]) -> Dict[str, float]:
             "state": (r["param_bytes"] + step.get("optimizer_state_bytes", 0)) / MIB,
             "rss_begin": r["rss_begin"] / MIB, "peak_steps": r["peak_rss_steps"] / MIB,
             "peak_epoch_end": r["peak_rss_epoch_end"] / MIB, "maxrss": r["maxrss_end"] / MIB,
-            "payload": (r["payload_bytes_held"] or 0) / MIB,
-            "held_ckpt": max(e["checkpoint_state_held_bytes"] for e in r["epochs"]) / MIB,
             "samples_s": last["rows"] / last["seconds"] if last["seconds"] else 0.0,
             "samples_s_median": batch / median if median else 0.0,
             "step_s": median, "epoch_s": last["seconds"]}
@@ -277,8 +247,7 @@ COLUMNS = [("rank", "rank", "{:.0f}"), ("params", "params MiB", "{:.1f}"),
            ("state", "params+opt MiB", "{:.1f}"), ("rss_begin", "RSS at begin MiB", "{:.0f}"),
            ("peak_steps", "peak RSS steps MiB", "{:.0f}"),
            ("peak_epoch_end", "peak RSS epoch end MiB", "{:.0f}"),
-           ("maxrss", "ru_maxrss MiB", "{:.0f}"), ("payload", "payload held MiB", "{:.0f}"),
-           ("held_ckpt", "last checkpoint held MiB", "{:.0f}"),
+           ("maxrss", "ru_maxrss MiB", "{:.0f}"),
            ("samples_s", "samples/s (last epoch)", "{:.1f}"),
            ("step_s", "median step s", "{:.2f}"),
            ("samples_s_median", "samples/s (median step)", "{:.1f}")]
@@ -334,8 +303,8 @@ def ratio_lines(runs: Dict[str, Dict[str, Any]]) -> List[str]:
 
 RSS_NOTE = (
     "RSS is the whole rank process: interpreter, torch and pyarrow libraries, the Arrow reader, "
-    "the pickled payload (model + optimizer, read from the store; the rank keeps it for the "
-    "whole fit, column 'payload held'), the model as unpickled (whole on every rank: under "
+    "the pickled payload while it is unpickled (model + optimizer, read from the store), "
+    "the model as unpickled (whole on every rank: under "
     "fsdp it is sharded after unpickling, so ru_maxrss includes one full copy), DDP's gradient "
     "buckets (a second copy of the gradients; gradient_as_bucket_view is off), FSDP's "
     "all-gathered block and reduce-scatter buffers, activations, and memory glibc keeps after "
