@@ -85,11 +85,14 @@ class _Server:
             return
         error = os.path.join(self.workdir, "error.txt")
         if os.path.exists(error):
-            detail = open(error).read()
-        else:
+            failure = RuntimeError(f"the TensorFlow {self.role} process failed:\n"
+                                   f"{open(error).read()}")
+        else:  # killed: its output, then what happened (the line a summary shows)
             with open(os.path.join(self.workdir, "server.log")) as f:
-                detail = f"exit code {code}; its last output:\n" + f.read()[-4000:]
-        failure = RuntimeError(f"the TensorFlow {self.role} process failed:\n{detail}")
+                output = f.read()[-4000:]
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            failure = RuntimeError(f"its output:\n{output}\nthe TensorFlow {self.role} "
+                                   f"server process of this task stopped ({how})")
         user_error = os.path.join(self.workdir, USER_ERROR_FILE)
         if os.path.exists(user_error):
             raise mark_user_error(failure, open(user_error).read())
@@ -119,14 +122,20 @@ def _wait_for_coordinator(ctx: RankContext, server: _Server) -> None:
     """Join the coordinator's "done" ``allGather`` while watching the server child: if it dies
     first, raise (the stage fails and is retried) instead of waiting forever."""
     done = threading.Event()
+    failed: List[BaseException] = []
 
     def gather() -> None:
-        ctx.all_gather("")
+        try:
+            ctx.all_gather("")
+        except BaseException as exc:  # the stage was cancelled (another task failed)
+            failed.append(exc)
         done.set()
 
     threading.Thread(target=gather, daemon=True, name="sparktrain-ps-done").start()
     while not done.wait(0.2):
         server.check()
+    if failed:
+        raise failed[0]
 
 
 def run_ps_task(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gpu: bool) -> Any:
