@@ -98,7 +98,9 @@ def one_fit(spark, strategy: str, train, test, args, tmp: str, run: str) -> Dict
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    common.add_common_args(parser, FIGURES, "bench_parameter_server.json", fit_timeout=900)
+    common.add_common_args(parser, FIGURES, "bench_parameter_server.json", fit_timeout=900,
+                           connect=False)
+    parser.set_defaults(remote=None, connect=False)
     parser.set_defaults(master="local[4]", repeats=1)
     parser.add_argument("--epochs", type=int, default=10)
     args = common.parse_common(parser, argv, FIGURES)

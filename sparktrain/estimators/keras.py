@@ -106,6 +106,9 @@ class KerasEstimator(EstimatorBase, KerasParams):
     train step of sparktrain's own (Keras 3's ``model.fit`` fails under it,
     keras-team/keras#20585), so any Keras 3 model trains unchanged. ``backend="tfos"``: the same
     loop on a TensorFlowOnSpark cluster (:mod:`sparktrain.launch.tfos`).
+    ``strategy="parameter_server"`` with ``num_ps`` (``backend="tensorflow"``):
+    ``tf.distribute.ParameterServerStrategy``, ``num_ps`` tasks hold the variables, task 0
+    coordinates, the others train asynchronously (:mod:`sparktrain.launch.tf_parameter_server`).
 
     Horovod's params (all of ``horovod.spark.keras.KerasEstimator``'s are taken): each feature
     is reshaped to the model's input shape (as Horovod does), and each label to

@@ -7,7 +7,10 @@ of its own, the pattern TensorFlow documents for custom training with ``tf.distr
 user's model is re-loaded from its ``.keras`` file inside ``strategy.scope()`` (so its variables
 are mirrored), ``strategy.run`` computes per-row losses and gradients, the Keras optimizer
 all-reduces and applies them, and ``strategy.reduce`` sums the epoch's statistics over workers.
-The user's model needs no change.
+The user's model needs no change. With ``strategy="parameter_server"`` this process is the
+coordinator of a ``ParameterServerStrategy`` cluster instead, and the pieces that differ (the
+strategy, the workers' data, scheduled steps) come from :mod:`sparktrain.estimators.keras_ps`;
+ps and worker processes run :func:`~sparktrain.estimators.keras_ps.serve`.
 
 Conventions as for torch: one input per feature column (``(batch, 1)`` for scalars), labels
 reshaped to the output when they hold as many values, class indices for ``(batch, classes)``
