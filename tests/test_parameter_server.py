@@ -34,11 +34,13 @@ def ps_fit(tmp_path_factory):
     return _scenario("fit", tmp_path_factory.mktemp("ps-fit"))
 
 
+@pytest.mark.slow  # the shared local[3] fit: ~1-3 min with Spark and TF start-up
 def test_parameter_server_fit_reaches_accuracy_transforms_saves_loads(ps_fit):
     assert ps_fit["test_accuracy"] >= 0.9
     assert ps_fit["loaded_accuracy"] == ps_fit["test_accuracy"]
 
 
+@pytest.mark.slow  # the shared local[3] fit: ~1-3 min with Spark and TF start-up
 def test_parameter_server_validation_metrics_callbacks_history(ps_fit):
     history = ps_fit["history"]
     assert sorted(history) == ["accuracy", "loss", "val_accuracy", "val_loss"]
@@ -50,6 +52,7 @@ def test_parameter_server_validation_metrics_callbacks_history(ps_fit):
     assert ps_fit["tensorboard"] == ["train", "validation"]
 
 
+@pytest.mark.slow  # the shared local[3] fit: ~1-3 min with Spark and TF start-up
 def test_parameter_server_processes_stop_after_fit_and_failure(ps_fit):
     assert ps_fit["left_after_fit"] == []
     assert "transformation_fn failed on the worker" in ps_fit["failure"]
