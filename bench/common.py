@@ -201,6 +201,8 @@ def _num(value: Any, unit: str) -> str:
         return f"{value:,.0f} MiB"
     if unit == "ms":
         return f"{value:.2f} ms"
+    if unit == "accuracy":
+        return f"{value:.4f}"
     if unit.endswith("/s"):  # a rate: rows/s, samples/s
         return f"{value / 1e6:.2f}M {unit}" if value >= 1e5 else f"{value:,.0f} {unit}"
     return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"

@@ -29,10 +29,16 @@ OBJECT_PARAMS = ("model", "optimizer", "loss", "metrics", "callbacks", "store", 
 
 MIXED_PRECISION = ("bf16", "fp16")
 STRATEGIES = ("ddp", "fsdp")
+KERAS_STRATEGIES = ("multi_worker_mirrored", "parameter_server")
 
 
 def _to_strategy(value: Any) -> str:
     value = TypeConverters.toString(value)
+    if value == "parameter_server":
+        raise ValueError("strategy='parameter_server' is a KerasEstimator strategy "
+                         "(TensorFlow's ParameterServerStrategy); TorchEstimator's strategies "
+                         f"are {STRATEGIES}: 'ddp' to replicate the model, 'fsdp' to shard "
+                         "parameters and optimizer state across ranks")
     if value not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES} (replicated or sharded data "
                          f"parallel), found {value!r}")
@@ -467,6 +473,22 @@ class TorchParams(Params):
         return self.getOrDefault(self.train_minibatch_fn)
 
 
+def _to_keras_strategy(value: Any) -> str:
+    value = TypeConverters.toString(value)
+    if value not in KERAS_STRATEGIES:
+        hint = " (TorchEstimator's strategies; Keras trains data parallel with " \
+               "'multi_worker_mirrored')" if value in STRATEGIES else ""
+        raise ValueError(f"strategy must be one of {KERAS_STRATEGIES}, found {value!r}{hint}")
+    return value
+
+
+def _to_num_ps(value: Any) -> int:
+    value = TypeConverters.toInt(value)
+    if value < 1:
+        raise ValueError(f"num_ps must be at least 1 (parameter servers), found {value}")
+    return value
+
+
 class KerasParams(Params):
     """Params only ``KerasEstimator`` has (Horovod's ``horovod.spark.keras.KerasEstimator``)."""
 
@@ -475,10 +497,25 @@ class KerasParams(Params):
     checkpoint_callback = Param(Params._dummy(), "checkpoint_callback",
                                 "a keras.callbacks.ModelCheckpoint: with save_best_only=True "
                                 "the fitted model is the best epoch's by its monitor and mode")
+    strategy = Param(Params._dummy(), "strategy",
+                     "'multi_worker_mirrored' (every task a synchronous replica, "
+                     "MultiWorkerMirroredStrategy) or 'parameter_server' (num_ps tasks hold "
+                     "the variables, one coordinates, the rest train asynchronously; "
+                     "ParameterServerStrategy, backend='tensorflow' only)", _to_keras_strategy)
+    num_ps = Param(Params._dummy(), "num_ps",
+                   "with strategy='parameter_server', how many of the num_proc tasks are "
+                   "parameter servers (default 1; TensorFlowOnSpark's name)", _to_num_ps)
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(custom_objects={}, checkpoint_callback=None)
+        self._setDefault(custom_objects={}, checkpoint_callback=None,
+                         strategy="multi_worker_mirrored", num_ps=None)
+
+    def getStrategy(self) -> str:
+        return self.getOrDefault(self.strategy)
+
+    def getNumPs(self) -> Optional[int]:
+        return self.getOrDefault(self.num_ps)
 
     def getCustomObjects(self) -> Dict[str, Any]:
         return self.getOrDefault(self.custom_objects)

@@ -106,6 +106,9 @@ class KerasEstimator(EstimatorBase, KerasParams):
     train step of sparktrain's own (Keras 3's ``model.fit`` fails under it,
     keras-team/keras#20585), so any Keras 3 model trains unchanged. ``backend="tfos"``: the same
     loop on a TensorFlowOnSpark cluster (:mod:`sparktrain.launch.tfos`).
+    ``strategy="parameter_server"`` with ``num_ps`` (``backend="tensorflow"``):
+    ``tf.distribute.ParameterServerStrategy``, ``num_ps`` tasks hold the variables, task 0
+    coordinates, the others train asynchronously (:mod:`sparktrain.launch.tf_parameter_server`).
 
     Horovod's params (all of ``horovod.spark.keras.KerasEstimator``'s are taken): each feature
     is reshaped to the model's input shape (as Horovod does), and each label to
@@ -153,7 +156,8 @@ class KerasEstimator(EstimatorBase, KerasParams):
                  categorical_cols: Optional[List[str]] = None,
                  compress_sparse_cols: Optional[bool] = None,
                  transformation_edit_fields: Any = None,
-                 transformation_removed_fields: Any = None) -> None:
+                 transformation_removed_fields: Any = None, strategy: Optional[str] = None,
+                 num_ps: Optional[int] = None) -> None:
         super().__init__()
         self._setDefault(backend="tensorflow")
         self._set(**{k: v for k, v in self._input_kwargs.items() if v is not None})
@@ -219,6 +223,28 @@ class KerasEstimator(EstimatorBase, KerasParams):
             raise ValueError("mixed_precision is not a KerasEstimator param: a Keras model "
                              "carries its dtype policy; build it under "
                              "keras.mixed_precision.set_dtype_policy('mixed_bfloat16')")
+        self._check_strategy()
+
+    def _check_strategy(self) -> None:
+        """``strategy``, ``num_ps``, ``num_proc`` and ``backend`` fit together."""
+        num_ps, num_proc = self.getNumPs(), self.getNumProc()
+        if self.getStrategy() != "parameter_server":
+            if num_ps is not None:
+                raise ValueError(f"num_ps={num_ps} needs strategy='parameter_server' (found "
+                                 f"strategy={self.getStrategy()!r}, which has no parameter "
+                                 f"servers)")
+            return
+        if self.getBackend() != "tensorflow":
+            raise ValueError(f"strategy='parameter_server' needs backend='tensorflow', found "
+                             f"backend={self.getBackend()!r}: TensorFlowOnSpark runs its ps "
+                             f"nodes in a forked process stopped through its driver-side "
+                             f"shutdown, which sparktrain replaces (see the README)")
+        num_ps = num_ps or 1
+        if num_ps >= num_proc - 1:
+            raise ValueError(f"strategy='parameter_server' with num_proc={num_proc} tasks has "
+                             f"room for at most {max(num_proc - 2, 0)} parameter server(s) "
+                             f"(one task coordinates, at least one trains), found "
+                             f"num_ps={num_ps}; raise num_proc to at least {num_ps + 2}")
 
     def _payload(self) -> bytes:
         keras = _keras()
@@ -268,6 +294,7 @@ class KerasEstimator(EstimatorBase, KerasParams):
                 "label_shapes": self.getLabelShapes(), "loss_weights": self.getLossWeights(),
                 "backend_env": self.getBackendEnv(),
                 "best_model": checkpoint_settings(callback, self.getValidation()),
+                "strategy": self.getStrategy(), "num_ps": self.getNumPs() or 1,
                 **compat.reader_options(self), **self._loop_options(run)}
         compat.warn_ignored(self, ignored)
         launch = dict(description=f"sparktrain KerasEstimator {self.uid}",

@@ -7,7 +7,10 @@ of its own, the pattern TensorFlow documents for custom training with ``tf.distr
 user's model is re-loaded from its ``.keras`` file inside ``strategy.scope()`` (so its variables
 are mirrored), ``strategy.run`` computes per-row losses and gradients, the Keras optimizer
 all-reduces and applies them, and ``strategy.reduce`` sums the epoch's statistics over workers.
-The user's model needs no change.
+The user's model needs no change. With ``strategy="parameter_server"`` this process is the
+coordinator of a ``ParameterServerStrategy`` cluster instead, and the pieces that differ (the
+strategy, the workers' data, scheduled steps) come from :mod:`sparktrain.estimators.keras_ps`;
+ps and worker processes run :func:`~sparktrain.estimators.keras_ps.serve`.
 
 Conventions as for torch: one input per feature column (``(batch, 1)`` for scalars), labels
 reshaped to the output when they hold as many values, class indices for ``(batch, classes)``
@@ -224,7 +227,13 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
     from sparktrain.estimators.keras import loading_objects
 
     custom = loading_objects(keras, payload["custom_objects"])
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    ps = spec.get("strategy") == "parameter_server"  # this process is the coordinator
+    if ps:
+        from sparktrain.estimators import keras_ps
+
+        strategy, coordinator = keras_ps.make_strategy(tf)
+    else:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
     run_path = spec.get("run_path")
     checkpoints = Checkpoints(run_path, spec["storage_options"]) if run_path else None
     resume = checkpoints.latest() if checkpoints is not None else None
@@ -251,6 +260,8 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
                 raise TypeError("scale_learning_rate needs a constant learning rate, not a "
                                 "schedule; scale the schedule yourself")
             optimizer.learning_rate = float(optimizer.learning_rate) * world
+        if ps and not optimizer.built:  # its variables on the parameter servers too
+            optimizer.build(model.trainable_variables)
         with user_code("the loss"):
             loss_fn = per_row_loss(keras, payload["loss"])
     with user_code("the metrics"):
@@ -268,6 +279,14 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
     train_reader = reader("train", spec["batch_size"], spec["shuffle"])
     val_reader = reader("val", spec["val_batch_size"], False) if spec["layouts"].get("val") else None
     train_steps = spec.get("train_steps") or len(train_reader)
+    if ps:  # steps scheduled per epoch, over all workers: as many rows as the other strategy
+        workers = len(spec["ps_shards"])
+        rows = sum(s["rows"] for s in spec["ps_shards"])
+        train_steps = spec["train_steps"] * workers if spec.get("train_steps") else \
+            -(-rows // spec["batch_size"])
+        per_worker = iter(keras_ps.per_worker_dataset(tf, coordinator, spec["ps_shards"],
+                                                      spec["batch_size"], spec["shuffle"],
+                                                      spec.get("seed")))
     transform = payload.get("transformation_fn")
     n_stats = 2 + len(metrics) * len(labels)
 
@@ -299,11 +318,51 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
         return strategy.reduce(tf.distribute.ReduceOp.SUM,
                                strategy.run(tf.identity, args=(local,)), axis=None)
 
+    if ps:
+        @tf.function
+        def ps_train_step(iterator: Any) -> Any:
+            def replica(batch: Any) -> Any:
+                x, y = list(batch[0]), list(batch[1])
+                with tf.GradientTape() as tape:
+                    per_row, stats, _ = forward(x, y, batch[2] if len(batch) > 2 else None,
+                                                True)
+                    # each worker applies its own gradients: the mean over its batch
+                    loss = tf.reduce_sum(per_row) / tf.cast(tf.shape(per_row)[0], tf.float32)
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                return stats
+            return strategy.reduce(tf.distribute.ReduceOp.SUM,
+                                   strategy.run(replica, args=(next(iterator),)), axis=None)
+
+        # validation runs in the coordinator, reading the variables from the parameter servers
+        eval_step = tf.function(reduce_retracing=True)(
+            lambda x, y, w: forward(x, y, w, False)[1])
+
+        def sum_over_workers(local: Any) -> Any:  # one coordinator: its sums are the totals
+            return local
+
     def tensors(batch: Dict[str, np.ndarray]) -> Tuple[List[Any], List[Any], Any]:
         return batch_tensors(tf, batch, features, labels, weight_col, spec.get("input_shapes"),
                              spec.get("label_shapes"))
 
     names = [n if len(labels) == 1 else f"{l}_{n}" for l in labels for n, _ in metrics]
+
+    def epoch_logs(totals: Any) -> Dict[str, float]:
+        totals = np.asarray(totals).astype(np.float64)
+        rows = max(totals[0], 1.0)
+        return {"loss": totals[1] / rows, **{n: v / rows for n, v in zip(names, totals[2:])}}
+
+    def scheduled_epoch(epoch: int, report: bool) -> Dict[str, float]:
+        last = [0.0]
+
+        def on_step(i: int, values: Any) -> None:
+            if report and (time.monotonic() - last[0] > 0.25 or i + 1 == train_steps):
+                last[0] = time.monotonic()
+                _progress(event="step", epoch=epoch, step=i + 1,
+                          loss=float(values[1] / max(values[0], 1)))
+        with user_code("the training step (the model, the loss or the metrics)"):
+            return epoch_logs(keras_ps.scheduled_epoch(coordinator, ps_train_step, per_worker,
+                                                       train_steps, on_step))
 
     def run_epoch(step_fn: Callable, source: ShardReader, epoch: int, report: bool,
                   steps: Any) -> Dict[str, float]:
@@ -325,21 +384,24 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
                 values = stats.numpy()
                 _progress(event="step", epoch=epoch, step=i + 1,
                           loss=float(values[1] / max(values[0], 1)))
-        totals = sum_over_workers(local).numpy().astype(np.float64)
-        rows = max(totals[0], 1.0)
-        return {"loss": totals[1] / rows, **{n: v / rows for n, v in zip(names, totals[2:])}}
+        return epoch_logs(np.asarray(sum_over_workers(local)))
 
     lead = rank == 0 and spec["verbose"] >= 1
     first = meta.get("epochs_done", 0)
     # every worker must resume from the same epoch (a checkpoint could appear meanwhile)
-    agreed = sum_over_workers(tf.constant([float(first)])).numpy()[0]
+    agreed = np.asarray(sum_over_workers(tf.constant([float(first)])))[0]
     if agreed != first * world:
         raise RuntimeError("workers found different latest checkpoints; the attempt is retried")
     attempts = meta.get("attempts", []) + [{"attempt": spec.get("attempt", 0),
                                             "start_epoch": first}]
     if lead:
-        print(f"{world} worker(s), backend {spec['backend']!r} (MultiWorkerMirroredStrategy): "
-              f"{train_steps} steps/epoch of {spec['batch_size']} rows per worker", flush=True)
+        if ps:
+            print(f"ParameterServerStrategy: {spec['num_ps']} parameter server(s), "
+                  f"{workers} worker(s), {train_steps} steps/epoch of {spec['batch_size']} "
+                  f"rows scheduled on the workers", flush=True)
+        else:
+            print(f"{world} worker(s), backend {spec['backend']!r} (MultiWorkerMirroredStrategy): "
+                  f"{train_steps} steps/epoch of {spec['batch_size']} rows per worker", flush=True)
         if resume is not None:
             print(f"resuming from the checkpoint after epoch {first}", flush=True)
         _progress(event="start", epochs=spec["epochs"], steps=train_steps, first=first)
@@ -364,7 +426,8 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
         for callback in callbacks:
             with user_code(f"callback {type(callback).__name__}.on_epoch_begin"):
                 callback.on_epoch_begin(epoch)
-        logs = run_epoch(train_step, train_reader, epoch, lead, spec.get("train_steps"))
+        logs = scheduled_epoch(epoch, lead) if ps else \
+            run_epoch(train_step, train_reader, epoch, lead, spec.get("train_steps"))
         if val_reader is not None:
             logs.update({f"val_{k}": v for k, v in
                          run_epoch(eval_step, val_reader, 0, False, spec.get("val_steps")).items()})
@@ -389,7 +452,7 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
         late = spec.get("deadline") is not None and time.time() >= spec["deadline"]
         asked = bool(getattr(model, "stop_training", False))
         if epoch + 1 < spec["epochs"]:
-            votes = sum_over_workers(tf.constant([1.0 if asked or late else 0.0])).numpy()[0]
+            votes = np.asarray(sum_over_workers(tf.constant([1.0 if asked or late else 0.0])))[0]
             if votes > 0:
                 stop_reason = "callback" if asked else "max_time"
                 if rank == 0:
@@ -427,6 +490,11 @@ def main(workdir: str) -> int:
             spec = json.load(f)
         with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
             payload = cloudpickle.load(f)
+        if spec.get("ps_role") in ("ps", "worker"):  # joins until its task kills it
+            from sparktrain.estimators.keras_ps import serve
+
+            serve(spec, payload, workdir)
+            return 0
         result = train(spec, payload, workdir)
         with open(os.path.join(workdir, "result.pkl"), "wb") as f:
             pickle.dump(result, f)

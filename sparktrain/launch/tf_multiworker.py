@@ -60,8 +60,23 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec (Linu
         pass
 
 
+def child_environment(config: str, gpu: Optional[str]) -> Dict[str, str]:
+    """The environment of a TensorFlow child process: ``TF_CONFIG``, this task's GPU (or
+    none), sparktrain importable as in this process."""
+    env = dict(os.environ, TF_CONFIG=config, KERAS_BACKEND="tensorflow",
+               TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+               CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    env.update(gpu_environment(gpu))
+    return env
+
+
 def run_tf_worker(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gpu: bool) -> Any:
     """Run the Keras training child for this barrier task; return what it returned."""
+    if spec.get("strategy") == "parameter_server":  # roles: ps, coordinator, workers
+        from sparktrain.launch.tf_parameter_server import run_ps_task
+
+        return run_ps_task(ctx, spec, payload, use_gpu)
     host = ctx.hosts[ctx.rank]
     workers = ctx.all_gather(f"{host}:{_free_port(host)}")
     return spawn_keras_worker(ctx.rank, ctx.world_size, tf_config(workers, ctx.rank),
@@ -80,13 +95,9 @@ def spawn_keras_worker(rank: int, world_size: int, config: str, spec: Dict[str, 
             json.dump(dict(spec, rank=rank, world_size=world_size), f)
         with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
             f.write(payload)
-        env = dict(os.environ, TF_CONFIG=config, KERAS_BACKEND="tensorflow",
-                   TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
-                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-                   CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-        env.update(gpu_environment(gpu))
         child = subprocess.Popen(
-            [sys.executable, "-m", "sparktrain.estimators.keras_worker", workdir], env=env,
+            [sys.executable, "-m", "sparktrain.estimators.keras_worker", workdir],
+            env=child_environment(config, gpu),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         try:

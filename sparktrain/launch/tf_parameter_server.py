@@ -1,0 +1,169 @@
+"""``strategy="parameter_server"`` on the ``tensorflow`` backend: roles, servers and shutdown.
+
+Of the ``num_proc`` barrier tasks, rank 0 is the coordinator (TF's ``chief``), ranks
+``1..num_ps`` are parameter servers and the rest are workers. Every task trains (or serves) in a
+child process, as for MultiWorkerMirroredStrategy (:mod:`.tf_multiworker`):
+
+1. each task shares a free ``host:port`` (``allGather``); the list becomes ``TF_CONFIG`` with
+   ``chief``, ``ps`` and ``worker`` jobs;
+2. ps and worker tasks start their server child (``keras_worker`` with ``ps_role``); a worker's
+   child first writes its shard of the training data to local files
+   (:func:`sparktrain.estimators.keras_ps.write_shard`); the task waits until it is serving;
+3. a second ``allGather`` hands the shard files' descriptions to the coordinator, whose child
+   runs sparktrain's Keras loop under ``ParameterServerStrategy``;
+4. TensorFlow's servers never return from ``join()``, so a third ``allGather`` tells every task
+   the coordinator is done, and each task SIGTERMs its own child. A server child that dies
+   meanwhile (a lost worker or ps) fails its task, Spark re-runs the stage and the coordinator
+   resumes from the last checkpoint. Children also die with their task (``PR_SET_PDEATHSIG``).
+
+Example (executor side, what ``run_tf_worker`` does for this strategy)::
+
+    result = run_ps_task(ctx, dict(spec, num_ps=1), payload_bytes, use_gpu=False)
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from sparktrain.estimators.keras_ps import READY, SHARD_INFO
+from sparktrain.estimators.keras_worker import USER_ERROR_FILE
+from sparktrain.launch.barrier import RankContext
+from sparktrain.launch.faults import mark_user_error
+from sparktrain.launch.gpus import rank_gpu
+from sparktrain.launch.tf_multiworker import _die_with_parent, _free_port, child_environment, \
+    spawn_keras_worker
+
+STOP_SECONDS = 10.0  # SIGTERM, then SIGKILL after this long
+
+
+def task_role(rank: int, num_ps: int) -> Tuple[str, int]:
+    """``(TF job, index)`` of barrier task ``rank``: 0 the chief, then ps, then workers."""
+    if rank == 0:
+        return "chief", 0
+    if rank <= num_ps:
+        return "ps", rank - 1
+    return "worker", rank - 1 - num_ps
+
+
+def ps_tf_config(addresses: List[str], num_ps: int, rank: int) -> str:
+    """``TF_CONFIG`` of task ``rank`` given every task's ``host:port`` in rank order."""
+    cluster = {"chief": addresses[:1], "ps": addresses[1:1 + num_ps],
+               "worker": addresses[1 + num_ps:]}
+    kind, index = task_role(rank, num_ps)
+    return json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})
+
+
+class _Server:
+    """A ps or worker child process, its output in ``workdir/server.log``."""
+
+    def __init__(self, role: str, config: str, spec: Dict[str, Any], payload: bytes,
+                 gpu: Optional[str]) -> None:
+        self.role = role
+        self.workdir = tempfile.mkdtemp(prefix=f"sparktrain-tf-{role}-")
+        with open(os.path.join(self.workdir, "spec.json"), "w") as f:
+            json.dump(dict(spec, ps_role=role), f)
+        with open(os.path.join(self.workdir, "payload.pkl"), "wb") as f:
+            f.write(payload)
+        self.log = open(os.path.join(self.workdir, "server.log"), "w")
+        self.child = subprocess.Popen(
+            [sys.executable, "-m", "sparktrain.estimators.keras_worker", self.workdir],
+            env=child_environment(config, gpu), stdout=self.log, stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+
+    def check(self) -> None:
+        """Raise if the child has exited (a server never does on its own)."""
+        code = self.child.poll()
+        if code is None:
+            return
+        error = os.path.join(self.workdir, "error.txt")
+        if os.path.exists(error):
+            failure = RuntimeError(f"the TensorFlow {self.role} process failed:\n"
+                                   f"{open(error).read()}")
+        else:  # killed: its output, then what happened (the line a summary shows)
+            with open(os.path.join(self.workdir, "server.log")) as f:
+                output = f.read()[-4000:]
+            how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+            failure = RuntimeError(f"its output:\n{output}\nthe TensorFlow {self.role} "
+                                   f"server process of this task stopped ({how})")
+        user_error = os.path.join(self.workdir, USER_ERROR_FILE)
+        if os.path.exists(user_error):
+            raise mark_user_error(failure, open(user_error).read())
+        raise failure
+
+    def wait_ready(self) -> str:
+        """Wait until the server is up; return its shard description (workers) or ``""``."""
+        while not os.path.exists(os.path.join(self.workdir, READY)):
+            self.check()
+            time.sleep(0.1)
+        info = os.path.join(self.workdir, SHARD_INFO)
+        return open(info).read() if os.path.exists(info) else ""
+
+    def stop(self) -> None:
+        if self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM)
+            try:
+                self.child.wait(timeout=STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.child.kill()
+                self.child.wait()
+        self.log.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _wait_for_coordinator(ctx: RankContext, server: _Server) -> None:
+    """Join the coordinator's "done" ``allGather`` while watching the server child: if it dies
+    first, raise (the stage fails and is retried) instead of waiting forever."""
+    done = threading.Event()
+    failed: List[BaseException] = []
+
+    def gather() -> None:
+        try:
+            ctx.all_gather("")
+        except BaseException as exc:  # the stage was cancelled (another task failed)
+            failed.append(exc)
+        done.set()
+
+    threading.Thread(target=gather, daemon=True, name="sparktrain-ps-done").start()
+    while not done.wait(0.2):
+        server.check()
+    if failed:
+        raise failed[0]
+
+
+def run_ps_task(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gpu: bool) -> Any:
+    """This barrier task's role in the parameter-server cluster; the coordinator's result
+    (rank 0) or ``{}``."""
+    num_ps = spec["num_ps"]
+    host = ctx.hosts[ctx.rank]
+    addresses = ctx.all_gather(f"{host}:{_free_port(host)}")
+    config = ps_tf_config(addresses, num_ps, ctx.rank)
+    role, _ = task_role(ctx.rank, num_ps)
+    spec = dict(spec, attempt=ctx.attempt)
+    gpu = None if role == "ps" else rank_gpu(ctx.resources, use_gpu)
+    if role != "chief":
+        server = _Server(role, config, spec, payload, gpu)
+        try:
+            ctx.all_gather(server.wait_ready())
+            _wait_for_coordinator(ctx, server)
+        finally:
+            server.stop()
+        return {}
+    shards = [json.loads(s) for s in ctx.all_gather("") if s]
+    failure: Optional[BaseException] = None
+    try:
+        result = spawn_keras_worker(0, 1, config, dict(spec, ps_shards=shards), payload, gpu,
+                                    ctx.progress)
+    except BaseException as exc:  # tell the servers to stop first, then fail
+        failure = exc
+    ctx.all_gather("done")
+    if failure is not None:
+        raise failure
+    return result

@@ -1,0 +1,183 @@
+"""KerasEstimator(strategy="parameter_server") scenarios on a local[3] SparkSession of their own
+(the test session's is local[2]), run by tests/test_parameter_server.py in a subprocess:
+
+    python tests/ps_scenarios.py fit|kill WORKDIR    # prints one JSON line last
+
+fit: 1 ps + 1 chief + 1 worker on digits with validation, metrics, callbacks and TensorBoard;
+transform, save, load; then a fit whose worker fails in transformation_fn; after each, the
+processes the fits started (found by a marker in their environment) are listed.
+kill: the coordinator's callback SIGKILLs the worker's TensorFlow server at the start of epoch 2;
+the fit must resume from the checkpoint of epoch 1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+
+MARKER = "SPARKTRAIN_PS_SCENARIO"
+
+
+def marked_processes(marker: str) -> list:
+    """``[(pid, TF job)]`` of live processes whose environment carries ``marker``."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        if env.get(MARKER) == marker and proc.status() != psutil.STATUS_ZOMBIE:
+            job = json.loads(env["TF_CONFIG"])["task"]["type"] if "TF_CONFIG" in env else ""
+            found.append((proc.pid, job))
+    return found
+
+
+def settled(marker: str, seconds: float = 15.0) -> list:
+    """The marked TensorFlow processes still alive after up to ``seconds``."""
+    deadline = time.time() + seconds
+    while True:
+        left = [p for p in marked_processes(marker) if p[1]]
+        if not left or time.time() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+class FailOnWorker:
+    """transformation_fn raising in the worker's server process only (a user error there)."""
+
+    def __call__(self, batch):
+        if '"type": "worker"' in os.environ.get("TF_CONFIG", ""):
+            raise ValueError("transformation_fn failed on the worker")
+        return batch
+
+
+class KillWorkerServer(keras.callbacks.Callback):
+    """On the coordinator: SIGKILL the worker's TensorFlow server at the start of epoch 2."""
+
+    def __init__(self, marker: str, done_file: str) -> None:
+        super().__init__()
+        self.marker, self.done_file = marker, done_file
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1 and not os.path.exists(self.done_file):
+            for pid, job in marked_processes(self.marker):
+                if job == "worker":
+                    open(self.done_file, "w").close()
+                    os.kill(pid, signal.SIGKILL)
+
+
+class Recorder(keras.callbacks.Callback):
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def on_epoch_end(self, epoch, logs=None):
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"epoch": epoch, "keys": sorted(logs)}) + "\n")
+
+
+def digits(spark):
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    order = np.random.default_rng(0).permutation(len(data.target))
+    x, y = (data.data / 16.0).astype("float32")[order], data.target[order]
+    rows = [(x[i].tolist(), int(y[i]), bool(i % 10 == 0), bool(i >= 1437))
+            for i in range(len(y))]
+    df = spark.createDataFrame(rows, "features array<float>, label long, is_val boolean, "
+                                     "is_test boolean")
+    return df.filter("not is_test").drop("is_test"), df.filter("is_test").drop("is_test")
+
+
+def estimator(workdir, run_id, marker, **kwargs):
+    from sparktrain import KerasEstimator
+
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                            keras.layers.Dense(10)])
+    params = dict(num_proc=3, strategy="parameter_server", num_ps=1, model=net,
+                  optimizer=keras.optimizers.Adam(3e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], feature_cols=["features"], label_cols=["label"],
+                  batch_size=32, epochs=6, random_seed=0, store=os.path.join(workdir, "store"),
+                  run_id=run_id, verbose=1, backend_env={MARKER: marker})
+    params.update(kwargs)
+    return KerasEstimator(**params)
+
+
+def accuracy(model, test) -> float:
+    out = model.transform(test).select("label", "label__output").toPandas()
+    return float(np.mean(np.stack(out["label__output"]).argmax(-1) == out["label"].to_numpy()))
+
+
+def fit_scenario(spark, workdir) -> dict:
+    from sparktrain import KerasModel, TrainingError
+
+    train, test = digits(spark)
+    marker = uuid.uuid4().hex
+    record = os.path.join(workdir, "callback.jsonl")
+    started = time.time()
+    model = estimator(workdir, "ps-fit", marker, validation="is_val",
+                      callbacks=[Recorder(record)]).fit(train)
+    out = {"fit_seconds": time.time() - started, "history": model.getHistory(),
+           "left_after_fit": settled(marker), "test_accuracy": accuracy(model, test)}
+    with open(record) as f:
+        out["callback_epochs"] = [json.loads(line) for line in f]
+    path = os.path.join(workdir, "model")
+    model.write().overwrite().save(path)
+    out["loaded_accuracy"] = accuracy(KerasModel.load(path), test)
+    run = os.path.join(workdir, "store", "runs", "ps-fit")
+    out["tensorboard"] = sorted(os.listdir(os.path.join(run, "tensorboard"))) \
+        if os.path.isdir(os.path.join(run, "tensorboard")) else []
+    failing = uuid.uuid4().hex
+    try:
+        estimator(workdir, "ps-fail", failing, epochs=1,
+                  transformation_fn=FailOnWorker()).fit(train)
+        out["failure"] = None
+    except TrainingError as exc:
+        out["failure"] = str(exc)[:2000]
+    out["left_after_failure"] = settled(failing)
+    out["session_usable"] = spark.range(5).count() == 5
+    return out
+
+
+def kill_scenario(spark, workdir) -> dict:
+    from sparktrain.checkpoint import Checkpoints
+    from sparktrain.data.store import Store
+
+    train, test = digits(spark)
+    marker = uuid.uuid4().hex
+    done = os.path.join(workdir, "killed")
+    model = estimator(workdir, "ps-kill", marker, epochs=3,
+                      callbacks=[KillWorkerServer(marker, done)]).fit(train)
+    latest = Checkpoints(Store.create(os.path.join(workdir, "store")).run_path("ps-kill")).latest()
+    return {"killed": os.path.exists(done), "epochs": len(model.getHistory()["loss"]),
+            "attempts": [(a["attempt"], a["start_epoch"]) for a in latest.meta["attempts"]],
+            "test_accuracy": accuracy(model, test), "left_after_fit": settled(marker)}
+
+
+def main(scenario: str, workdir: str) -> None:
+    from sparktrain import local_spark
+
+    spark = local_spark("local[3]", app_name=f"sparktrain-ps-{scenario}", conf={
+        "spark.sparktrain.slotWaitSeconds": "1", "spark.default.parallelism": "3",
+        "spark.stage.maxConsecutiveAttempts": "3"})
+    try:
+        result = (fit_scenario if scenario == "fit" else kill_scenario)(spark, workdir)
+    finally:
+        spark.stop()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,105 @@
+"""KerasEstimator(strategy="parameter_server"): real Spark local[3] barrier tasks (1 ps, 1
+coordinator, 1 worker), real TensorFlow servers, on digits. The fits run in a subprocess
+(tests/ps_scenarios.py) because they need three task slots and the test session is local[2];
+the configuration checks run here and launch nothing."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+keras = pytest.importorskip("keras")
+pytest.importorskip("sklearn")
+pytest.importorskip("psutil")
+
+from sparktrain import KerasEstimator, TorchEstimator  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _scenario(name: str, workdir) -> dict:
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "ps_scenarios.py"),
+                             name, str(workdir)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=540, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def ps_fit(tmp_path_factory):
+    return _scenario("fit", tmp_path_factory.mktemp("ps-fit"))
+
+
+@pytest.mark.slow  # the shared local[3] fit: ~1-3 min with Spark and TF start-up
+def test_parameter_server_fit_reaches_accuracy_transforms_saves_loads(ps_fit):
+    assert ps_fit["test_accuracy"] >= 0.9
+    assert ps_fit["loaded_accuracy"] == ps_fit["test_accuracy"]
+
+
+@pytest.mark.slow  # the shared local[3] fit: ~1-3 min with Spark and TF start-up
+def test_parameter_server_validation_metrics_callbacks_history(ps_fit):
+    history = ps_fit["history"]
+    assert sorted(history) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    assert all(len(values) == 6 for values in history.values())
+    assert history["loss"][-1] < history["loss"][0]
+    assert history["val_accuracy"][-1] >= 0.85
+    assert [e["epoch"] for e in ps_fit["callback_epochs"]] == list(range(6))
+    assert ps_fit["callback_epochs"][0]["keys"] == sorted(history)
+    assert ps_fit["tensorboard"] == ["train", "validation"]
+
+
+@pytest.mark.slow  # the shared local[3] fit: ~1-3 min with Spark and TF start-up
+def test_parameter_server_processes_stop_after_fit_and_failure(ps_fit):
+    assert ps_fit["left_after_fit"] == []
+    assert "transformation_fn failed on the worker" in ps_fit["failure"]
+    assert "not retried" in ps_fit["failure"]
+    assert ps_fit["left_after_failure"] == []
+    assert ps_fit["session_usable"]
+
+
+@pytest.mark.slow
+def test_parameter_server_killed_worker_resumes(tmp_path):
+    result = _scenario("kill", tmp_path)
+    assert result["killed"]
+    assert result["epochs"] == 3
+    assert result["attempts"] == [[0, 0], [1, 1]]
+    assert result["test_accuracy"] >= 0.85
+    assert result["left_after_fit"] == []
+
+
+def _estimator(**kwargs):
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    params = dict(num_proc=3, model=net, optimizer="sgd", loss="mse",
+                  feature_cols=["features"], label_cols=["label"], epochs=1)
+    params.update(kwargs)
+    return KerasEstimator(**params)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(strategy="parameter_server", num_ps=1, num_proc=2), "at most 0 parameter server"),
+    (dict(strategy="parameter_server", num_ps=2, num_proc=3), "raise num_proc to at least 4"),
+    (dict(num_ps=1), "num_ps=1 needs strategy='parameter_server'"),
+    (dict(strategy="parameter_server", backend="tfos"), "needs backend='tensorflow'"),
+])
+def test_bad_parameter_server_configs_fail_before_launch(spark, regression_df, store, kwargs,
+                                                         message):
+    df = regression_df.select("features", "label")
+    with pytest.raises(ValueError, match=message):
+        _estimator(store=store, **kwargs).fit(df)
+
+
+def test_strategy_param_values():
+    with pytest.raises(ValueError, match="multi_worker_mirrored"):
+        KerasEstimator(strategy="ddp")
+    with pytest.raises(ValueError, match="num_ps must be at least 1"):
+        KerasEstimator(num_ps=0)
+    assert KerasEstimator().getStrategy() == "multi_worker_mirrored"
+
+
+def test_torch_parameter_server_points_to_keras():
+    with pytest.raises(ValueError, match="KerasEstimator strategy"):
+        TorchEstimator(strategy="parameter_server")
