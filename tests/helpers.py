@@ -38,3 +38,26 @@ class KillRankOnce:
             open(self.marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         return batch
+
+
+FAKE_GPU_DISCOVERY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  "conf", "getGpusResources.sh")
+
+
+def run_reporting_script(code: str, timeout: int, fake_gpus: str = "") -> tuple:
+    """Run ``python -c code`` in its own process (e.g. a Spark session with another master):
+    ``(the JSON it printed on its "RESULT " line, its stderr)``; fails with its output if it
+    printed none.
+    ``fake_gpus`` (``"0,1"``): the addresses ``FAKE_GPU_DISCOVERY`` announces."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(FAKE_GPU_DISCOVERY))
+    env = dict(os.environ, SPARKTRAIN_FAKE_GPUS=fake_gpus) if fake_gpus else None
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=timeout, cwd=root, env=env)
+    lines = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, result.stdout[-3000:] + "\n".join(
+        l for l in result.stderr.splitlines() if not l.lstrip().startswith("at "))[-6000:]
+    return json.loads(lines[0][len("RESULT "):]), result.stderr

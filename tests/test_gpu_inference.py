@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import FAKE_GPU_DISCOVERY, run_reporting_script
 from sparktrain import TorchModel
 from sparktrain.launch.gpus import cuda_ordinal, rank_gpu
 
@@ -193,17 +192,10 @@ CLUSTER_SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.slow
-def test_prediction_tasks_use_the_gpu_spark_assigns(tmp_path):
-    discovery = tmp_path / "gpus.sh"
-    discovery.write_text('#!/bin/sh\necho \'{"name":"gpu","addresses":["0","1"]}\'\n')
-    discovery.chmod(0o755)
+def test_prediction_tasks_use_the_gpu_spark_assigns():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = CLUSTER_SCRIPT.format(root=root, script=str(discovery))
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=540, cwd=root)
-    lines = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, result.stdout[-2000:] + result.stderr[-4000:]
-    report = json.loads(lines[0][len("RESULT "):])
+    code = CLUSTER_SCRIPT.format(root=root, script=FAKE_GPU_DISCOVERY)
+    report, _ = run_reporting_script(code, timeout=540, fake_gpus="0,1")
 
     # default use_gpu: the task's GPU (each executor got one of its worker's two, 0 or 1)
     assert re.search(rf"Spark assigned GPU [01] to this prediction task, but torch "

@@ -2,14 +2,12 @@
 tasks on a local-cluster with a GPU discovery script (no CUDA needed: the assignment is Spark's)."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
+from helpers import FAKE_GPU_DISCOVERY, run_reporting_script
 from sparktrain.launch.gpus import check_gpu_conf, gpu_environment, rank_gpu
 
 GPU_CONF = {"spark.task.resource.gpu.amount": "1", "spark.executor.resource.gpu.amount": "2"}
@@ -83,17 +81,10 @@ SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.slow
-def test_local_cluster_gives_each_rank_its_own_gpu(tmp_path):
-    discovery = tmp_path / "gpus.sh"
-    discovery.write_text('#!/bin/sh\necho \'{"name":"gpu","addresses":["0","1"]}\'\n')
-    discovery.chmod(0o755)
+def test_local_cluster_gives_each_rank_its_own_gpu():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = SCRIPT.format(root=root, script=str(discovery))
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300, cwd=root)
-    lines = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, result.stdout[-2000:] + result.stderr[-4000:]
-    report = json.loads(lines[0][len("RESULT "):])
+    code = SCRIPT.format(root=root, script=FAKE_GPU_DISCOVERY)
+    report, _ = run_reporting_script(code, timeout=300, fake_gpus="0,1")
     assert report["use_gpu"] is True
     ranks = report["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]

@@ -2,16 +2,13 @@
 executor (and the errors it causes on the surviving ranks) is retried from the checkpoint."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
-from helpers import linear_estimator
+from helpers import linear_estimator, run_reporting_script
 from sparktrain import TrainingError
 from sparktrain.checkpoint import Checkpoints
 from sparktrain.data.store import Store
@@ -133,16 +130,10 @@ def test_lost_executor_is_retried_and_resumes(tmp_path):
     code = KILL_EXECUTOR_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"),
                                        marker=str(tmp_path / "killed"),
                                        store=str(tmp_path / "store"))
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=400, cwd=ROOT)
-    lines = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")]
-    (tmp_path / "stderr.txt").write_text(result.stderr)
-    assert lines, result.stdout[-3000:] + "\n".join(
-        l for l in result.stderr.splitlines() if not l.lstrip().startswith("at "))[-6000:]
-    report = json.loads(lines[0][len("RESULT "):])
+    report, stderr = run_reporting_script(code, timeout=400)
     assert report["killed"], "the executor was not killed"
     assert len(report["loss"]) == 3 and report["loss"][-1] < report["loss"][0]
     attempts = [(a["attempt"], a["start_epoch"]) for a in report["attempts"]]
     # the killed JVM's Python worker may finish the epoch it is in before it notices
     assert attempts[0] == (0, 0) and len(attempts) >= 2 and attempts[-1][1] in (1, 2), attempts
-    assert "not retried" not in result.stderr
+    assert "not retried" not in stderr
