@@ -21,6 +21,7 @@ _EXPORTS = {
     "KerasModel": "sparktrain.estimators.keras",
     "Store": "sparktrain.data.store",
     "TrainingError": "sparktrain.launch.barrier",
+    "RunInUseError": "sparktrain.data.run_lock",
     "PreflightError": "sparktrain.estimators.preflight",
     "ExecutorEnvironmentError": "sparktrain.launch.executor_env",
     "local_spark": "sparktrain.session",

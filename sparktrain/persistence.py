@@ -14,16 +14,18 @@ files. Load only paths you trust (written by you, or by someone you would let ru
 your driver and executors). ``PipelineModel.load`` finds the class in ``metadata`` and calls
 its ``load``.
 
-A saved estimator never holds the store's ``storage_options`` (they may be credentials): its
-``Store`` is saved with the prefix only, with a warning; set it again after loading, e.g.
-``est.setParams(store=Store.create(url, storage_options=...))``.
+A saved estimator never holds the store's ``storage_options`` or its ``backend_env`` values
+(they may be credentials): its ``Store`` is saved with the prefix only and ``backend_env`` with
+the variables' names only (in the metadata's ``backend_env_keys``), with a warning on save and
+on load; set them again after loading, e.g.
+``est.setParams(store=Store.create(url, storage_options=...), backend_env={"TOKEN": ...})``.
 """
 from __future__ import annotations
 
 import posixpath
 import warnings
 from urllib.parse import unquote
-from typing import Any, Dict, Type, TypeVar
+from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
 
 import cloudpickle
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
@@ -81,6 +83,18 @@ def _without_credentials(objects: Dict[str, Any], owner: Any) -> Dict[str, Any]:
     return dict(objects, store=Store(store.prefix))
 
 
+def _without_env_values(params: Dict[str, Any], owner: Any) -> Tuple[Dict[str, Any], List[str]]:
+    """``params`` without ``backend_env`` (environment variables often hold tokens), and the
+    names of its variables, which are saved so that loading can say what to set again."""
+    env = params.get("backend_env") or {}
+    if not env:
+        return params, []
+    warnings.warn(f"{type(owner).__name__} is saved without its backend_env values (they may "
+                  f"hold credentials), only their names {sorted(env)}; after loading, set "
+                  f"them again with setParams(backend_env={{...}})", UserWarning, stacklevel=4)
+    return {k: v for k, v in params.items() if k != "backend_env"}, sorted(env)
+
+
 class _Writer(MLWriter):
     """An MLWriter that works on classic and Spark Connect sessions alike."""
 
@@ -91,10 +105,12 @@ class _Writer(MLWriter):
     def _handleOverwrite(self, path: str) -> None:
         remove_saved(self.sparkSession, path)
 
-    def _save_metadata(self, path: str, **extra: Any) -> str:
+    def _save_metadata(self, path: str, params: Optional[Dict[str, Any]] = None,
+                       **extra: Any) -> str:
         """Write Spark ML's ``metadata``; returns the saved directory (:func:`saved_root`)."""
-        DefaultParamsWriter.saveMetadata(self.instance, path, ml_context(self),
-                                         paramMap=json_params(self.instance), **extra)
+        DefaultParamsWriter.saveMetadata(
+            self.instance, path, ml_context(self),
+            paramMap=json_params(self.instance) if params is None else params, **extra)
         return saved_root(self.sparkSession, path)
 
 
@@ -103,7 +119,10 @@ class EstimatorWriter(_Writer):
     the store's ``storage_options`` are left out (see the module docstring)."""
 
     def saveImpl(self, path: str) -> None:
-        root = self._save_metadata(path)
+        params, env_keys = _without_env_values(json_params(self.instance), self.instance)
+        root = self._save_metadata(path, params,
+                                   extraMetadata={"backend_env_keys": env_keys} if env_keys
+                                   else None)
         objects = _without_credentials(object_params(self.instance), self.instance)
         write_file(root, "objects.pkl", dumps(objects))
 
@@ -125,6 +144,11 @@ class EstimatorReader(MLReader):
         _apply_params(instance, metadata)
         root = saved_root(self.sparkSession, path)
         instance._set(**cloudpickle.loads(read_file(root, "objects.pkl")))
+        env_keys = metadata.get("backend_env_keys")
+        if env_keys:
+            warnings.warn(f"{path!r} was saved without its backend_env values; set "
+                          f"{sorted(env_keys)} again with setParams(backend_env={{...}}) "
+                          f"before fitting", UserWarning, stacklevel=3)
         return instance
 
 

@@ -2,8 +2,9 @@
 
 The dataset is plain Parquet written by Spark (what Petastorm's ``make_batch_reader`` and its
 Spark converter read) with fixed-size float32/int64 columns, split into ``split=train`` and
-``split=val`` directories, plus ``_sparktrain.json`` describing columns and row counts. That file
-is written last: a dataset without it is incomplete and gets rewritten.
+``split=val`` directories of one attempt directory, published by a commit file (columns, row
+counts, row groups) written last: a dataset without one is never read, so concurrent or
+crashed writers never leave a half-written dataset behind (:mod:`sparktrain.data.commit`).
 
 Data checks run inside the same write job (``raise_error``), so a bad row costs no extra scan.
 
@@ -26,14 +27,15 @@ from pyspark.ml.functions import vector_to_array
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
+from sparktrain.data.commit import ATTEMPTS, Commit, DatasetDirectory
+from sparktrain.data.lease import DEFAULT_TTL_SECONDS, Lease, live_leases
 from sparktrain.data.schema import ARRAY, SCALAR, VECTOR, ColumnSpec
 from sparktrain.data.store import Store
-from sparktrain.spark_api import plan_fingerprint
+from sparktrain.spark_api import conf_value, plan_fingerprint
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-META_FILE = "_sparktrain.json"
+FORMAT_VERSION = 2  # 2: attempts + commit files (sparktrain.data.commit)
 SPLIT_COL = "split"
 ROW_GROUP_BYTES = 32 * 1024 * 1024
 _ERROR_TAG = "sparktrain-data-error: "
@@ -198,23 +200,77 @@ def _row_groups(store: Store, root: str) -> Dict[str, List[List]]:
     return layout
 
 
+LEASE_CONF = "spark.sparktrain.leaseSeconds"
+_WAIT_POLL_SECONDS = 0.5
+
+
+def lease_seconds(spark: Any) -> float:
+    """How long a lease outlives its writer's last sign of life (``spark.sparktrain.
+    leaseSeconds``, default 120): a waiter takes over a crashed writer's dataset or run after
+    that long (at once when the writer was a process on this host that is gone)."""
+    return float(conf_value(spark, LEASE_CONF, None) or DEFAULT_TTL_SECONDS)
+
+
 def materialize(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
                 validation: Union[None, float, str] = None, seed: Optional[int] = None
                 ) -> MaterializedDataset:
-    """Write ``columns`` of ``df`` to ``store`` (or reuse an earlier write of the same plan)."""
+    """Write ``columns`` of ``df`` to ``store`` (or reuse an earlier write of the same plan).
+
+    Safe with concurrent fits (threads or drivers) on one store: see
+    :mod:`sparktrain.data.commit`. A second writer of the same key waits for the first
+    (logging who it waits for) and reuses its commit.
+    """
     start = time.perf_counter()
     key = plan_key(df, columns, validation, seed)
-    root = store.dataset_path(key)
     fs = store.fs
-    meta_path = f"{root}/{META_FILE}"
-    if fs.exists(meta_path):
-        with fs.open(meta_path, "r") as f:
-            meta = json.load(f)
-        log.info("reusing materialized dataset %s (%s train rows)", root, meta["rows"].get("train"))
-        return MaterializedDataset(root, [ColumnSpec.from_json(c) for c in meta["columns"]],
-                                   meta["rows"], key, True, time.perf_counter() - start,
-                                   meta.get("files", {}))
+    directory = DatasetDirectory(fs, fs._strip_protocol(store.dataset_path(key)))
+    ttl = lease_seconds(df.sparkSession)
+    waiting_for = None
+    while True:
+        found = directory.committed()
+        if found is not None:
+            directory.collect_garbage()
+            return _reused(store, key, found, start)
+        holders = live_leases(fs, directory.leases)
+        if holders:
+            if waiting_for != holders[0].owner:
+                waiting_for = holders[0].owner
+                log.info("waiting for %s, which is writing the same dataset to %s",
+                         holders[0].describe(), store.dataset_path(key))
+            time.sleep(_WAIT_POLL_SECONDS)
+            continue
+        lease = Lease.acquire(fs, directory.leases, ttl, note="a materialization")
+        try:
+            if not lease.first():  # another writer took its lease at the same moment
+                continue
+            found = directory.committed()  # committed between our look and our lease
+            if found is not None:
+                return _reused(store, key, found, start)
+            directory.collect_garbage()
+            return _write(df, store, columns, validation, seed, key, directory, lease, start)
+        except BaseException:
+            lease.release()
+            directory.remove_empty()  # a failed first write leaves no trace
+            raise
+        finally:
+            lease.release()
 
+
+def _reused(store: Store, key: str, found: Commit, start: float) -> MaterializedDataset:
+    meta = found.meta
+    root = f"{store.dataset_path(key)}/{ATTEMPTS}/{found.attempt}"
+    log.info("reusing materialized dataset %s (%s train rows)", root, meta["rows"].get("train"))
+    return MaterializedDataset(root, [ColumnSpec.from_json(c) for c in meta["columns"]],
+                               meta["rows"], key, True, time.perf_counter() - start,
+                               meta.get("files", {}))
+
+
+def _write(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
+           validation: Union[None, float, str], seed: Optional[int], key: str,
+           directory: DatasetDirectory, lease: Lease, start: float) -> MaterializedDataset:
+    """Write one attempt of the dataset and commit it (the caller holds ``lease``)."""
+    attempt = lease.owner
+    root = f"{store.dataset_path(key)}/{ATTEMPTS}/{attempt}"
     sizes = _first_row_sizes(df, columns)
     nullable = {f.name: getattr(f.dataType, "containsNull", False) for f in df.schema.fields}
     selected = [expr for spec in columns
@@ -223,30 +279,31 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
     writer = (writer_df.write.mode("overwrite")
               .option("parquet.block.size", ROW_GROUP_BYTES)
               .option("compression", _codec(store)))
+    target = store.spark_path("datasets", key, ATTEMPTS, attempt)
     try:
         if validation:
-            writer.partitionBy(SPLIT_COL).parquet(store.spark_path("datasets", key))
+            writer.partitionBy(SPLIT_COL).parquet(target)
         else:
-            writer.parquet(store.spark_path("datasets", key, f"{SPLIT_COL}=train"))
+            writer.parquet(f"{target}/{SPLIT_COL}=train")
+        files = _row_groups(store, root)
+        rows = {split: sum(sum(groups) for _, groups in layout) for split, layout in files.items()}
+        if rows["train"] == 0:
+            raise ValueError(f"validation={validation!r} left no rows for training")
+        if validation and rows["val"] == 0:
+            raise ValueError(f"validation={validation!r} selected no rows; use a larger "
+                             f"fraction or mark some rows True in the validation column")
+        if not lease.held():
+            raise RuntimeError(f"the lease on {root} expired while Spark wrote it (the store "
+                               f"was unreachable for over {lease.ttl:g}s?); fit again")
     except Exception as exc:  # a failed check inside the job, or a genuine write error
-        if fs.exists(root):
-            fs.rm(root, recursive=True)
+        directory.remove_attempt(attempt)
         message = _data_error(exc)
         if message:
             raise ValueError(message) from None
         raise
-
-    files = _row_groups(store, root)
-    rows = {split: sum(sum(groups) for _, groups in layout) for split, layout in files.items()}
-    if rows["train"] == 0:
-        raise ValueError(f"validation={validation!r} left no rows for training")
-    if validation and rows["val"] == 0:
-        raise ValueError(f"validation={validation!r} selected no rows; use a larger fraction "
-                         f"or mark some rows True in the validation column")
     specs = [ColumnSpec(c.name, c.kind, c.dtype, sizes.get(c.name, 1)) for c in columns]
-    with fs.open(meta_path, "w") as f:
-        json.dump({"format": FORMAT_VERSION, "columns": [c.to_json() for c in specs],
-                   "rows": rows, "files": files, "created": time.time()}, f)
+    directory.commit(attempt, {"format": FORMAT_VERSION, "columns": [c.to_json() for c in specs],
+                               "rows": rows, "files": files, "created": time.time()})
     seconds = time.perf_counter() - start
     log.info("materialized %d train / %d validation rows to %s in %.1fs",
              rows["train"], rows["val"], root, seconds)

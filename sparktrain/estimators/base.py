@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 import warnings
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -28,7 +28,8 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from sparktrain.checkpoint import Checkpoints
-from sparktrain.data.materialize import MaterializedDataset, materialize
+from sparktrain.data.materialize import MaterializedDataset, lease_seconds, materialize
+from sparktrain.data.run_lock import run_lock
 from sparktrain.data.schema import SCALAR, VECTOR, ColumnSpec, check_validation_column, \
     column_spec, training_columns
 from sparktrain.data.store import Store, StoredBytes
@@ -210,9 +211,10 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         # uid + time + random: copies of one estimator (CrossValidator) never share a run.
         run_id = self.getRunId() or \
             f"{self.uid}_{time.strftime('%Y%m%d-%H%M%S')}_{uuid.uuid4().hex[:6]}"
-        with _FitLogging(self.getVerbose()), \
+        with _FitLogging(self.getVerbose()), ExitStack() as stack, \
                 FitProgress(self.getVerbose(), interval=interval_from_conf(spark)) as progress:
             started = time.perf_counter()
+            stack.enter_context(run_lock(store, run_id, lease_seconds(spark)))
             latest = Checkpoints(store.run_path(run_id), store.storage_options).latest()
             if latest is not None and latest.meta.get("framework") != self.framework:
                 raise ValueError(f"run_id={run_id!r} holds a {latest.meta.get('framework')} "

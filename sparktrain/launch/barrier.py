@@ -201,7 +201,7 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
                         "which resume from the last checkpoint", rank, attempt + 1, attempts,
                         last)
 
-    where = (launch_dir, storage_options, not is_local_master(spark))
+    where = (launch_dir, storage_options, not is_local_master(spark), attempts)
     fs = filesystem(launch_dir, storage_options)[0]
     try:
         with EventWatcher(f"{launch_dir}/events", storage_options, echo=echo_logs,
@@ -340,6 +340,21 @@ def _captured_output(client: RankEvents, mirror: bool) -> Iterator[None]:
         sys.stdout, sys.stderr = out, err
 
 
+class _GaveUp(RuntimeError):
+    """Spark started more attempts than ``max_attempts`` allows."""
+
+
+def _give_up(client: RankEvents, rank: int, limit: int) -> None:
+    """Stop a re-run beyond ``max_attempts``. The starts of every attempt are counted in the
+    store (:meth:`RankEvents.start`), so this also bounds attempts that ended without any rank
+    reporting an error: a rank SIGKILLed (the OOM killer), a lost executor."""
+    text = (f"gave up after max_attempts={limit} attempt(s): none of them reported a Python "
+            f"error, so a rank's process or executor was killed (SIGKILL, the OOM killer, a "
+            f"lost node: see the executors' logs) or failed before it could report")
+    client.error(text, fatal=True, attempts_failed=limit)
+    raise _GaveUp(f"{_FAILURE_TAG} rank={rank}\n{text}\n{_FAILURE_TAG} end")
+
+
 def rank_context(barrier: Any, client: Optional[RankEvents] = None) -> RankContext:
     infos = barrier.getTaskInfos()
     hosts = [info.address.rsplit(":", 1)[0] for info in infos]
@@ -351,7 +366,8 @@ def rank_context(barrier: Any, client: Optional[RankEvents] = None) -> RankConte
 
 def run_rank(task: Callable[[RankContext], Any], where: Sequence) -> Tuple[int, Any]:
     """Executor entry point: build the :class:`RankContext`, run ``task``, report failures.
-    ``where`` is ``(launch directory, storage_options, mirror output to the executor log)``."""
+    ``where`` is ``(launch directory, storage_options, mirror output to the executor log,
+    the most attempts to start)``."""
     barrier = BarrierTaskContext.get()
     rank = barrier.partitionId()
     client = RankEvents(f"{where[0]}/events", where[1], rank)
@@ -366,7 +382,11 @@ def run_rank(task: Callable[[RankContext], Any], where: Sequence) -> Tuple[int, 
             # every rank counted its own starts; agree on one number (the largest)
             context.attempt = max(int(a) for a in barrier.allGather(str(started)))
             client.attempt = context.attempt
+            if len(where) > 3 and context.attempt >= where[3]:
+                _give_up(client, rank, where[3])
             return rank, task(context)
+    except _GaveUp:
+        raise
     except BaseException as exc:
         remote = traceback.format_exc()
         source = user_error_source(exc)

@@ -92,7 +92,7 @@ class RankEvents:
     def log(self, text: str) -> None:
         self.send("log", text)
 
-    def error(self, text: str, fatal: bool = False) -> None:
+    def error(self, text: str, fatal: bool = False, **extra: Any) -> None:
         """Report this rank's failure; ``fatal``: retrying cannot help, so later attempts'
         ranks are told to stop (see :meth:`stopped`)."""
         if fatal and self._fs is not None:
@@ -100,7 +100,7 @@ class RankEvents:
                 self._fs.pipe_file(f"{self.url}/stop", b"")
             except Exception:  # noqa: BLE001 - the client still cancels the job
                 pass
-        self.send("error", text, fatal=fatal)
+        self.send("error", text, fatal=fatal, **extra)
 
     def stopped(self) -> bool:
         """True when an earlier attempt failed in a way retrying cannot fix."""
@@ -157,6 +157,7 @@ class EventWatcher:
         # (time, attempt, rank, traceback, fatal)
         self.errors: List[Tuple[float, int, int, str, bool]] = []
         self.lines: Deque[Tuple[int, str]] = deque(maxlen=1000)  # the latest, for inspection
+        self._attempts_failed = 0
         self._fs = filesystem(self.url, storage_options)[0]
         self._fs.makedirs(self.url, exist_ok=True)
         self._lock = threading.Lock()
@@ -194,6 +195,8 @@ class EventWatcher:
         elif kind == "error":
             fatal = bool(message.get("fatal", False))
             self.errors.append((float(message.get("t", 0.0)), attempt, rank, text, fatal))
+            self._attempts_failed = max(self._attempts_failed,
+                                        int(message.get("attempts_failed", 0)))
             if self.on_error is not None:
                 self.on_error(rank, attempt, text, fatal)
         else:
@@ -210,8 +213,9 @@ class EventWatcher:
         return rank, text
 
     def failed_attempts(self) -> int:
-        """How many attempts had a rank report an error."""
-        return len({error[1] for error in self.errors})
+        """How many attempts failed: had a rank report an error, or ended silently before
+        ranks gave up (``attempts_failed`` in their report)."""
+        return max(len({error[1] for error in self.errors}), self._attempts_failed)
 
     def _poll_loop(self) -> None:
         while not self._stop.wait(POLL_SECONDS):
