@@ -236,3 +236,26 @@ def test_fit_with_an_unusable_store_names_it_without_credentials(spark, regressi
     assert "nosuchproto" in text
     for secret in CREDENTIALS.values():
         assert secret not in text
+
+
+def test_backend_env_values_are_not_saved(spark, tmp_path):
+    """Environment variables often hold tokens: a saved estimator keeps their names only, and
+    says so on save and on load."""
+    net = torch.nn.Linear(4, 1)
+    est = TorchEstimator(num_proc=1, model=net, optimizer=torch.optim.SGD(net.parameters(), 0.1),
+                         loss=torch.nn.MSELoss(), feature_cols=["features"],
+                         label_cols=["label"], backend_env={"TOKEN": "secret-env-value",
+                                                            "OMP_NUM_THREADS": 1})
+    path = tmp_path / "estimator"
+    with pytest.warns(UserWarning, match=r"without its backend_env values .*'OMP_NUM_THREADS', "
+                                         r"'TOKEN'"):
+        est.write().save(str(path))
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                assert b"secret-env-value" not in f.read(), name
+    with pytest.warns(UserWarning, match=r"set \['OMP_NUM_THREADS', 'TOKEN'\] again"):
+        loaded = TorchEstimator.load(str(path))
+    assert loaded.getBackendEnv() == {}
+    loaded.setParams(backend_env={"TOKEN": "t"})
+    assert loaded.getBackendEnv() == {"TOKEN": "t"}
