@@ -80,10 +80,10 @@ def _ignored(est: Any) -> List[str]:
     """One line per set Horovod param that has no equivalent here: what sparktrain does."""
     get = est.getOrDefault
     lines = []
-    if get("reader_pool_type") == "process":
-        lines.append("reader_pool_type='process': sparktrain's reader decodes row groups in one "
-                     "background thread (pyarrow releases the GIL while decoding), never in "
-                     "processes; read-ahead as with 'thread'")
+    if get("reader_pool_type") == "process" and get("transformation_fn") is None:
+        lines.append("reader_pool_type='process' without a transformation_fn: worker processes "
+                     "run transformation_fn, and there is none; Parquet is decoded in the "
+                     "reader's thread (pyarrow releases the GIL), as with 'thread'")
     if get("shuffle_buffer_size") is not None:
         lines.append("shuffle_buffer_size (deprecated and unused in Horovod 0.28): every epoch "
                      "the reader shuffles the order of each rank's row groups and the rows "
@@ -92,9 +92,9 @@ def _ignored(est: Any) -> List[str]:
         lines.append("partitions_per_process: ranks read contiguous row ranges of the "
                      "materialized dataset, not whole files, so every rank gets an equal share "
                      "(to within one row) whatever the number of files")
-    if get("mp_start_method") is not None:
-        lines.append("mp_start_method: sparktrain's reader starts no processes (one thread per "
-                     "reader)")
+    if get("mp_start_method") == "fork":
+        lines.append("mp_start_method='fork': decode workers start with 'forkserver' instead "
+                     "(forking a process that holds Spark's and torch's threads can deadlock)")
     if get("data_module") is not None:
         lines.append("data_module: sparktrain reads the materialized Parquet dataset with its own "
                      "shard reader (sparktrain.data.reader.ShardReader); use transformation_fn "
@@ -113,21 +113,34 @@ def _ignored(est: Any) -> List[str]:
     return lines
 
 
-def reader_options(est: Any) -> Dict[str, int]:
-    """The shard reader's read-ahead for training and validation from Horovod's reader params.
+def reader_options(est: Any, raw: bool = False) -> Dict[str, Any]:
+    """How each rank reads and decodes, from Horovod's reader params.
 
-    ``train_reader_num_workers``/``val_reader_num_workers`` = N: the reader decodes up to N row
-    groups ahead of training in its background thread, as N Petastorm workers each decode one
-    (default 2, Horovod's default worker count; 0: read on demand). ``reader_pool_type='dummy'``
-    (Petastorm: read in the calling thread) reads on demand.
+    ``train_reader_num_workers``/``val_reader_num_workers`` = N (default 2, Horovod's default
+    worker count): the reader decodes up to N row groups ahead of training in its background
+    thread (0: on demand), and with ``reader_pool_type='process'`` N worker processes run
+    ``transformation_fn``. ``'process'`` is the default when ``raw`` (a column holds bytes,
+    text, images or variable-length arrays: decoding them is the bottleneck) and a
+    ``transformation_fn`` is given. ``'dummy'`` (Petastorm: read in the calling thread) reads
+    on demand.
     """
     get = est.getOrDefault
     train = get("train_reader_num_workers")
     val = get("val_reader_num_workers")
-    options = {"train_prefetch": DEFAULT_PREFETCH if train is None else train,
-               "val_prefetch": DEFAULT_PREFETCH if val is None else val}
-    if get("reader_pool_type") == "dummy":
+    options: Dict[str, Any] = {"train_prefetch": DEFAULT_PREFETCH if train is None else train,
+                               "val_prefetch": DEFAULT_PREFETCH if val is None else val}
+    pool = get("reader_pool_type")
+    if not est.isSet("reader_pool_type") and raw:
+        pool = "process"
+    if get("transformation_fn") is None and pool == "process":
+        pool = "thread"
+    if pool == "dummy":
         options = {k: 0 for k in options}
+    method = get("mp_start_method")
+    options.update(reader_pool=pool,
+                   train_decode_workers=max(1, options["train_prefetch"]),
+                   val_decode_workers=max(1, options["val_prefetch"]),
+                   mp_start_method=None if method == "fork" else method)
     return options
 
 

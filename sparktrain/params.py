@@ -22,7 +22,8 @@ from pyspark.ml.param import Param, Params, TypeConverters
 # Params whose values are Python objects (modules, optimizers, callables): they are pickled with
 # cloudpickle on save, never written into the JSON metadata.
 OBJECT_PARAMS = ("model", "optimizer", "loss", "metrics", "callbacks", "store", "custom_objects",
-                 "transformation_fn", "loss_constructors", "train_minibatch_fn",
+                 "transformation_fn", "predict_transformation_fn", "loss_constructors",
+                 "train_minibatch_fn",
                  "gradient_compression", "checkpoint_callback", "data_module",
                  "transformation_edit_fields", "transformation_removed_fields",
                  "resource_profile", "fsdp_wrap", "activation_checkpointing")
@@ -236,6 +237,12 @@ class EstimatorParams(Params):
     transformation_fn = Param(Params._dummy(), "transformation_fn",
                               "function applied on the worker to every batch, a dict of numpy "
                               "arrays by column name, before training and validation steps")
+    predict_transformation_fn = Param(
+        Params._dummy(), "predict_transformation_fn",
+        "function applied to every prediction batch (a dict of numpy arrays of the feature "
+        "columns, no labels) before the model: decoding without training's augmentation. "
+        "Default: transformation_fn when a feature column is binary, string, an image or of "
+        "variable length, else none")
     inmemory_cache_all = Param(Params._dummy(), "inmemory_cache_all",
                                "keep each rank's whole shard in memory after the first epoch",
                                TypeConverters.toBoolean)
@@ -278,8 +285,11 @@ class EstimatorParams(Params):
                                    "row groups the validation reader decodes ahead (Petastorm: "
                                    "reader worker count)", _to_count("val_reader_num_workers"))
     reader_pool_type = Param(Params._dummy(), "reader_pool_type",
-                             "'thread' (read ahead in a thread), 'dummy' (read in the training "
-                             "thread); 'process' reads in a thread too, with a warning",
+                             "'thread' (read ahead in a thread, transformation_fn in the "
+                             "training thread), 'process' (transformation_fn in "
+                             "train_reader_num_workers worker processes: the default when a "
+                             "column holds bytes, text, images or variable-length arrays), "
+                             "'dummy' (read in the training thread)",
                              _to_choice("reader_pool_type", READER_POOL_TYPES))
     shuffle_buffer_size = Param(Params._dummy(), "shuffle_buffer_size",
                                 "(Horovod: deprecated, unused) accepted and ignored with a "
@@ -289,8 +299,9 @@ class EstimatorParams(Params):
                                    "with a warning: ranks read row ranges, not files",
                                    _to_count("partitions_per_process"))
     mp_start_method = Param(Params._dummy(), "mp_start_method",
-                            "(Horovod: start method of Petastorm's reader processes) accepted "
-                            "and ignored with a warning: the reader starts no processes",
+                            "start method of the decode worker processes: 'forkserver' "
+                            "(default on Linux) or 'spawn'; 'fork' is refused with a warning "
+                            "(forking a process holding Spark's and torch's threads can hang)",
                             _to_choice("mp_start_method", MP_START_METHODS))
     data_module = Param(Params._dummy(), "data_module",
                         "(Horovod: Petastorm/NVTabular data module class) accepted and ignored "
@@ -319,6 +330,7 @@ class EstimatorParams(Params):
                          shuffle=True, random_seed=None, store=None, run_id=None, verbose=1,
                          callbacks=[], use_gpu=None, train_steps_per_epoch=None,
                          validation_steps_per_epoch=None, transformation_fn=None,
+                         predict_transformation_fn=None,
                          inmemory_cache_all=False, backward_passes_per_step=1,
                          scale_learning_rate=False, mixed_precision=None, max_time=None,
                          max_attempts=None, loss_weights=None, label_shapes=None,
@@ -398,6 +410,9 @@ class EstimatorParams(Params):
 
     def getTransformationFn(self) -> Any:
         return self.getOrDefault(self.transformation_fn)
+
+    def getPredictTransformationFn(self) -> Optional[Callable]:
+        return self.getOrDefault(self.predict_transformation_fn)
 
     def getInmemoryCacheAll(self) -> bool:
         return self.getOrDefault(self.inmemory_cache_all)
@@ -535,6 +550,7 @@ class ModelParams(Params):
     batch_size = Param(Params._dummy(), "batch_size", "rows per inference batch",
                        TypeConverters.toInt)
     run_id = EstimatorParams.run_id
+    predict_transformation_fn = EstimatorParams.predict_transformation_fn
     use_gpu = Param(Params._dummy(), "use_gpu",
                     "predict on the first GPU Spark assigned to each task: None (default) when "
                     "the task has one, True require one, False always on the CPU",
@@ -547,7 +563,15 @@ class ModelParams(Params):
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(output_cols=None, batch_size=1024, run_id=None, use_gpu=None,
-                         resource_profile=None)
+                         resource_profile=None, predict_transformation_fn=None)
+
+    def getPredictTransformationFn(self) -> Optional[Callable]:
+        return self.getOrDefault(self.predict_transformation_fn)
+
+    def setPredictTransformationFn(self, value: Optional[Callable]) -> "ModelParams":
+        """The function ``transform`` applies to every batch (a dict of numpy arrays of the
+        feature columns) before the model; saved with the model, pickled by value."""
+        return self._set(predict_transformation_fn=value)
 
     def getFeatureCols(self) -> List[str]:
         return self.getOrDefault(self.feature_cols)

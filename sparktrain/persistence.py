@@ -4,7 +4,8 @@ Layout under a saved path (any Hadoop/fsspec filesystem)::
 
     metadata/        Spark ML JSON metadata (class, uid, JSON-able params, extra fields)
     objects.pkl      estimators: cloudpickled object params (model, optimizer, loss, ...)
-    model/           models: framework files (e.g. architecture.pkl + weights.pt for torch)
+    model/           models: framework files (e.g. architecture.pkl + weights.pt for torch),
+                     and predict_transformation_fn.pkl when the model decodes its inputs
 
 Loading runs code. ``objects.pkl`` and a torch model's ``architecture.pkl`` are cloudpickle
 files, and unpickling them can execute any Python code that whoever wrote them put there:
@@ -37,6 +38,7 @@ from sparktrain.pickling import dumps
 from sparktrain.spark_api import ml_context, remove_saved
 
 T = TypeVar("T")
+PREDICT_FN_FILE = "model/predict_transformation_fn.pkl"
 
 
 def saved_root(spark: SparkSession, path: str) -> str:
@@ -159,6 +161,9 @@ class ModelWriter(_Writer):
         root = self._save_metadata(path, extraMetadata=self.instance._extra_metadata())
         for name, data in self.instance._framework_files().items():
             write_file(root, f"model/{name}", data)
+        transform = self.instance.getPredictTransformationFn()
+        if transform is not None:  # by value, like the model's own classes
+            write_file(root, PREDICT_FN_FILE, dumps(transform))
 
 
 class ModelReader(MLReader):
@@ -178,4 +183,7 @@ class ModelReader(MLReader):
         instance = self.cls._from_saved(metadata, files)
         instance._resetUid(metadata["uid"])
         _apply_params(instance, metadata)
+        if metadata.get("predict_transformation_fn"):
+            instance._set(predict_transformation_fn=cloudpickle.loads(
+                read_file(root, PREDICT_FN_FILE)))
         return instance

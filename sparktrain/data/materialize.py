@@ -21,7 +21,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from pyspark.ml.functions import vector_to_array
 from pyspark.sql import Column, DataFrame
@@ -29,7 +29,9 @@ from pyspark.sql import functions as F
 
 from sparktrain.data.commit import ATTEMPTS, Commit, DatasetDirectory
 from sparktrain.data.lease import DEFAULT_TTL_SECONDS, Lease, live_leases
-from sparktrain.data.schema import ARRAY, SCALAR, VECTOR, ColumnSpec
+from sparktrain.data.batch import values_to_numpy
+from sparktrain.data.columns import (ARRAY, BINARY, IMAGE, IMAGE_FIELDS, SCALAR, STRING, VARLEN,
+                                     VECTOR, ColumnSpec)
 from sparktrain.data.store import Store
 from sparktrain.spark_api import conf_value, plan_fingerprint
 
@@ -66,7 +68,7 @@ class MaterializedDataset:
 
 
 def plan_key(df: DataFrame, columns: Sequence[ColumnSpec], validation: Union[None, float, str],
-             seed: Optional[int]) -> str:
+             seed: Optional[int], variable_length: bool = False) -> str:
     """A key that is equal for the same DataFrame plan, columns and split.
 
     The analyzed plan's semantic hash covers local data (``LocalRelation``) and RDD identity;
@@ -74,6 +76,8 @@ def plan_key(df: DataFrame, columns: Sequence[ColumnSpec], validation: Union[Non
     """
     parts = [str(FORMAT_VERSION), plan_fingerprint(df), "\n".join(sorted(df.inputFiles())),
              json.dumps([c.to_json() for c in columns]), repr(validation), repr(seed)]
+    if variable_length:  # keys of earlier datasets stay as they were
+        parts.append("variable_length")
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:24]
 
 
@@ -97,56 +101,116 @@ def _has_null_element(value: Column, element: str) -> Column:
     return F.array_contains(value, first).isNull() | F.array_contains(value, second).isNull()
 
 
-def _stored_value(spec: ColumnSpec) -> Column:
-    """A column in the element type it is stored with (vectors as float32 arrays)."""
+def _flat(col: Column, depth: int) -> Column:
+    """A nested array column flattened to 1-D (stored flat; its shape is in the ColumnSpec)."""
+    for _ in range(depth - 1):
+        col = F.flatten(col)
+    return col
+
+
+def stored_value(spec: ColumnSpec) -> Column:
+    """A column in the form it is stored and fed with: numbers in their element type (vectors
+    and nested arrays as flat float32/int64 arrays), bytes and strings as they are, Spark's
+    image struct reduced to its size, mode and bytes."""
     col = F.col(f"`{spec.name}`")
+    if spec.kind in (BINARY, STRING):
+        return col
+    if spec.kind == IMAGE:
+        return F.struct(*[col.getField(name).alias(name) for name in IMAGE_FIELDS])
     element = "float" if spec.dtype == "float32" else "bigint"
     if spec.kind == SCALAR:
         return col.cast(element)
-    return vector_to_array(col, "float32") if spec.kind == VECTOR else col.cast(f"array<{element}>")
+    if spec.kind == VECTOR:
+        return vector_to_array(col, "float32")
+    return _flat(col, spec.depth).cast(f"array<{element}>")
 
 
 def sample_batch(df: DataFrame, columns: Sequence[ColumnSpec], rows: int
                  ) -> Optional[Dict[str, Any]]:
-    """Up to ``rows`` rows of ``columns`` as a batch in the form training reads them (numpy by
-    column name: scalars 1-D, vectors/arrays 2-D), from one small job (``limit``). ``None``
-    when the first rows cannot form a batch (empty, nulls, ragged): materialization's checks
-    then report the data problem precisely."""
-    import numpy as np
-
+    """Up to ``rows`` rows of ``columns`` as a batch in the form training reads them
+    (:mod:`sparktrain.data.batch`), from one small job (``limit``). ``None`` when the first
+    rows cannot form a batch (empty, nulls, ragged or shapeless arrays): materialization's
+    checks then report the data problem precisely."""
     # collect, not toPandas: a few rows need no Arrow set-up (measured: 0.23 vs 0.27 s warm)
-    found = df.select(*[_stored_value(c).alias(c.name) for c in columns]).limit(rows).collect()
+    found = df.select(*[stored_value(c).alias(c.name) for c in columns]).limit(rows).collect()
     if not found:
         return None
     batch = {}
     try:
         for i, spec in enumerate(columns):
             values = [row[i] for row in found]
-            if any(v is None or (spec.kind != SCALAR and None in v) for v in values):
+            if any(v is None or (spec.kind in (ARRAY, VECTOR, VARLEN) and None in v)
+                   for v in values):
                 return None
-            batch[spec.name] = np.array(values, dtype=spec.dtype)
-            if batch[spec.name].ndim != (1 if spec.kind == SCALAR else 2):
-                return None
+            if spec.kind == ARRAY and spec.shape and None in spec.shape:
+                spec = _shaped(spec, _nested_shape(df, spec))
+            batch[spec.name] = values_to_numpy(values, spec)
     except (ValueError, TypeError):  # ragged arrays
         return None
     return batch
 
 
-def _prepared_column(spec: ColumnSpec, size: Optional[int], nullable_elements: bool) -> List[Column]:
+def _nested_shape(df: DataFrame, spec: ColumnSpec) -> List[int]:
+    """The per-level sizes of the first row of a nested array column (one tiny job)."""
+    col, probes = F.col(f"`{spec.name}`"), []
+    for _ in range(spec.depth):
+        probes.append(F.size(col))
+        col = col.getItem(0)
+    first = df.select(*probes).first()
+    return [int(v) for v in first] if first is not None else []
+
+
+def _shaped(spec: ColumnSpec, shape: List[int]) -> ColumnSpec:
+    size = 1
+    for dim in shape:
+        size *= dim
+    return ColumnSpec(spec.name, spec.kind, spec.dtype, size, shape)
+
+
+def _shape_ok(col: Column, dims: Sequence[int]) -> Column:
+    """True when a nested array has exactly the shape ``dims`` at every level."""
+    if len(dims) == 1:
+        return F.size(col) == F.lit(dims[0])
+    return (F.size(col) == F.lit(dims[0])) & F.forall(col, lambda x: _shape_ok(x, dims[1:]))
+
+
+def _row_shape_text(col: Column, depth: int) -> Column:
+    """The sizes along a row's first elements, as text ("3, 2"), for error messages."""
+    parts = []
+    for _ in range(depth):
+        parts.append(F.coalesce(F.size(col).cast("string"), F.lit("?")))
+        col = col.getItem(0)
+    return F.concat_ws(", ", *parts)
+
+
+def _prepared_column(spec: ColumnSpec, nullable_elements: bool) -> List[Column]:
     """The stored form of one column, and checks that abort the write on a bad row."""
     name = spec.name
     col = F.col(f"`{name}`")
     checks = [_fail_if(col.isNull(), F.lit(f"column {name!r} contains nulls; expected no nulls "
                                            f"(drop or fill them, e.g. df.na.drop(subset=[{name!r}]))"))]
-    value = _stored_value(spec)
-    if spec.kind != SCALAR:
+    value = stored_value(spec)
+    if spec.kind == IMAGE:
+        checks.append(_fail_if(col.getField("data").isNull(),
+                               F.lit(f"image column {name!r} has rows without data (images "
+                                     f"Spark could not decode: read with dropInvalid=true)")))
+    if spec.kind in (ARRAY, VECTOR, VARLEN):
         element = "float" if spec.dtype == "float32" else "bigint"
-        checks.append(_fail_if(
-            F.size(value) != F.lit(size),
-            F.concat(F.lit(f"column {name!r} has rows of different lengths; expected every row "
-                           f"to have {size} elements like the first row, found "),
-                     F.size(value).cast("string"))))
-        if spec.kind == ARRAY and nullable_elements:
+        if spec.kind == ARRAY and spec.shape:
+            expected = ", ".join(str(d) for d in spec.shape)
+            checks.append(_fail_if(
+                ~_shape_ok(col, spec.shape),
+                F.concat(F.lit(f"column {name!r} has a row of shape ("),
+                         _row_shape_text(col, spec.depth),
+                         F.lit(f", ...); expected every row to have the shape ({expected}) of "
+                               f"the first row"))))
+        elif spec.kind != VARLEN:
+            checks.append(_fail_if(
+                F.size(value) != F.lit(spec.size),
+                F.concat(F.lit(f"column {name!r} has rows of different lengths; expected every "
+                               f"row to have {spec.size} elements like the first row, found "),
+                         F.size(value).cast("string"))))
+        if spec.kind != VECTOR and nullable_elements:
             checks.append(_fail_if(_has_null_element(value, element),
                                    F.lit(f"column {name!r} has arrays containing nulls; "
                                          f"expected numbers only")))
@@ -154,24 +218,76 @@ def _prepared_column(spec: ColumnSpec, size: Optional[int], nullable_elements: b
     return [guarded.alias(name)]
 
 
-def _codec(store: Store) -> str:
+def _codec(store: Store, columns: Sequence[ColumnSpec]) -> str:
     """No compression on local disks: decoding, not disk bandwidth, bounds reading there
     (measured at 1M x 32 floats: 5.6M rows/s uncompressed vs 3.2M with snappy, and a faster
-    write). Snappy where bytes cross a network (HDFS, object stores)."""
-    return "none" if store.is_local else "snappy"
+    write), nor for bytes (encoded JPEG/PNG do not compress further: snappy would only cost
+    time). Snappy where numbers cross a network (HDFS, object stores)."""
+    if store.is_local or any(c.kind in (BINARY, IMAGE) for c in columns):
+        return "none"
+    return "snappy"
 
 
-def _first_row_sizes(df: DataFrame, columns: Sequence[ColumnSpec]) -> Dict[str, int]:
-    """Element counts of vector/array columns, read from the first row (the data must be
-    non-empty). Raises ``ValueError`` for an empty DataFrame."""
-    sized = [c for c in columns if c.kind != SCALAR]
-    probe = [F.lit(1).alias("__row")] + [
-        F.size(vector_to_array(F.col(f"`{c.name}`")) if c.kind == VECTOR
-               else F.col(f"`{c.name}`")).alias(c.name) for c in sized]
+def _sized(df: DataFrame, columns: Sequence[ColumnSpec], variable_length: bool
+           ) -> List[ColumnSpec]:
+    """``columns`` with sizes and shapes from the first row (one tiny job); 1-D arrays whose
+    lengths vary become ``varlen`` when ``variable_length`` (one more job over those columns).
+    Raises ``ValueError`` for an empty DataFrame."""
+    probe = [F.lit(1).alias("__row")]
+    for c in columns:
+        col = F.col(f"`{c.name}`")
+        if c.kind == VECTOR:
+            probe.append(F.size(vector_to_array(col)).alias(c.name))
+        elif c.kind == ARRAY:
+            probe.append(_row_shape_text(col, c.depth).alias(c.name))
     first = df.select(*probe).first()
     if first is None:
         raise ValueError("the DataFrame is empty; expected at least one row to train on")
-    return {c.name: first[c.name] for c in sized}
+    sized = []
+    for c in columns:
+        if c.kind == VECTOR:
+            c = ColumnSpec(c.name, c.kind, c.dtype, first[c.name])
+        elif c.kind == ARRAY:
+            dims = [int(d) if d.isdigit() else 0 for d in (first[c.name] or "").split(", ")]
+            c = _shaped(c, dims) if c.shape else ColumnSpec(c.name, c.kind, c.dtype, dims[0])
+        sized.append(c)
+    flat = [c for c in sized if c.kind == ARRAY and not c.shape]
+    if variable_length and flat:
+        ranges = length_ranges(df, [c.name for c in flat])
+        sized = [ColumnSpec(c.name, VARLEN, c.dtype, None)
+                 if c in flat and ranges[c.name][0] != ranges[c.name][1] else c for c in sized]
+    return sized
+
+
+def length_ranges(df: DataFrame, names: Sequence[str]) -> Dict[str, Tuple[int, int]]:
+    """``{column: (shortest, longest)}`` array lengths of ``names`` (one aggregation job)."""
+    aggs = []
+    for name in names:
+        aggs += [F.min(F.size(F.col(f"`{name}`"))), F.max(F.size(F.col(f"`{name}`")))]
+    row = df.agg(*aggs).first()
+    return {name: (int(row[2 * i] or 0), int(row[2 * i + 1] or 0))
+            for i, name in enumerate(names)}
+
+
+def _nullable_elements(dtype: Any) -> bool:
+    """True when a (nested) array type may hold null numbers."""
+    nullable = False
+    while hasattr(dtype, "elementType"):
+        nullable, dtype = nullable or dtype.containsNull, dtype.elementType
+    return nullable
+
+
+def _explained(df: DataFrame, specs: Sequence[ColumnSpec], message: str) -> str:
+    """A ragged-array error with the column's length range and the ways out."""
+    match = re.match(r"column '(.+?)' has rows of different lengths", message)
+    if not match:
+        return message
+    name = match.group(1)
+    low, high = length_ranges(df, [name])[name]
+    return (f"column {name!r} holds arrays of {low} to {high} elements; a model needs one "
+            f"length per column. Pass a transformation_fn that pads or truncates them (it gets "
+            f"the column as an object array of 1-D numpy arrays, see the README's 'Images, "
+            f"text and sequences'), or make the arrays one length in the DataFrame")
 
 
 def _data_error(exc: Exception) -> Optional[str]:
@@ -212,16 +328,19 @@ def lease_seconds(spark: Any) -> float:
 
 
 def materialize(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
-                validation: Union[None, float, str] = None, seed: Optional[int] = None
-                ) -> MaterializedDataset:
+                validation: Union[None, float, str] = None, seed: Optional[int] = None,
+                variable_length: bool = False) -> MaterializedDataset:
     """Write ``columns`` of ``df`` to ``store`` (or reuse an earlier write of the same plan).
+
+    ``variable_length``: 1-D array columns whose lengths vary are stored as ``varlen`` (a
+    ``transformation_fn`` will make them one length) instead of failing the write.
 
     Safe with concurrent fits (threads or drivers) on one store: see
     :mod:`sparktrain.data.commit`. A second writer of the same key waits for the first
     (logging who it waits for) and reuses its commit.
     """
     start = time.perf_counter()
-    key = plan_key(df, columns, validation, seed)
+    key = plan_key(df, columns, validation, seed, variable_length)
     fs = store.fs
     directory = DatasetDirectory(fs, fs._strip_protocol(store.dataset_path(key)))
     ttl = lease_seconds(df.sparkSession)
@@ -247,7 +366,8 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
             if found is not None:
                 return _reused(store, key, found, start)
             directory.collect_garbage()
-            return _write(df, store, columns, validation, seed, key, directory, lease, start)
+            return _write(df, store, columns, validation, seed, variable_length, key,
+                          directory, lease, start)
         except BaseException:
             lease.release()
             directory.remove_empty()  # a failed first write leaves no trace
@@ -266,19 +386,20 @@ def _reused(store: Store, key: str, found: Commit, start: float) -> Materialized
 
 
 def _write(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
-           validation: Union[None, float, str], seed: Optional[int], key: str,
+           validation: Union[None, float, str], seed: Optional[int], variable_length: bool,
+           key: str,
            directory: DatasetDirectory, lease: Lease, start: float) -> MaterializedDataset:
     """Write one attempt of the dataset and commit it (the caller holds ``lease``)."""
     attempt = lease.owner
     root = f"{store.dataset_path(key)}/{ATTEMPTS}/{attempt}"
-    sizes = _first_row_sizes(df, columns)
-    nullable = {f.name: getattr(f.dataType, "containsNull", False) for f in df.schema.fields}
-    selected = [expr for spec in columns
-                for expr in _prepared_column(spec, sizes.get(spec.name), nullable[spec.name])]
+    specs = _sized(df, columns, variable_length)
+    nullable = {f.name: _nullable_elements(f.dataType) for f in df.schema.fields}
+    selected = [expr for spec in specs
+                for expr in _prepared_column(spec, nullable[spec.name])]
     writer_df = df.select(*selected, *_split_column(df, validation, seed))
     writer = (writer_df.write.mode("overwrite")
               .option("parquet.block.size", ROW_GROUP_BYTES)
-              .option("compression", _codec(store)))
+              .option("compression", _codec(store, specs)))
     target = store.spark_path("datasets", key, ATTEMPTS, attempt)
     try:
         if validation:
@@ -299,9 +420,8 @@ def _write(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
         directory.remove_attempt(attempt)
         message = _data_error(exc)
         if message:
-            raise ValueError(message) from None
+            raise ValueError(_explained(df, specs, message)) from None
         raise
-    specs = [ColumnSpec(c.name, c.kind, c.dtype, sizes.get(c.name, 1)) for c in columns]
     directory.commit(attempt, {"format": FORMAT_VERSION, "columns": [c.to_json() for c in specs],
                                "rows": rows, "files": files, "created": time.time()})
     seconds = time.perf_counter() - start

@@ -35,7 +35,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from sparktrain.data.schema import SCALAR, ColumnSpec
+from sparktrain.data.batch import arrow_to_numpy
+from sparktrain.data.columns import ColumnSpec
 from sparktrain.data.store import filesystem
 
 Batch = Dict[str, np.ndarray]
@@ -108,8 +109,6 @@ class ShardReader:
         self._handles: "OrderedDict[int, Tuple[Any, Any]]" = OrderedDict()  # file -> (pq, source)
         self._footers: Dict[int, Any] = {}  # file -> FileMetaData (a few KB each)
         self._cache: Dict[int, Batch] = {}  # piece index -> decoded rows (inmemory_cache_all)
-        row_bytes = sum((4 if c.dtype == "float32" else 8) * (c.size or 1) for c in self.columns)
-        self._read_rows = max(1024, READ_BYTES // max(1, row_bytes))
 
         total = sum(sum(groups) for _, groups in self.layout)
         if total == 0:
@@ -234,8 +233,12 @@ class ShardReader:
         offset = filled = 0  # row of the group where `batch` starts; rows written to `out`
         # use_threads=False: decoding columns on Arrow's thread pool gains nothing here (one
         # wide column dominates) and costs a jemalloc arena per thread (measured: +20-30 MiB RSS)
-        batches = self._handle(piece.file).iter_batches(
-            batch_size=self._read_rows, row_groups=[piece.group],
+        handle = self._handle(piece.file)
+        # rows per record batch from the group's decoded size: bytes and strings vary a lot
+        meta = handle.metadata.row_group(piece.group)
+        row_bytes = max(1, meta.total_byte_size // max(1, meta.num_rows))
+        batches = handle.iter_batches(
+            batch_size=max(16, READ_BYTES // row_bytes), row_groups=[piece.group],
             columns=[c.name for c in self.columns], use_threads=False)
         for batch in batches:
             lo, hi = max(piece.lo - offset, 0), min(piece.hi - offset, batch.num_rows)
@@ -312,7 +315,7 @@ def _empty(shape: Tuple[int, ...], dtype: Any) -> np.ndarray:
     this, +136 and +145, and RSS falls back after the epoch).
     """
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    if nbytes < MMAP_BYTES:
+    if nbytes < MMAP_BYTES or np.dtype(dtype).hasobject:  # object pointers live on the heap
         return np.empty(shape, dtype)
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).reshape(shape)
 
@@ -351,16 +354,10 @@ def take_steps(reader: "ShardReader", epoch: int, steps: Optional[int]) -> Itera
 
 
 def column_to_numpy(column: Any, spec: ColumnSpec) -> np.ndarray:
-    """A pyarrow (chunked) column as a numpy array: ``(rows,)`` for scalars, ``(rows, size)``
-    for fixed-length lists; zero copy when the data is in one chunk."""
-    if hasattr(column, "num_chunks"):  # combine_chunks() copies even a single chunk
-        array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-    else:
-        array = column
-    if spec.kind == SCALAR:
-        return array.to_numpy(zero_copy_only=False)
-    values = array.flatten().to_numpy(zero_copy_only=False)
-    return values.reshape(len(array), spec.size)
+    """A pyarrow (chunked) column in its numpy form (:func:`sparktrain.data.batch.
+    arrow_to_numpy`): ``(rows,)`` for scalars, ``(rows, d1, ...)`` for fixed-shape arrays,
+    object arrays for bytes, strings, images and variable-length arrays."""
+    return arrow_to_numpy(column, spec)
 
 
 def _rows(batch: Batch) -> int:

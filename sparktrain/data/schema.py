@@ -6,33 +6,14 @@ materialization job, see :mod:`sparktrain.data.materialize`.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 
-SCALAR, VECTOR, ARRAY = "scalar", "vector", "array"
-
-
-@dataclass(frozen=True)
-class ColumnSpec:
-    """How one column is materialized: ``kind`` of source column, stored ``dtype``, ``size``
-    (elements per row; 1 for scalars, filled in after materialization for vectors/arrays)."""
-
-    name: str
-    kind: str
-    dtype: str  # "float32" | "int64" | "bool"
-    size: Optional[int] = None
-
-    def to_json(self) -> Dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Dict) -> "ColumnSpec":
-        return cls(**data)
-
+from sparktrain.data.columns import (ARRAY, BINARY, IMAGE, IMAGE_FIELDS, RAW_KINDS,  # noqa: F401
+                                     SCALAR, STRING, VARLEN, VECTOR, ColumnSpec)
 
 def _numeric_dtype(dtype: T.DataType) -> Optional[str]:
     if isinstance(dtype, (T.FloatType, T.DoubleType, T.DecimalType)):
@@ -44,11 +25,25 @@ def _numeric_dtype(dtype: T.DataType) -> Optional[str]:
     return None
 
 
+def _array_element(dtype: T.DataType) -> Tuple[int, T.DataType]:
+    """``(depth, innermost element type)`` of a (nested) array type."""
+    depth = 0
+    while isinstance(dtype, T.ArrayType):
+        depth, dtype = depth + 1, dtype.elementType
+    return depth, dtype
+
+
+def is_image_struct(dtype: T.DataType) -> bool:
+    return isinstance(dtype, T.StructType) and set(IMAGE_FIELDS) <= set(dtype.fieldNames())
+
+
 def column_spec(df: DataFrame, name: str, role: str) -> ColumnSpec:
     """The :class:`ColumnSpec` of ``df[name]``, or a ``ValueError`` naming column and role.
 
     Floating point (and boolean) values are stored as float32, integers as int64 (class
-    indices, embedding ids); vectors and numeric arrays as fixed-length float32/int64 arrays.
+    indices, embedding ids); vectors and numeric arrays (nested to any depth) as float32/int64
+    arrays; binary and string columns as they are; Spark's image struct as its bytes and size.
+    Whether a 1-D array column is of fixed or variable length is found at materialization.
     """
     fields = {f.name: f for f in df.schema.fields}
     if name not in fields:
@@ -57,18 +52,26 @@ def column_spec(df: DataFrame, name: str, role: str) -> ColumnSpec:
     dtype = fields[name].dataType
     if isinstance(dtype, VectorUDT):
         return ColumnSpec(name, VECTOR, "float32")
+    if isinstance(dtype, T.BinaryType):
+        return ColumnSpec(name, BINARY, "bytes", 1)
+    if isinstance(dtype, T.StringType):
+        return ColumnSpec(name, STRING, "str", 1)
+    if is_image_struct(dtype):
+        return ColumnSpec(name, IMAGE, "uint8", 1)
     if isinstance(dtype, T.ArrayType):
-        element = _numeric_dtype(dtype.elementType)
-        if element is not None and not isinstance(dtype.elementType, T.BooleanType):
-            return ColumnSpec(name, ARRAY, element)
+        depth, inner = _array_element(dtype)
+        element = _numeric_dtype(inner)
+        if element is not None and not isinstance(inner, T.BooleanType):
+            return ColumnSpec(name, ARRAY, element, shape=[None] * depth if depth > 1 else None)
     else:
         scalar = _numeric_dtype(dtype)
         if scalar is not None:
             return ColumnSpec(name, SCALAR, scalar, 1)
     raise ValueError(
         f"{role} column {name!r} has type {dtype.simpleString()}; expected a numeric scalar, "
-        f"a pyspark.ml.linalg vector or a fixed-length array of numbers "
-        f"(index strings first, e.g. with pyspark.ml.feature.StringIndexer)")
+        f"a pyspark.ml.linalg vector, an array of numbers (nested to any depth), binary "
+        f"(e.g. binaryFile's content), string, or Spark's image struct (index category "
+        f"strings first, e.g. with pyspark.ml.feature.StringIndexer)")
 
 
 def check_validation_column(df: DataFrame, name: str) -> None:

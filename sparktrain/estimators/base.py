@@ -21,7 +21,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import cloudpickle
 import pandas as pd
 from pyspark.ml import Estimator, Model
-from pyspark.ml.functions import vector_to_array
 from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -30,8 +29,10 @@ from pyspark.sql import types as T
 from sparktrain.checkpoint import Checkpoints
 from sparktrain.data.materialize import MaterializedDataset, lease_seconds, materialize
 from sparktrain.data.run_lock import run_lock
-from sparktrain.data.schema import SCALAR, VECTOR, ColumnSpec, check_validation_column, \
-    column_spec, training_columns
+from sparktrain.data.batch import model_ready, values_to_numpy
+from sparktrain.data.materialize import stored_value
+from sparktrain.data.schema import ARRAY, BINARY, IMAGE, RAW_KINDS, SCALAR, STRING, VARLEN, \
+    VECTOR, ColumnSpec, check_validation_column, column_spec, training_columns
 from sparktrain.data.store import Store, StoredBytes
 from sparktrain.estimators.preflight import run_preflight
 from sparktrain.launch import check_backend
@@ -44,6 +45,18 @@ from sparktrain.progress import FitProgress, TqdmLogHandler, interval_from_conf
 from sparktrain.spark_api import all_conf, check_store_shared, master
 
 log = logging.getLogger("sparktrain")
+
+
+_KIND_TEXT = {BINARY: "binary (bytes)", STRING: "a string column", IMAGE: "an image struct",
+              VARLEN: "an array column of variable length"}
+_KIND_FORM = {BINARY: "an object array of bytes", STRING: "an object array of str",
+              IMAGE: "an object array of uint8 (H, W, C) RGB arrays",
+              VARLEN: "an object array of 1-D arrays"}
+
+
+def _family(kind: str) -> str:
+    """Kinds that can stand in for each other at prediction (a vector for an array...)."""
+    return {VECTOR: "numbers", ARRAY: "numbers", VARLEN: "numbers"}.get(kind, kind)
 
 
 class _FitLogging:
@@ -189,6 +202,15 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         elif validation is not None and not 0.0 <= validation < 1.0:
             raise ValueError(f"validation={validation!r}; expected a fraction in [0, 1) or the "
                              f"name of a boolean column")
+        if fn is None:
+            raw = [s for s in specs if s.kind in RAW_KINDS]
+            if raw:
+                spec = raw[0]
+                raise ValueError(
+                    f"column {spec.name!r} is {_KIND_TEXT[spec.kind]}; a model takes numbers: "
+                    f"pass transformation_fn=... that turns it into numeric arrays of one "
+                    f"shape (it gets {_KIND_FORM[spec.kind]}; README, 'Images, text and "
+                    f"sequences')")
         self._check_framework()
         return specs
 
@@ -223,7 +245,8 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
             if latest is not None:
                 log.info("run %s has a checkpoint after epoch %d: resuming from it", run_id,
                          latest.epochs_done)
-            data = materialize(dataset, store, specs, validation, self.getRandomSeed())
+            data = materialize(dataset, store, specs, validation, self.getRandomSeed(),
+                               variable_length=self.getTransformationFn() is not None)
             result = self._train(FitRun(dataset.sparkSession, data, store, use_gpu, run_id,
                                         progress, time.time()))
             progress.close()
@@ -236,8 +259,22 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                           f"continue from its checkpoint.", RuntimeWarning, stacklevel=3)
         model = self._create_model(result, data)
         model._set(feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),
-                   run_id=run_id, use_gpu=self.getUseGpu())
+                   run_id=run_id, use_gpu=self.getUseGpu(),
+                   predict_transformation_fn=self._prediction_transform(data))
         return model
+
+    def _prediction_transform(self, data: MaterializedDataset) -> Optional[Callable]:
+        """What the model applies before predicting: ``predict_transformation_fn``, else
+        ``transformation_fn`` when a feature column is of a raw kind (bytes, text, images,
+        variable-length arrays: the model cannot predict without decoding them), else none
+        (numeric features predict as they are, as in Horovod)."""
+        given = self.getPredictTransformationFn()
+        if given is not None:
+            return given
+        features = set(self.getFeatureCols())
+        if any(c.kind in RAW_KINDS for c in data.columns if c.name in features):
+            return self.getTransformationFn()
+        return None
 
     # -- persistence ----------------------------------------------------------------------------
     def write(self) -> EstimatorWriter:
@@ -250,23 +287,28 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
 
 def _feature_expr(spec: ColumnSpec) -> Column:
     """A feature column in the form the prediction UDF reads (what training read)."""
-    col = F.col(f"`{spec.name}`")
-    if spec.kind == VECTOR:
-        return vector_to_array(col, "float32")
-    element = "float" if spec.dtype == "float32" else "bigint"
-    return col.cast(element if spec.kind == SCALAR else f"array<{element}>")
+    return stored_value(spec)
+
+
+def series_values(series: Any, spec: ColumnSpec):
+    """A pandas feature column from Arrow in the numpy form a ``transformation_fn`` gets in
+    training (:mod:`sparktrain.data.batch`); struct columns (images) arrive as DataFrames."""
+    if isinstance(series, pd.DataFrame):
+        return values_to_numpy(series.to_dict("records"), spec)
+    if spec.kind == SCALAR:
+        return series.to_numpy(dtype=spec.dtype)
+    return values_to_numpy(list(series.to_numpy()), spec)
+
+
+def as_model_input(value: Any):
+    """Scalar columns as ``(rows, 1)``, the shape training fed the model."""
+    return value.reshape(-1, 1) if value.ndim == 1 else value
 
 
 def series_to_numpy(series: pd.Series, spec: ColumnSpec):
-    """A pandas feature column from Arrow as a 2-D numpy array of ``spec.dtype`` (scalars as
-    ``(rows, 1)``, the shape training fed the model)."""
-    import numpy as np
-
-    if spec.kind == SCALAR:
-        return series.to_numpy(dtype=spec.dtype).reshape(-1, 1)
-    if len(series) == 0:
-        return np.zeros((0, spec.size), dtype=spec.dtype)
-    return np.stack(series.to_numpy()).astype(spec.dtype, copy=False)
+    """A pandas numeric feature column from Arrow as training fed it to the model (scalars as
+    ``(rows, 1)``)."""
+    return as_model_input(series_values(series, spec))
 
 
 class ModelBase(Model, ModelParams, MLWritable, MLReadable):
@@ -363,7 +405,11 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
                 self._columns = [ColumnSpec(s.name, s.kind, s.dtype, s.size or
                                             series_to_numpy(row.iloc[:, i], s).shape[1])
                                  for i, s in enumerate(self._columns)]
-            zeros = [np.zeros((1, s.size), dtype=s.dtype) for s in self._columns]
+            if any(s.kind in RAW_KINDS for s in self._columns):
+                raise ValueError(f"{type(self).__name__} built by hand cannot tell its output "
+                                 f"shapes from raw feature columns; fit it with an estimator")
+            zeros = [np.zeros((1,) + (s.row_shape or (1,)), dtype=s.dtype)
+                     for s in self._columns]
             outputs = self._predict_fn_factory()()(zeros)
             self._output_shapes = [list(o.shape[1:]) for o in outputs]
 
@@ -374,8 +420,7 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
         for name in self.getFeatureCols():
             found = column_spec(dataset, name, "feature")
             trained = columns[name]
-            if found.kind == SCALAR and trained.kind != SCALAR or \
-                    found.kind != SCALAR and trained.kind == SCALAR:
+            if _family(found.kind) != _family(trained.kind):
                 raise ValueError(f"feature column {name!r} is a {found.kind} here but was a "
                                  f"{trained.kind} in training")
             specs.append(trained)
@@ -392,7 +437,8 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
         # A worker keeps a predictor per key: keyed by what the factory holds (weights,
         # use_gpu, shapes), it never outlives setModel, setUseGpu or weights changed in place.
         key = hashlib.sha1(cloudpickle.dumps(factory)).hexdigest()
-        udf = _prediction_udf(key, factory, specs, types, self.getBatchSize())
+        udf = _prediction_udf(key, factory, specs, types, self.getBatchSize(),
+                              self.getPredictTransformationFn())
         prediction = udf(*[_feature_expr(s) for s in specs])
         if len(outputs) == 1:
             return _with_profile(dataset.withColumn(outputs[0], prediction),
@@ -407,7 +453,8 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
     def _extra_metadata(self) -> Dict[str, Any]:
         return {"history": self._history, "columns": [c.to_json() for c in self._columns],
                 "output_shapes": self._output_shapes,
-                "framework_files": sorted(self._framework_files())}
+                "framework_files": sorted(self._framework_files()),
+                "predict_transformation_fn": self.getPredictTransformationFn() is not None}
 
     @classmethod
     def _from_saved(cls, metadata: Dict[str, Any], files: Dict[str, bytes]) -> "ModelBase":
@@ -458,11 +505,13 @@ _PREDICTORS: Dict[str, Callable] = {}
 
 
 def _prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
-                    types: Sequence[T.DataType], batch_size: int):
+                    types: Sequence[T.DataType], batch_size: int,
+                    transform: Optional[Callable] = None):
     multi = len(types) > 1
     return_type = (T.StructType([T.StructField(f"_{i}", t, False) for i, t in enumerate(types)])
                    if multi else types[0])
     scalar_out = [isinstance(t, T.DoubleType) for t in types]
+    names = [spec.name for spec in specs]
 
     def predict_batches(batches):  # type hints set below: they select the UDF's shape
         import numpy as np
@@ -474,7 +523,11 @@ def _prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
             predict = _PREDICTORS[key] = factory()
         for columns in batches:
             columns = columns if isinstance(columns, tuple) else (columns,)
-            features = [series_to_numpy(s, spec) for s, spec in zip(columns, specs)]
+            batch = {spec.name: series_values(s, spec) for s, spec in zip(columns, specs)}
+            if transform is not None:  # decoding, as in training (vectorized per Arrow batch)
+                batch = transform(batch)
+            batch = model_ready(batch, names, transform is not None)
+            features = [as_model_input(batch[name]) for name in names]
             rows = len(columns[0])
             parts: List[List[np.ndarray]] = []
             for start in range(0, max(rows, 1), batch_size):

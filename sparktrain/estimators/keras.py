@@ -28,6 +28,8 @@ from pyspark import keyword_only
 from pyspark.sql import SparkSession
 
 from sparktrain import compat
+from sparktrain.data.batch import raw_columns
+from sparktrain.data.feed import BatchFeed
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
 from sparktrain.launch import KERAS_BACKENDS, load_backend
@@ -138,6 +140,7 @@ class KerasEstimator(EstimatorBase, KerasParams):
                  train_steps_per_epoch: Optional[int] = None,
                  validation_steps_per_epoch: Optional[int] = None,
                  transformation_fn: Optional[Callable] = None,
+                 predict_transformation_fn: Optional[Callable] = None,
                  inmemory_cache_all: Optional[bool] = None,
                  backward_passes_per_step: Optional[int] = None,
                  scale_learning_rate: Optional[bool] = None,
@@ -269,7 +272,9 @@ class KerasEstimator(EstimatorBase, KerasParams):
 
         data = run.data
         input_shapes = self._input_shapes()
-        sizes = {c.name: c.size for c in data.columns}
+        # a transformation_fn may change every column's shape: the first batch tells then
+        sizes = {c.name: None if self.getTransformationFn() is not None else c.size
+                 for c in data.columns}
         for name, shapes, cols in (("the model's input shapes", input_shapes,
                                     self.getFeatureCols()),
                                    ("label_shapes", self.getLabelShapes(), self.getLabelCols())):
@@ -295,7 +300,8 @@ class KerasEstimator(EstimatorBase, KerasParams):
                 "backend_env": self.getBackendEnv(),
                 "best_model": checkpoint_settings(callback, self.getValidation()),
                 "strategy": self.getStrategy(), "num_ps": self.getNumPs() or 1,
-                **compat.reader_options(self), **self._loop_options(run)}
+                **compat.reader_options(self, raw=bool(raw_columns(data.columns))),
+                **self._loop_options(run)}
         compat.warn_ignored(self, ignored)
         launch = dict(description=f"sparktrain KerasEstimator {self.uid}",
                       echo_logs=self.getVerbose() >= 1, on_progress=run.progress.update,
@@ -333,9 +339,9 @@ class KerasEstimator(EstimatorBase, KerasParams):
         tensors = ""
         try:
             transform = preflight.detached(self.getTransformationFn())
-            if transform is not None:
-                with user_code("transformation_fn"):
-                    batch = transform(dict(batch))
+            names = list(features) + list(labels) + \
+                ([self.getSampleWeightCol()] if self.getSampleWeightCol() else [])
+            batch = next(BatchFeed(transform, names)([dict(batch)]))
             loss = self.getLoss()
             with user_code("the loss"):
                 loss_fn = per_row_loss(keras, keras.losses.serialize(loss)
@@ -384,7 +390,8 @@ class KerasModel(ModelBase):
                  model: Any = None, history: Any = None,
                  feature_columns: Optional[List[str]] = None,
                  label_columns: Optional[List[str]] = None, run_id: Optional[str] = None,
-                 _metadata: Any = None, _floatx: Optional[str] = None) -> None:
+                 _metadata: Any = None, _floatx: Optional[str] = None,
+                 predict_transformation_fn: Optional[Callable] = None) -> None:
         super().__init__()
         if model is None and not isinstance(model_bytes, (bytes, bytearray)):
             model, model_bytes = model_bytes, b""  # KerasModel(keras_model)
@@ -392,7 +399,8 @@ class KerasModel(ModelBase):
         self._custom_objects = dict(custom_objects or {})
         self._model: Any = model
         self._metadata, self._floatx = _metadata, _floatx  # Horovod's: kept, not used
-        given = dict(feature_cols=feature_columns, label_cols=label_columns, run_id=run_id)
+        given = dict(feature_cols=feature_columns, label_cols=label_columns, run_id=run_id,
+                     predict_transformation_fn=predict_transformation_fn)
         self._set(**{k: v for k, v in given.items() if v is not None})
         if history is not None:
             self.setHistory(history)

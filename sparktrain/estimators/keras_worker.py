@@ -19,6 +19,7 @@ per-row losses (Keras' own convention).
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pickle
@@ -218,8 +219,9 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
     import keras
 
     from sparktrain.checkpoint import Checkpoints
+    from sparktrain.data.columns import ColumnSpec
+    from sparktrain.data.feed import BatchFeed
     from sparktrain.data.reader import ShardReader, take_steps
-    from sparktrain.data.schema import ColumnSpec
 
     rank, world = spec["rank"], spec["world_size"]
     if spec.get("seed") is not None:
@@ -288,6 +290,12 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
                                                       spec["batch_size"], spec["shuffle"],
                                                       spec.get("seed")))
     transform = payload.get("transformation_fn")
+    model_names = list(features) + list(labels) + ([weight_col] if weight_col else [])
+    feed = BatchFeed(transform, model_names, spec.get("reader_pool", "thread"),
+                     {"train": spec.get("train_decode_workers", 2),
+                      "val": spec.get("val_decode_workers", 2)},
+                     spec.get("seed"), spec.get("mp_start_method"))
+    atexit.register(feed.close)  # this worker process ends with the fit, whichever way
     n_stats = 2 + len(metrics) * len(labels)
 
     def forward(x: Any, y: Any, w: Any, training: bool) -> Tuple[Any, Any, List[Any]]:
@@ -369,10 +377,8 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
         local = tf.zeros([n_stats], tf.float32)
         last = 0.0
         total = steps or len(source)
-        for i, batch in enumerate(take_steps(source, epoch, steps)):
-            if transform is not None:
-                with user_code("transformation_fn"):
-                    batch = transform(batch)
+        split = "train" if source is train_reader else "val"
+        for i, batch in enumerate(feed(take_steps(source, epoch, steps), split, epoch)):
             x, y, w = tensors(batch)
             # the model's forward, the loss, the metrics and the gradient all-reduce in one
             # tf.function: a worker lost underneath surfaces as a TF status error (a fault)
@@ -463,8 +469,10 @@ def train(spec: Dict[str, Any], payload: Dict[str, Any], workdir: str) -> Dict[s
     for callback in callbacks:
         with user_code(f"callback {type(callback).__name__}.on_train_end"):
             callback.on_train_end({k: v[-1] for k, v in history.items()})
+    feed.close()
     sample = next(iter(train_reader.epoch(0)))
-    x, _, _ = tensors({name: values[:1] for name, values in sample.items()})
+    sample = next(BatchFeed(transform, model_names)([{k: v[:1] for k, v in sample.items()}]))
+    x, _, _ = tensors(sample)
     outputs = model(x if len(features) > 1 else x[0])
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     if rank != 0:

@@ -29,6 +29,7 @@ import cloudpickle
 from pyspark import keyword_only
 
 from sparktrain import compat
+from sparktrain.data.batch import raw_columns
 from sparktrain.checkpoint import Checkpoints
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
@@ -142,6 +143,7 @@ class TorchEstimator(EstimatorBase, TorchParams):
                  use_gpu: Optional[bool] = None, train_steps_per_epoch: Optional[int] = None,
                  validation_steps_per_epoch: Optional[int] = None,
                  transformation_fn: Optional[Callable] = None,
+                 predict_transformation_fn: Optional[Callable] = None,
                  inmemory_cache_all: Optional[bool] = None,
                  backward_passes_per_step: Optional[int] = None,
                  scale_learning_rate: Optional[bool] = None,
@@ -316,7 +318,8 @@ class TorchEstimator(EstimatorBase, TorchParams):
             label_shapes=self.getLabelShapes(), loss_weights=self.getLossWeights(),
             gradient_compression=compat.compression_name(self.getGradientCompression()),
             backend_env=self.getBackendEnv(), strategy=self.getStrategy(),
-            fsdp_cpu_offload=self.getFsdpCpuOffload(), **compat.reader_options(self), **where)
+            fsdp_cpu_offload=self.getFsdpCpuOffload(), **compat.reader_options(self, raw=run is not None and bool(raw_columns(run.data.columns))),
+            **where)
 
     def _check_on_batch(self, batch: Dict[str, Any]) -> None:
         """Preflight (see :mod:`.preflight`): one validation step on ``batch`` on the CPU."""
@@ -342,7 +345,9 @@ class TorchEstimator(EstimatorBase, TorchParams):
 
     def _train(self, run: FitRun) -> Dict[str, Any]:
         data = run.data
-        sizes = {c.name: c.size for c in data.columns}
+        # a transformation_fn may change every column's shape: the first batch tells then
+        sizes = {c.name: None if self.getTransformationFn() is not None else c.size
+                 for c in data.columns}
         for name, shapes, cols in (("input_shapes", self.getInputShapes(), self.getFeatureCols()),
                                    ("label_shapes", self.getLabelShapes(), self.getLabelCols())):
             compat.check_shapes_fit(name, shapes, [(c, sizes.get(c)) for c in cols])
@@ -482,14 +487,16 @@ class TorchModel(ModelBase):
                  input_shapes: Optional[List[List[int]]] = None,
                  label_columns: Optional[List[str]] = None, optimizer: Any = None,
                  run_id: Optional[str] = None, _metadata: Any = None, loss: Any = None,
-                 loss_constructors: Any = None) -> None:
+                 loss_constructors: Any = None,
+                 predict_transformation_fn: Optional[Callable] = None) -> None:
         super().__init__()
         self._setDefault(input_shapes=None, optimizer=None, loss=None, loss_constructors=None)
         self._model = model
         self._metadata = _metadata  # Horovod's column metadata: kept, not used
         given = dict(feature_cols=feature_columns, label_cols=label_columns, run_id=run_id,
                      input_shapes=input_shapes, optimizer=optimizer, loss=loss,
-                     loss_constructors=loss_constructors)
+                     loss_constructors=loss_constructors,
+                     predict_transformation_fn=predict_transformation_fn)
         self._set(**{k: v for k, v in given.items() if v is not None})
         if history is not None:
             self.setHistory(history)

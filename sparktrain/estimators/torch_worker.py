@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from sparktrain.checkpoint import Checkpoint, Checkpoints
+from sparktrain.data.feed import BatchFeed
 from sparktrain.data.reader import ShardReader, take_steps
 from sparktrain.data.schema import ColumnSpec
 from sparktrain.launch import TORCH_BACKENDS, load_backend
@@ -73,6 +74,10 @@ class TorchTrainSpec:
     backend_env: Dict[str, str] = field(default_factory=dict, repr=False)
     train_prefetch: int = 2  # row groups the readers decode ahead
     val_prefetch: int = 2
+    reader_pool: str = "thread"  # "process": transformation_fn in decode worker processes
+    train_decode_workers: int = 2
+    val_decode_workers: int = 2
+    mp_start_method: Optional[str] = None
     strategy: str = "ddp"  # or "fsdp": see sparktrain.estimators.torch_sharding
     fsdp_cpu_offload: bool = False
 
@@ -264,9 +269,10 @@ class _Step:
             self.optimizer.zero_grad()  # set_to_none by default in torch 2; Horovod takes no args
 
 
-def _transformed(transform: Callable, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    with user_code("transformation_fn"):
-        return transform(batch)
+def model_columns(spec: TorchTrainSpec) -> List[str]:
+    """The batch columns the model, the loss and the sample weighting read."""
+    return list(spec.feature_cols) + list(spec.label_cols) + \
+        ([spec.sample_weight_col] if spec.sample_weight_col else [])
 
 
 def _run_epoch(model: torch.nn.Module, batches: Iterator[Dict], steps: int,
@@ -530,9 +536,13 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     train_steps = spec.train_steps or len(train_reader)
     val_steps = spec.val_steps or (len(val_reader) if val_reader is not None else 0)
 
+    feed = BatchFeed(transform, model_columns(spec), spec.reader_pool,
+                     {"train": spec.train_decode_workers, "val": spec.val_decode_workers},
+                     spec.seed, spec.mp_start_method)
+
     def batches(reader: ShardReader, epoch: int, steps: Optional[int]) -> Iterator[Dict]:
-        source = take_steps(reader, epoch, steps)
-        return source if transform is None else (_transformed(transform, b) for b in source)
+        return feed(take_steps(reader, epoch, steps),
+                    "train" if reader is train_reader else "val", epoch)
 
     dist = load_backend(TORCH_BACKENDS, spec.backend)(ctx, device)
     trained = board = None
@@ -644,6 +654,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         if board is not None:
             board.close()
         trained = None  # a DDP reducer holds the process group: release it first
+        feed.close()
         dist.close()
 
 
@@ -666,7 +677,7 @@ def check_batch(spec: TorchTrainSpec, blob: bytes, batch: Dict[str, np.ndarray])
                                 optimizer=optimizer, device=device, rank=0, world_size=1)
     compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col),
                                  spec.loss_weights)
-    batches = iter([batch if transform is None else _transformed(transform, batch)])
+    batches = BatchFeed(transform, model_columns(spec))([batch])
     _run_epoch(model, batches, 1, _Batches(spec, device), compute_loss, named_metrics(metrics),
                spec.label_cols, autocast=_autocast_dtype(spec) if spec.mixed_precision == "bf16"
                else None)
