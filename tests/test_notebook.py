@@ -1,4 +1,4 @@
-"""notebooks/quickstart.ipynb runs top to bottom (nbclient, a real kernel); any failing cell
+"""notebooks/quickstart.ipynb (numeric digits, then the same digits as PNG files) runs top to bottom (nbclient, a real kernel); any failing cell
 fails the build."""
 import os
 
@@ -19,6 +19,8 @@ def test_quickstart_notebook_runs():
     outputs = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                       for o in cell.get("outputs", []))
     assert "test accuracy:" in outputs and "reloaded model's test accuracy:" in outputs
+    # section 6: a binaryFile DataFrame of PNGs, decoded in worker processes, saved and reloaded
+    assert "image test accuracy:" in outputs and "reloaded image model's test accuracy:" in outputs
     images = [o for cell in notebook.cells for o in cell.get("outputs", [])
               if "image/png" in o.get("data", {})]
     assert images, "plot_history() showed no figure"

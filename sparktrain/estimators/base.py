@@ -206,8 +206,10 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
             raw = [s for s in specs if s.kind in RAW_KINDS]
             if raw:
                 spec = raw[0]
+                role = "feature" if spec.name in self.getFeatureCols() else "label"
                 raise ValueError(
-                    f"column {spec.name!r} is {_KIND_TEXT[spec.kind]}; a model takes numbers: "
+                    f"{role} column {spec.name!r} is {_KIND_TEXT[spec.kind]}; a model takes "
+                    f"numbers: "
                     f"pass transformation_fn=... that turns it into numeric arrays of one "
                     f"shape (it gets {_KIND_FORM[spec.kind]}; README, 'Images, text and "
                     f"sequences')")
