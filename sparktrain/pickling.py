@@ -6,6 +6,13 @@ defined in the user's script, notebook helper file or test module usually is not
 there. ``dumps`` therefore pickles *by value* every module that the objects' classes and
 functions come from, unless it is installed (site-packages) or part of Python itself.
 
+Code pickled by value keeps its source file's name: cloudpickle >= 3.1.2 writes
+``<dynamic-code>`` instead (for byte-identical payloads, cloudpipe/cloudpickle#558), which
+turns every frame of the user's code in a rank's or decode worker's traceback into
+``File "<dynamic-code>", line 12`` with no source line. With the real name, Python's traceback
+shows the line wherever the file exists (local and shared-filesystem clusters) and at least
+names it elsewhere.
+
 Example::
 
     blob = dumps((model, optimizer))   # MyNet from ./my_models.py travels with the blob
@@ -13,10 +20,12 @@ Example::
 from __future__ import annotations
 
 import inspect
+import io
 import os
 import sys
 import sysconfig
-from types import FunctionType, ModuleType
+from collections import ChainMap
+from types import CodeType, FunctionType, ModuleType
 from typing import Any, Iterable, Set
 
 import cloudpickle
@@ -58,14 +67,44 @@ def _code_objects(obj: Any) -> Iterable[Any]:
                 stack.extend(v for v in vars(item).values() if isinstance(v, (FunctionType, type)))
 
 
+_DYNAMIC = "<dynamic-code>"
+
+
+def _code_reduce_keeping_file(code: CodeType) -> Any:
+    """cloudpickle's code reducer, with the code's real ``co_filename`` put back."""
+    rebuild, args = cloudpickle.Pickler.dispatch_table[CodeType](code)
+    if code.co_filename != _DYNAMIC:
+        args = tuple(code.co_filename if isinstance(a, str) and a == _DYNAMIC else a
+                     for a in args)
+    return rebuild, args
+
+
+class _Pickler(cloudpickle.Pickler):
+    dispatch_table = ChainMap({CodeType: _code_reduce_keeping_file},
+                              cloudpickle.Pickler.dispatch_table)
+
+
+def dumps_code(obj: Any) -> bytes:
+    """``cloudpickle.dumps(obj)`` keeping the source file names of code pickled by value.
+
+    Example::
+
+        fn_bytes = dumps_code(transformation_fn)   # a worker's traceback names its file
+    """
+    with io.BytesIO() as out:
+        _Pickler(out).dump(obj)
+        return out.getvalue()
+
+
 def dumps(obj: Any) -> bytes:
-    """``cloudpickle.dumps(obj)``, with the user's own modules pickled by value."""
+    """``cloudpickle.dumps(obj)``, with the user's own modules pickled by value (and their
+    code's file names kept, see the module docstring)."""
     modules = {sys.modules.get(getattr(c, "__module__", None) or "") for c in _code_objects(obj)}
     registered = [m for m in modules if m is not None and _is_user_module(m)]
     for module in registered:
         cloudpickle.register_pickle_by_value(module)
     try:
-        return cloudpickle.dumps(obj)
+        return dumps_code(obj)
     finally:
         for module in registered:
             cloudpickle.unregister_pickle_by_value(module)

@@ -1,5 +1,5 @@
-"""notebooks/quickstart.ipynb (numeric digits, then the same digits as PNG files) runs top to bottom (nbclient, a real kernel); any failing cell
-fails the build."""
+"""notebooks/quickstart.ipynb (numeric digits, then the same digits as PNG files) runs top
+to bottom (nbclient, a real kernel); any failing cell fails the build."""
 import os
 
 import pytest

@@ -68,6 +68,8 @@ from typing import (Any, Callable, Deque, Dict, Iterable, Iterator, List, NoRetu
 import cloudpickle
 import numpy as np
 
+from sparktrain.pickling import dumps_code
+
 Batch = Dict[str, Any]
 
 #: shared memory blocks are named ``sptr<parent pid>_<pool token>_<task>`` (hex), short enough
@@ -287,7 +289,7 @@ class DecodePool:
         if self._procs:
             return
         try:
-            fn_bytes = cloudpickle.dumps(self.fn)
+            fn_bytes = dumps_code(self.fn)
         except Exception as exc:
             raise TypeError(f"{self.name} cannot be sent to decode worker processes (it is "
                             f"pickled with cloudpickle): {type(exc).__name__}: {exc}") from exc
