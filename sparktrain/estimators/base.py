@@ -41,6 +41,7 @@ from sparktrain.launch.executor_env import RANK_MODULES, check_executors
 from sparktrain.launch.gpus import check_gpu_conf
 from sparktrain.params import EstimatorParams, ModelParams
 from sparktrain.persistence import EstimatorReader, EstimatorWriter, ModelReader, ModelWriter
+from sparktrain.pickling import dumps
 from sparktrain.progress import FitProgress, TqdmLogHandler, interval_from_conf
 from sparktrain.spark_api import all_conf, check_store_shared, master
 
@@ -439,8 +440,12 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
         # A worker keeps a predictor per key: keyed by what the factory holds (weights,
         # use_gpu, shapes), it never outlives setModel, setUseGpu or weights changed in place.
         key = hashlib.sha1(cloudpickle.dumps(factory)).hexdigest()
+        transform = self.getPredictTransformationFn()
+        # pickled by sparktrain (the user's modules by value, as the model's code): Spark's own
+        # pickling of the UDF would send a function from an importable user module by
+        # reference, and the executors cannot import it
         udf = _prediction_udf(key, factory, specs, types, self.getBatchSize(),
-                              self.getPredictTransformationFn())
+                              dumps(transform) if transform is not None else None)
         prediction = udf(*[_feature_expr(s) for s in specs])
         if len(outputs) == 1:
             return _with_profile(dataset.withColumn(outputs[0], prediction),
@@ -508,7 +513,7 @@ _PREDICTORS: Dict[str, Callable] = {}
 
 def _prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
                     types: Sequence[T.DataType], batch_size: int,
-                    transform: Optional[Callable] = None):
+                    transform_bytes: Optional[bytes] = None):
     multi = len(types) > 1
     return_type = (T.StructType([T.StructField(f"_{i}", t, False) for i, t in enumerate(types)])
                    if multi else types[0])
@@ -518,6 +523,9 @@ def _prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
     def predict_batches(batches):  # type hints set below: they select the UDF's shape
         import numpy as np
 
+        import pickle
+
+        transform = pickle.loads(transform_bytes) if transform_bytes is not None else None
         predict = _PREDICTORS.get(key)
         if predict is None:
             if len(_PREDICTORS) >= 4:
