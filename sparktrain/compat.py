@@ -95,6 +95,10 @@ def _ignored(est: Any) -> List[str]:
     if get("mp_start_method") == "fork":
         lines.append("mp_start_method='fork': decode workers start with 'forkserver' instead "
                      "(forking a process that holds Spark's and torch's threads can deadlock)")
+    elif get("mp_start_method") is not None and get("transformation_fn") is None:
+        lines.append(f"mp_start_method={get('mp_start_method')!r} without a transformation_fn: "
+                     f"it starts the decode worker processes that run transformation_fn, and "
+                     f"there is none")
     if get("data_module") is not None:
         lines.append("data_module: sparktrain reads the materialized Parquet dataset with its own "
                      "shard reader (sparktrain.data.reader.ShardReader); use transformation_fn "

@@ -103,6 +103,8 @@ def values_to_numpy(values: Sequence[Any], spec: ColumnSpec) -> np.ndarray:
     if len(values) == 0:
         return np.zeros((0,) + spec.row_shape, dtype=spec.dtype)
     stacked = np.stack([np.asarray(v, dtype=spec.dtype) for v in values])
+    if not (spec.shape or spec.size):  # a model trained elsewhere: sizes found on first use
+        return stacked
     return stacked.reshape((len(values),) + spec.row_shape)
 
 
