@@ -50,7 +50,7 @@ import tempfile
 import threading
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 from PIL import Image
@@ -271,6 +271,21 @@ def _check(x, y, batch_size: int) -> None:
         (x.shape, x.dtype)
     assert x.shape[0] == y.shape[0] and 0 < y.shape[0] <= batch_size, (x.shape, y.shape)
 
+def _consume(batches: Iterable[Dict[str, Any]], batch_size: int,
+             start: float) -> Tuple[int, int, float]:
+    """Iterate one epoch of torch batches: (images, sum of labels, seconds to the first batch)."""
+    images = label_sum = 0
+    first = None
+    for batch in batches:
+        x, y = batch["content"], batch["label"]
+        if first is None:
+            first = time.perf_counter() - start
+            _check(x, y, batch_size)
+        images += x.shape[0]
+        label_sum += int(y.sum())
+    return images, label_sum, first or 0.0
+
+
 
 class SparktrainLoader:
     """One rank's read + decode as a fit has it: ``ShardReader`` (shuffle on) and ``BatchFeed``
@@ -292,17 +307,10 @@ class SparktrainLoader:
     def epoch(self, epoch: int) -> Tuple[int, int, float]:
         import torch
 
-        images = label_sum = 0
-        start, first = time.perf_counter(), None
-        for batch in self.feed(self.reader.epoch(epoch), "train", epoch):
-            x = torch.from_numpy(batch["content"])
-            y = torch.from_numpy(batch["label"])
-            if first is None:
-                first = time.perf_counter() - start
-                _check(x, y, self.batch_size)
-            images += x.shape[0]
-            label_sum += int(y.sum())
-        return images, label_sum, first or 0.0
+        start = time.perf_counter()
+        return _consume(({k: torch.from_numpy(b[k]) for k in ("content", "label")}
+                         for b in self.feed(self.reader.epoch(epoch), "train", epoch)),
+                        self.batch_size, start)
 
     def close(self) -> None:
         self.feed.close()
@@ -405,16 +413,7 @@ class TorchDataLoader:
             num_workers=workers, persistent_workers=workers > 0, worker_init_fn=_seed_worker)
 
     def epoch(self, epoch: int) -> Tuple[int, int, float]:
-        images = label_sum = 0
-        start, first = time.perf_counter(), None
-        for batch in self.loader:
-            x, y = batch["content"], batch["label"]
-            if first is None:
-                first = time.perf_counter() - start
-                _check(x, y, self.batch_size)
-            images += x.shape[0]
-            label_sum += int(y.sum())
-        return images, label_sum, first or 0.0
+        return _consume(self.loader, self.batch_size, time.perf_counter())
 
     def close(self) -> None:
         it = getattr(self.loader, "_iterator", None)
@@ -433,21 +432,13 @@ class PetastormLoader:
         self.batch_size, self.seed, self.loader_fn = batch_size, seed, loader_fn
 
     def epoch(self, epoch: int) -> Tuple[int, int, float]:
-        images = label_sum = 0
-        start, first = time.perf_counter(), None
+        start = time.perf_counter()
         kwargs = {"data_loader_fn": self.loader_fn} if self.loader_fn is not None else {}
         with self.converter.make_torch_dataloader(
                 batch_size=self.batch_size, num_epochs=1, workers_count=self.workers,
                 reader_pool_type="process", transform_spec=petastorm_spec(),
                 shuffle_rows=True, seed=self.seed + epoch, **kwargs) as loader:
-            for batch in loader:
-                x, y = batch["content"], batch["label"]
-                if first is None:
-                    first = time.perf_counter() - start
-                    _check(x, y, self.batch_size)
-                images += x.shape[0]
-                label_sum += int(y.sum())
-        return images, label_sum, first or 0.0
+            return _consume(loader, self.batch_size, start)
 
     def close(self) -> None:
         pass
