@@ -29,20 +29,20 @@ OBJECT_PARAMS = ("model", "optimizer", "loss", "metrics", "callbacks", "store", 
                  "resource_profile", "fsdp_wrap", "activation_checkpointing")
 
 MIXED_PRECISION = ("bf16", "fp16")
-STRATEGIES = ("ddp", "fsdp")
-KERAS_STRATEGIES = ("multi_worker_mirrored", "parameter_server")
 
 
 def _to_strategy(value: Any) -> str:
+    """A registered torch strategy (see :mod:`sparktrain.strategies`)."""
+    from sparktrain.strategies import KERAS_STRATEGIES, TORCH_STRATEGIES
+
     value = TypeConverters.toString(value)
-    if value == "parameter_server":
-        raise ValueError("strategy='parameter_server' is a KerasEstimator strategy "
-                         "(TensorFlow's ParameterServerStrategy); TorchEstimator's strategies "
-                         f"are {STRATEGIES}: 'ddp' to replicate the model, 'fsdp' to shard "
-                         "parameters and optimizer state across ranks")
-    if value not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES} (replicated or sharded data "
-                         f"parallel), found {value!r}")
+    if value not in TORCH_STRATEGIES:
+        hint = f" ({value!r} is a KerasEstimator strategy; TorchEstimator replicates the " \
+               f"model with 'ddp' or shards parameters and optimizer state across ranks " \
+               f"with 'fsdp')" if value in KERAS_STRATEGIES else ""
+        raise ValueError(f"strategy must be one of {sorted(TORCH_STRATEGIES)}, found "
+                         f"{value!r}{hint}; register your own with "
+                         f"sparktrain.strategies.register_torch_strategy")
     return value
 
 
@@ -489,11 +489,15 @@ class TorchParams(Params):
 
 
 def _to_keras_strategy(value: Any) -> str:
+    """A registered Keras strategy (see :mod:`sparktrain.strategies`)."""
+    from sparktrain.strategies import KERAS_STRATEGIES, TORCH_STRATEGIES
+
     value = TypeConverters.toString(value)
     if value not in KERAS_STRATEGIES:
         hint = " (TorchEstimator's strategies; Keras trains data parallel with " \
-               "'multi_worker_mirrored')" if value in STRATEGIES else ""
-        raise ValueError(f"strategy must be one of {KERAS_STRATEGIES}, found {value!r}{hint}")
+               "'multi_worker_mirrored')" if value in TORCH_STRATEGIES else ""
+        raise ValueError(f"strategy must be one of {sorted(KERAS_STRATEGIES)}, found "
+                         f"{value!r}{hint}")
     return value
 
 

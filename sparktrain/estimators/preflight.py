@@ -28,6 +28,7 @@ from pyspark.sql import DataFrame
 
 from sparktrain.data.materialize import sample_batch
 from sparktrain.data.schema import ColumnSpec
+from sparktrain.errors import PreflightError
 from sparktrain.launch.faults import is_fault, user_error_source
 from sparktrain.spark_api import conf_value
 
@@ -35,10 +36,6 @@ log = logging.getLogger("sparktrain")
 
 PREFLIGHT_CONF = "spark.sparktrain.preflight"
 PREFLIGHT_ROWS = 8
-
-
-class PreflightError(ValueError):
-    """The model, loss or metrics failed on a few real rows before any training started."""
 
 
 def enabled(df: DataFrame) -> bool:

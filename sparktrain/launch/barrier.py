@@ -46,6 +46,7 @@ from pyspark import BarrierTaskContext
 from pyspark.sql import SparkSession
 
 from sparktrain.data.store import Store, filesystem
+from sparktrain.errors import TrainingError  # noqa: F401 - raised here, importable from here
 from sparktrain.launch.events import EventWatcher, RankEvents
 from sparktrain.launch.faults import user_error_source
 from sparktrain.spark_api import cancel_tag, conf_value, is_local_master, is_remote, job_tag, \
@@ -60,17 +61,6 @@ _FAILURE_TAG = "sparktrain-rank-failure"
 # messages are capped at 128 MiB by default).
 INLINE_RESULT_BYTES = 16 * 1024 * 1024
 _RESULT_SCHEMA = "rank int, result binary, stored string"
-
-
-class TrainingError(RuntimeError):
-    """A training rank failed; ``rank`` and ``remote_traceback`` say where and how."""
-
-    def __init__(self, message: str, rank: Optional[int] = None, remote_traceback: str = "",
-                 attempts: int = 1) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.remote_traceback = remote_traceback
-        self.attempts = attempts  # attempts of the training stage that failed
 
 
 @dataclass

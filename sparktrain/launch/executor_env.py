@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pyspark.sql import SparkSession
 
-from sparktrain.launch.barrier import TrainingError
+from sparktrain.errors import TrainingError
 from sparktrain.spark_api import conf_value, is_remote
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,28 @@
+"""The errors a fit raises to its caller, in one leaf module every layer may import.
+
+Example::
+
+    from sparktrain.errors import TrainingError
+    try:
+        model = estimator.fit(df)
+    except TrainingError as error:
+        print(error.rank, error.remote_traceback)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class TrainingError(RuntimeError):
+    """A training rank failed; ``rank`` and ``remote_traceback`` say where and how."""
+
+    def __init__(self, message: str, rank: Optional[int] = None, remote_traceback: str = "",
+                 attempts: int = 1) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        self.attempts = attempts  # attempts of the training stage that failed
+
+
+class PreflightError(ValueError):
+    """The model, loss or metrics failed on a few real rows before any training started."""
