@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import io
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
 from pyspark import keyword_only
@@ -37,6 +36,8 @@ from sparktrain.launch import TORCH_BACKENDS
 from sparktrain.launch.barrier import RankContext, run_barrier
 from sparktrain.launch.environment import rank_environment
 from sparktrain.params import EstimatorParams, TorchParams, with_accessors
+# build_losses: importable from here as before (rank code imports it from torch_losses)
+from sparktrain.estimators.torch_losses import build_losses, named_metrics  # noqa: F401
 from sparktrain.pickling import dumps
 
 
@@ -57,31 +58,6 @@ def flat_metrics(metrics: Any) -> Any:
     return flat
 
 
-def build_losses(constructors: Any, n_labels: int, **context: Any) -> Any:
-    """Call Horovod-style ``loss_constructors`` on a rank: each gets the keyword arguments of
-    ``context`` it accepts (all of them with ``**kwargs``; Horovod passes its own locals), so
-    ``lambda **kw: nn.CrossEntropyLoss()`` and a plain class such as ``nn.MSELoss`` both work.
-    Returns one loss (for every label column) or one per label column."""
-    items = list(constructors) if isinstance(constructors, (list, tuple)) else [constructors]
-    losses = []
-    for make in items:
-        try:
-            parameters = inspect.signature(make).parameters.values()
-        except (TypeError, ValueError):
-            parameters = []
-        if any(p.kind == p.VAR_KEYWORD for p in parameters):
-            kwargs = dict(context)
-        else:
-            names = {p.name for p in parameters
-                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-            kwargs = {k: v for k, v in context.items() if k in names}
-        losses.append(make(**kwargs))
-    if len(losses) not in (1, n_labels):
-        raise ValueError(f"loss_constructors built {len(losses)} losses for {n_labels} label "
-                         f"columns; give one, or one per label column")
-    return losses[0] if len(losses) == 1 else losses
-
-
 class TorchEstimator(EstimatorBase, TorchParams):
     """Spark ML estimator training a ``torch.nn.Module`` in ``num_proc`` barrier tasks.
 
@@ -95,7 +71,7 @@ class TorchEstimator(EstimatorBase, TorchParams):
     ``"horovod"`` (Horovod over Gloo, ``hvd.DistributedOptimizer``; see
     :mod:`sparktrain.launch.horovod_torch`). ``strategy="fsdp"`` (``backend="torch"``) shards
     parameters, gradients and optimizer state across ranks with FSDP2 (``fsdp_wrap``,
-    ``fsdp_cpu_offload``; see :mod:`sparktrain.estimators.torch_sharding`);
+    ``fsdp_cpu_offload``; see :mod:`sparktrain.strategies.torch_fsdp`);
     ``activation_checkpointing`` recomputes blocks' activations in backward, with either
     strategy.
 
@@ -220,8 +196,6 @@ class TorchEstimator(EstimatorBase, TorchParams):
             raise ValueError("mixed_precision='fp16' cannot be combined with train_minibatch_fn: "
                              "the function runs backward and the optimizer step itself, so "
                              "sparktrain's GradScaler cannot scale them; use 'bf16'")
-        from sparktrain.estimators.torch_worker import named_metrics
-
         for name, fn in named_metrics(flat_metrics(self.getMetrics())):
             if not callable(fn):
                 raise TypeError(f"metric {name!r} is not callable; metrics are functions "
@@ -236,40 +210,37 @@ class TorchEstimator(EstimatorBase, TorchParams):
                              "(its gradient all-reduce would need unscaling first); use 'bf16'")
         self._check_strategy(model)
 
+    def _strategy_options(self) -> Tuple[type, Dict[str, Any]]:
+        """The registered class of ``strategy`` and the values of the params only some
+        strategy takes (``fsdp_wrap``...); a param set for another strategy is an error."""
+        from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
+
+        name = self.getStrategy()
+        registered = {n: load_strategy(TORCH_STRATEGIES, n) for n in TORCH_STRATEGIES}
+        declared = {p for cls in registered.values() for p in cls.params if self.hasParam(p)}
+        options = {p: self.getOrDefault(p) for p in sorted(declared)
+                   if self.getOrDefault(p) not in (None, False)}
+        for param in options:
+            if param not in registered[name].params:
+                owners = [n for n, cls in registered.items() if param in cls.params]
+                raise ValueError(f"{param} is for strategy={owners[0]!r}; strategy is {name!r}")
+        return registered[name], options
+
     def _check_strategy(self, model: Any) -> None:
         """``strategy`` and its params fit the backend, the torch version and the model."""
-        from sparktrain.estimators import torch_sharding
+        from sparktrain.strategies import torch_blocks
 
-        strategy, wrap = self.getStrategy(), self.getFsdpWrap()
-        if strategy == "fsdp":
-            if self.getBackend() != "torch":
-                raise ValueError(f"strategy='fsdp' needs backend='torch' (torch.distributed's "
-                                 f"FSDP2); backend={self.getBackend()!r} has no sharded "
-                                 f"training: use backend='torch', or strategy='ddp'")
-            try:
-                from torch.distributed.fsdp import fully_shard  # noqa: F401
-            except ImportError:
-                import torch
-
-                raise ValueError(f"strategy='fsdp' needs torch >= 2.6 "
-                                 f"(torch.distributed.fsdp.fully_shard); this is torch "
-                                 f"{torch.__version__}") from None
-        else:
-            for name, value in (("fsdp_wrap", wrap), ("fsdp_cpu_offload",
-                                                      self.getFsdpCpuOffload() or None)):
-                if value is not None:
-                    raise ValueError(f"{name} is for strategy='fsdp'; strategy is "
-                                     f"{strategy!r}")
-        for name, rule in (("fsdp_wrap", wrap),
-                           ("activation_checkpointing", self.getActivationCheckpointing())):
-            if isinstance(rule, list):
-                missing = [c.__name__ for c in rule
-                           if not any(isinstance(m, c) for m in model.modules())]
-                if missing:
-                    raise ValueError(f"{name}: the model has no submodule of class "
-                                     f"{', '.join(missing)}")
-        if self.getActivationCheckpointing() is True and not torch_sharding.blocks(model, wrap):
-            size = wrap if isinstance(wrap, int) else torch_sharding.DEFAULT_MIN_PARAMS
+        strategy, options = self._strategy_options()
+        strategy.check(self.getStrategy(), self.getBackend(), model, options)
+        wrap, recompute = self.getFsdpWrap(), self.getActivationCheckpointing()
+        if isinstance(recompute, list):
+            missing = [c.__name__ for c in recompute
+                       if not any(isinstance(m, c) for m in model.modules())]
+            if missing:
+                raise ValueError(f"activation_checkpointing: the model has no submodule of "
+                                 f"class {', '.join(missing)}")
+        if recompute is True and not torch_blocks.blocks(model, wrap):
+            size = wrap if isinstance(wrap, int) else torch_blocks.DEFAULT_MIN_PARAMS
             raise ValueError(f"activation_checkpointing=True recomputes the blocks fsdp_wrap "
                              f"picks, and this model has none (no submodule with >= {size:,} "
                              f"parameters); pass the classes to recompute, e.g. "
@@ -285,10 +256,12 @@ class TorchEstimator(EstimatorBase, TorchParams):
     def _payload(self) -> bytes:
         metrics = flat_metrics(self.getMetrics())
         # The 7th item holds the objects Horovod's params add (read with .get on the worker).
+        strategy, options = self._strategy_options()
         extras = {"loss_constructors": self.getLossConstructors(),
                   "train_minibatch_fn": self.getTrainMinibatchFn(),
                   "fsdp_wrap": self.getFsdpWrap(),
-                  "activation_checkpointing": self.getActivationCheckpointing()}
+                  "activation_checkpointing": self.getActivationCheckpointing(),
+                  "strategy": strategy, "strategy_options": options}
         try:
             return dumps((self.getModel(), self.getOptimizer(), self.getLoss(),
                           metrics, self.getCallbacks(), self.getTransformationFn(), extras))
@@ -318,7 +291,7 @@ class TorchEstimator(EstimatorBase, TorchParams):
             label_shapes=self.getLabelShapes(), loss_weights=self.getLossWeights(),
             gradient_compression=compat.compression_name(self.getGradientCompression()),
             backend_env=self.getBackendEnv(), strategy=self.getStrategy(),
-            fsdp_cpu_offload=self.getFsdpCpuOffload(), **compat.reader_options(self, raw=run is not None and bool(raw_columns(run.data.columns))),
+            **compat.reader_options(self, raw=run is not None and bool(raw_columns(run.data.columns))),
             **where)
 
     def _check_on_batch(self, batch: Dict[str, Any]) -> None:

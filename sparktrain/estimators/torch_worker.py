@@ -19,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import math
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -29,14 +27,18 @@ import cloudpickle
 import numpy as np
 import torch
 
-from sparktrain.checkpoint import Checkpoint, Checkpoints
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.reader import ShardReader, take_steps
 from sparktrain.data.schema import ColumnSpec
+from sparktrain.epochs import EpochDriver, Logs, StepReporter
+from sparktrain.estimators.torch_losses import build_losses, named_metrics
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.faults import mark_user_error, user_code
 from sparktrain.launch.gpus import rank_gpu
+from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
+from sparktrain.strategies.torch_blocks import blocks, checkpoint_activations
+from sparktrain.strategies.torch_strategy import StrategyConfig, TorchStrategy
 
 
 @dataclass
@@ -78,8 +80,7 @@ class TorchTrainSpec:
     train_decode_workers: int = 2
     val_decode_workers: int = 2
     mp_start_method: Optional[str] = None
-    strategy: str = "ddp"  # or "fsdp": see sparktrain.estimators.torch_sharding
-    fsdp_cpu_offload: bool = False
+    strategy: str = "ddp"  # a name in sparktrain.strategies.TORCH_STRATEGIES
 
 
 def select_device(ctx: RankContext, use_gpu: bool) -> torch.device:
@@ -95,20 +96,6 @@ def select_device(ctx: RankContext, use_gpu: bool) -> torch.device:
     device = torch.device("cuda", int(address))
     torch.cuda.set_device(device)
     return device
-
-
-def named_metrics(metrics: Any) -> List[Tuple[str, Callable]]:
-    """``[(name, fn)]`` from a list of functions, ``(name, fn)`` pairs or a dict."""
-    if not metrics:
-        return []
-    items = metrics.items() if isinstance(metrics, dict) else metrics
-    named = []
-    for item in items:
-        if isinstance(item, tuple):
-            named.append((str(item[0]), item[1]))
-        else:
-            named.append((getattr(item, "__name__", type(item).__name__), item))
-    return named
 
 
 def match_label(output: torch.Tensor, label: torch.Tensor, reshape: bool = True) -> torch.Tensor:
@@ -216,6 +203,7 @@ class _Step:
     """How one training step runs: gradient accumulation and (fp16) loss scaling."""
 
     optimizer: Any
+    strategy: Optional[TorchStrategy] = None  # controls gradient sync while accumulating
     passes: int = 1  # backward_passes_per_step
     scaler: Any = None  # torch.amp.GradScaler for fp16
     minibatch_fn: Any = None  # Horovod's train_minibatch_fn: owns backward and the steps
@@ -253,11 +241,8 @@ class _Step:
         scaled = loss / group if group > 1 else loss
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
-        # DDP all-reduces gradients in backward: skip that until the group's last batch. An
-        # FSDP2 module has no no_sync: it reduce-scatters every pass and accumulates sharded
-        # gradients (more traffic, but no full-size gradients held between passes).
-        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") \
-            else model.no_sync()
+        sync = contextlib.nullcontext() if last or self.strategy is None \
+            else self.strategy.accumulating(model)
         with sync:
             scaled.backward()
         if last:
@@ -279,7 +264,7 @@ def _run_epoch(model: torch.nn.Module, batches: Iterator[Dict], steps: int,
                to_tensors: _Batches, compute_loss: _LossComputer,
                metrics: List[Tuple[str, Callable]], label_cols: List[str],
                step_rule: Optional[_Step] = None, autocast: Optional[torch.dtype] = None,
-               on_step: Optional[Callable[[int, torch.Tensor], None]] = None
+               reporter: Optional[StepReporter] = None
                ) -> Tuple[torch.Tensor, List[str], List]:
     """One pass over ``steps`` batches (training when ``step_rule`` is given); returns summed
     ``[rows, loss*rows, metric*rows...]`` and the output shapes."""
@@ -327,8 +312,8 @@ def _run_epoch(model: torch.nn.Module, batches: Iterator[Dict], steps: int,
             sums[0] += rows
             sums[1:] += torch.stack([v.to(sums.dtype) for v in values]) * rows
             shapes = [list(o.shape[1:]) for o in outputs]
-            if on_step is not None:
-                on_step(step, loss)
+            if reporter is not None and reporter.due(step):
+                reporter.send(step, float(loss.detach()))
     if training:
         with user_code("the optimizer step"):
             step_rule.end_epoch()
@@ -341,21 +326,6 @@ def _averaged(dist: Any, sums: torch.Tensor, names: List[str], prefix: str) -> D
     result = {f"{prefix}loss": total[1] / rows}
     result.update({f"{prefix}{name}": value / rows for name, value in zip(names, total[2:])})
     return result
-
-
-class _StepReporter:
-    """Rank 0's step events for the driver's progress bar, at most ``per_second`` a second."""
-
-    def __init__(self, ctx: RankContext, epoch: int, steps: int, per_second: float = 4.0) -> None:
-        self.ctx, self.epoch, self.steps = ctx, epoch, steps
-        self.interval, self.last = 1.0 / per_second, 0.0
-
-    def __call__(self, step: int, loss: torch.Tensor) -> None:
-        now = time.monotonic()
-        if now - self.last >= self.interval or step + 1 == self.steps:
-            self.last = now
-            self.ctx.progress(event="step", epoch=self.epoch, step=step + 1,
-                              loss=float(loss.detach()))
 
 
 class _TensorBoard:
@@ -397,76 +367,10 @@ class _TensorBoard:
             writer.close()
 
 
-def _format_epoch(epoch: int, epochs: int, logs: Dict[str, float], seconds: float) -> str:
-    values = "  ".join(f"{k}={v:.4g}" for k, v in logs.items())
-    return f"epoch {epoch + 1}/{epochs}  {values}  ({seconds:.1f}s)"
-
-
 def _checkpoint_bytes(weights: Dict[str, torch.Tensor], optimizer_state: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save({"model": weights, "optimizer": optimizer_state}, buffer)
     return buffer.getvalue()
-
-
-class _Replicated:
-    """The model whole on every rank (``strategy="ddp"``, and Horovod): rank 0's copy is
-    the state."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-
-    @staticmethod
-    def reshard(model: torch.nn.Module) -> None:
-        """Nothing to free: the model is whole everywhere."""
-
-    def full_state(self, model: torch.nn.Module, optimizer: Any = None
-                   ) -> Tuple[Dict[str, torch.Tensor], Any]:
-        if self.rank != 0:
-            return {}, None
-        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        return weights, optimizer.state_dict() if optimizer is not None else None
-
-
-def _hold(spec: TorchTrainSpec, dist: Any, model: torch.nn.Module, optimizer: Any,
-          device: torch.device, extras: Dict[str, Any]) -> Tuple[Any, torch.nn.Module, Any]:
-    """Place the model for training by ``spec.strategy``: ``(holder, module to train,
-    optimizer)``; ``holder.full_state`` gives the checkpointed state."""
-    from sparktrain.estimators import torch_sharding
-
-    wrap = extras.get("fsdp_wrap")
-    recompute = extras.get("activation_checkpointing")
-    if recompute:
-        chosen = torch_sharding.blocks(model, wrap if recompute is True else recompute)
-        torch_sharding.checkpoint_activations(chosen)
-    if spec.strategy == "fsdp":
-        holder = torch_sharding.FullySharded(
-            device, wrap, mixed_precision=_autocast_dtype(spec),
-            reduce_fp16=spec.gradient_compression == "fp16",
-            cpu_offload=spec.fsdp_cpu_offload and device.type == "cuda")
-        with user_code("rebuilding the optimizer over the sharded parameters"):
-            model, optimizer = holder.wrap(model, optimizer)
-        return holder, model, optimizer
-    model.to(device)
-    for state in optimizer.state.values():  # optimizer state (e.g. Adam moments) follows
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                state[key] = value.to(device)
-    compression = {"compression": spec.gradient_compression} if spec.gradient_compression else {}
-    trained, optimizer = dist.wrap(model, optimizer,
-                                   backward_passes_per_step=spec.backward_passes_per_step,
-                                   **compression)
-    return _Replicated(dist.rank), trained, optimizer
-
-
-def _agree_on(dist: Any, device: torch.device, resume: Optional[Checkpoint]) -> None:
-    """Fail the attempt (Spark retries it) unless every rank found the same latest checkpoint:
-    one could appear meanwhile, written by a rank 0 of an attempt being torn down. One small
-    all-reduce, not a Spark ``allGather`` (about 0.5 s each here)."""
-    mine = resume.epochs_done if resume is not None else 0
-    total = dist.all_reduce_sum(torch.tensor([float(mine)], dtype=torch.float64, device=device))
-    if total.item() != mine * dist.world_size:
-        raise RuntimeError("ranks found different latest checkpoints of the run; the attempt "
-                           "is retried")
 
 
 def _restore(checkpoint: bytes, model: torch.nn.Module, optimizer: Any) -> None:
@@ -484,20 +388,70 @@ def _autocast_dtype(spec: TorchTrainSpec) -> Optional[torch.dtype]:
     return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.mixed_precision]
 
 
-def _grad_scaler(spec: TorchTrainSpec, device: torch.device) -> Any:
-    """fp16's loss scaler. Sharded gradients need every rank to agree on whether to skip a
-    step: FSDP's ``ShardedGradScaler`` all-reduces the inf/NaN check, ``GradScaler`` does not."""
-    if spec.strategy == "fsdp":
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+class _TorchEpochs:
+    """This rank's part of the epoch protocol (:class:`sparktrain.epochs.EpochTraining`)."""
 
-        return ShardedGradScaler(device.type)
-    return torch.amp.GradScaler(device.type)
+    def __init__(self, spec: TorchTrainSpec, ctx: RankContext, dist: Any, device: torch.device,
+                 strategy: TorchStrategy, model: torch.nn.Module, trained: torch.nn.Module,
+                 step_rule: _Step, compute_loss: _LossComputer, metrics: List[Tuple[str, Callable]],
+                 callbacks: List[Any], batches: Callable, readers: Dict[str, ShardReader],
+                 shapes: List) -> None:
+        self.spec, self.ctx, self.dist, self.device = spec, ctx, dist, device
+        self.strategy, self.model, self.trained, self.step_rule = strategy, model, trained, step_rule
+        self.compute_loss, self.metrics, self.callbacks = compute_loss, metrics, callbacks
+        self.batches, self.readers, self.shapes = batches, readers, shapes
+        self.to_tensors = _Batches(spec, device)
+        self.autocast = _autocast_dtype(spec)
+
+    def all_reduce_sum(self, values: Sequence[float]) -> List[float]:
+        return _all_reduce(self.dist, self.device, values)
+
+    def train_epoch(self, epoch: int, reporter: Optional[StepReporter]) -> Logs:
+        reader = self.readers["train"]
+        steps = self.spec.train_steps or len(reader)
+        sums, names, self.shapes = _run_epoch(
+            self.trained, self.batches("train", epoch, self.spec.train_steps), steps,
+            self.to_tensors, self.compute_loss, self.metrics, self.spec.label_cols,
+            self.step_rule, self.autocast, reporter)
+        return _averaged(self.dist, sums, names, "")
+
+    def evaluate(self, epoch: int) -> Logs:
+        reader = self.readers.get("val")
+        if reader is None:
+            return {}
+        sums, names, _ = _run_epoch(
+            self.trained, self.batches("val", 0, self.spec.val_steps),
+            self.spec.val_steps or len(reader), self.to_tensors, self.compute_loss, self.metrics,
+            self.spec.label_cols, autocast=self.autocast)
+        self.strategy.after_evaluation(self.model)
+        return _averaged(self.dist, sums, names, "val_")
+
+    def epoch_end(self, epoch: int, logs: Logs) -> bool:
+        asked = []
+        for callback in self.callbacks:
+            if hasattr(callback, "on_epoch_end"):
+                with user_code(f"callback {type(callback).__name__}.on_epoch_end"):
+                    asked.append(bool(callback.on_epoch_end(epoch, dict(logs))))
+        return any(asked)
+
+    def checkpoint(self, epoch: int, logs: Logs) -> Optional[Tuple[bytes, Dict[str, Any]]]:
+        # a collective under a sharding strategy: the full copy is rank 0's only until written
+        state = self.strategy.full_state(self.model, self.step_rule.optimizer)
+        if self.ctx.rank != 0:
+            return None
+        return _checkpoint_bytes(*state), {"output_shapes": self.shapes}
 
 
-def _stop_votes(dist: Any, device: torch.device, vote: bool) -> bool:
-    """True when any rank votes to stop (callbacks or the time limit): all ranks stop alike."""
-    flag = torch.tensor([1.0 if vote else 0.0], dtype=torch.float64, device=device)
-    return bool(dist.all_reduce_sum(flag).item() > 0)
+def _strategy(spec: TorchTrainSpec, dist: Any, device: torch.device,
+              extras: Dict[str, Any]) -> TorchStrategy:
+    """The strategy the estimator resolved on the driver (its class travels in the payload,
+    so a strategy registered only there works), else the one registered here by name."""
+    cls = extras.get("strategy") or load_strategy(TORCH_STRATEGIES, spec.strategy)
+    config = StrategyConfig(mixed_precision=_autocast_dtype(spec),
+                            gradient_compression=spec.gradient_compression,
+                            backward_passes_per_step=spec.backward_passes_per_step,
+                            options=dict(extras.get("strategy_options") or {}))
+    return cls(dist, device, config)
 
 
 def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict[str, Any]]:
@@ -521,9 +475,13 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     del blob  # as large as the model: not kept through the fit
     extras: Dict[str, Any] = more[0] if more else {}  # Horovod's loss_constructors, minibatch fn
     callbacks = list(callbacks or [])
-    checkpoints = Checkpoints(spec.run_path, spec.storage_options) if spec.run_path else None
-    resume = checkpoints.latest() if checkpoints is not None else None
-    meta: Dict[str, Any] = resume.meta if resume is not None else {}
+    driver = EpochDriver(rank=ctx.rank, world_size=ctx.world_size, epochs=spec.epochs,
+                         verbose=spec.verbose, run_path=spec.run_path,
+                         storage_options=spec.storage_options, deadline=spec.deadline,
+                         attempt=ctx.attempt, log=ctx.log, progress=ctx.progress,
+                         board=lambda: _TensorBoard(spec.run_path, spec.storage_options),
+                         require_finite=True,
+                         meta={"framework": "torch", "strategy": spec.strategy})
     device = select_device(ctx, spec.use_gpu)
 
     columns = [ColumnSpec.from_json(c) for c in spec.columns]
@@ -531,131 +489,79 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         spec.dataset_root, spec.layouts[split], columns, ctx.rank, ctx.world_size, batch,
         shuffle, spec.seed, spec.storage_options, inmemory_cache_all=spec.inmemory_cache_all,
         prefetch=spec.train_prefetch if split == "train" else spec.val_prefetch)
-    train_reader = make_reader("train", spec.batch_size, spec.shuffle)
-    val_reader = make_reader("val", spec.val_batch_size, False) if spec.layouts.get("val") else None
-    train_steps = spec.train_steps or len(train_reader)
-    val_steps = spec.val_steps or (len(val_reader) if val_reader is not None else 0)
+    readers = {"train": make_reader("train", spec.batch_size, spec.shuffle)}
+    if spec.layouts.get("val"):
+        readers["val"] = make_reader("val", spec.val_batch_size, False)
+    train_steps = spec.train_steps or len(readers["train"])
 
     feed = BatchFeed(transform, model_columns(spec), spec.reader_pool,
                      {"train": spec.train_decode_workers, "val": spec.val_decode_workers},
                      spec.seed, spec.mp_start_method)
 
-    def batches(reader: ShardReader, epoch: int, steps: Optional[int]) -> Iterator[Dict]:
-        return feed(take_steps(reader, epoch, steps),
-                    "train" if reader is train_reader else "val", epoch)
+    def batches(split: str, epoch: int, steps: Optional[int]) -> Iterator[Dict]:
+        return feed(take_steps(readers[split], epoch, steps), split, epoch)
 
     dist = load_backend(TORCH_BACKENDS, spec.backend)(ctx, device)
-    trained = board = None
+    trained = None
     try:
-        _agree_on(dist, device, resume)
-        if resume is not None:
-            _restore(checkpoints.read(resume), model, optimizer)
+        driver.agree(lambda values: _all_reduce(dist, device, values))
+        resumed = driver.resume_bytes()
+        if resumed is not None:
+            _restore(resumed, model, optimizer)
         elif spec.scale_learning_rate:
             factor = ctx.world_size * spec.backward_passes_per_step
             for group in optimizer.param_groups:
                 group["lr"] = group["lr"] * factor
-        holder, trained, optimizer = _hold(spec, dist, model, optimizer, device, extras)
-        autocast = _autocast_dtype(spec)
-        scaler = _grad_scaler(spec, device) if autocast == torch.float16 else None
-        step_rule = _Step(optimizer, spec.backward_passes_per_step, scaler,
+        recompute = extras.get("activation_checkpointing")
+        if recompute:
+            wrap = extras.get("fsdp_wrap")
+            checkpoint_activations(blocks(model, wrap if recompute is True else recompute))
+        strategy = _strategy(spec, dist, device, extras)
+        trained, optimizer = strategy.setup(model, optimizer)
+        scaler = strategy.grad_scaler() if _autocast_dtype(spec) == torch.float16 else None
+        step_rule = _Step(optimizer, strategy, spec.backward_passes_per_step, scaler,
                           minibatch_fn=extras.get("train_minibatch_fn"),
                           keep_label_shapes=bool(spec.label_shapes))
         if extras.get("loss_constructors") is not None:
-            from sparktrain.estimators.torch import build_losses
-
             with user_code("loss_constructors"):
                 loss = build_losses(extras["loss_constructors"], len(spec.label_cols),
                                     model=model, optimizer=optimizer, device=device,
                                     rank=ctx.rank, world_size=ctx.world_size)
         compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col),
                                      spec.loss_weights)
-        metric_fns = named_metrics(metrics)
-        to_tensors = _Batches(spec, device)
-        history: Dict[str, List[float]] = {k: list(v) for k, v in meta.get("history", {}).items()}
-        shapes: List = meta.get("output_shapes", [])
-        first = meta.get("epochs_done", 0)
-        attempts = meta.get("attempts", []) + [{"attempt": ctx.attempt, "start_epoch": first}]
-        lead = ctx.rank == 0 and spec.verbose >= 1
-        if spec.verbose >= 2 or lead:
-            ctx.log(f"{ctx.world_size} rank(s), backend {spec.backend!r}, this rank on "
-                    f"{ctx.hosts[ctx.rank]} {device}: {train_steps} steps/epoch of "
-                    f"{spec.batch_size} rows per rank")
-        if ctx.rank == 0 and resume is not None:
-            ctx.log(f"resuming from the checkpoint after epoch {first} (attempt "
-                    f"{ctx.attempt + 1})")
-        if lead:
-            ctx.progress(event="start", epochs=spec.epochs, steps=train_steps, first=first)
-        if ctx.rank == 0 and spec.run_path:
-            board = _TensorBoard(spec.run_path, spec.storage_options)
+        epochs = _TorchEpochs(spec, ctx, dist, device, strategy, model, trained, step_rule,
+                              compute_loss, named_metrics(metrics), callbacks, batches, readers,
+                              driver.meta.get("output_shapes", []))
+        driver.start(train_steps, f"{ctx.world_size} rank(s), backend {spec.backend!r}, "
+                                  f"strategy {spec.strategy!r}, this rank on "
+                                  f"{ctx.hosts[ctx.rank]} {device}: {train_steps} steps/epoch "
+                                  f"of {spec.batch_size} rows per rank")
         for callback in callbacks:
             if hasattr(callback, "on_train_begin"):
                 with user_code(f"callback {type(callback).__name__}.on_train_begin"):
-                    callback.on_train_begin(model, {k: list(v) for k, v in history.items()})
-        stop_reason = None
-        for epoch in range(first, spec.epochs):
-            started = time.perf_counter()
-            reporter = _StepReporter(ctx, epoch, train_steps) if lead else None
-            sums, names, shapes = _run_epoch(
-                trained, batches(train_reader, epoch, spec.train_steps), train_steps,
-                to_tensors, compute_loss, metric_fns, spec.label_cols, step_rule, autocast,
-                reporter)
-            logs = _averaged(dist, sums, names, "")
-            if val_reader is not None:
-                val_sums, names, _ = _run_epoch(
-                    trained, batches(val_reader, 0, spec.val_steps), val_steps, to_tensors,
-                    compute_loss, metric_fns, spec.label_cols, autocast=autocast)
-                logs.update(_averaged(dist, val_sums, names, "val_"))
-                holder.reshard(model)
-            if not all(math.isfinite(v) for v in logs.values()):
-                raise mark_user_error(FloatingPointError(
-                    f"non-finite metrics at epoch {epoch + 1}: {logs}; lower the learning "
-                    f"rate or check the data"), "the loss or metrics")
-            for key, value in logs.items():
-                history.setdefault(key, []).append(value)
-            if board is not None:
-                board.write(epoch, logs)
-            if lead:
-                ctx.progress(event="epoch", epoch=epoch, logs=logs)
-                ctx.log(_format_epoch(epoch, spec.epochs, logs, time.perf_counter() - started))
-            asked = []
-            for callback in callbacks:
-                if hasattr(callback, "on_epoch_end"):
-                    with user_code(f"callback {type(callback).__name__}.on_epoch_end"):
-                        asked.append(bool(callback.on_epoch_end(epoch, dict(logs))))
-            late = spec.deadline is not None and time.time() >= spec.deadline
-            if checkpoints is not None:
-                # with fsdp every rank gathers; the full copy is rank 0's only until written
-                checkpoint = _checkpoint_bytes(*holder.full_state(model, optimizer))
-                if ctx.rank == 0:
-                    checkpoints.write(epoch + 1, checkpoint,
-                                      {"history": history, "output_shapes": shapes,
-                                       "attempts": attempts, "framework": "torch",
-                                       "strategy": spec.strategy})
-                del checkpoint
-            if epoch + 1 < spec.epochs and _stop_votes(dist, device, any(asked) or late):
-                stop_reason = "callback" if any(asked) else "max_time"
-                if ctx.rank == 0:
-                    ctx.log(f"training stopped after epoch {epoch + 1}: "
-                            + ("a callback asked to stop" if stop_reason == "callback"
-                               else "max_time reached"))
-                break
+                    callback.on_train_begin(model, {k: list(v) for k, v in driver.history.items()})
+        stop_reason = driver.run(epochs)
         for callback in callbacks:
             if hasattr(callback, "on_train_end"):
                 with user_code(f"callback {type(callback).__name__}.on_train_end"):
                     callback.on_train_end(model)
-        weights, _ = holder.full_state(model)
+        weights, _ = strategy.full_state(model)
         if ctx.rank != 0:
             return None
         buffer = io.BytesIO()
         torch.save(weights, buffer)
-        return {"weights": buffer.getvalue(), "history": history, "output_shapes": shapes,
-                "stop_reason": stop_reason, "attempts": attempts}
+        return {"weights": buffer.getvalue(), "history": driver.history,
+                "output_shapes": epochs.shapes, "stop_reason": stop_reason,
+                "attempts": driver.attempts}
     finally:
-        if board is not None:
-            board.close()
-        trained = None  # a DDP reducer holds the process group: release it first
+        trained = epochs = None  # a DDP reducer holds the process group: release it first
         feed.close()
         dist.close()
+
+
+def _all_reduce(dist: Any, device: torch.device, values: Sequence[float]) -> List[float]:
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
+    return dist.all_reduce_sum(tensor).cpu().tolist()
 
 
 def check_batch(spec: TorchTrainSpec, blob: bytes, batch: Dict[str, np.ndarray]) -> None:
@@ -670,8 +576,6 @@ def check_batch(spec: TorchTrainSpec, blob: bytes, batch: Dict[str, np.ndarray])
     model, optimizer, loss, metrics, _, transform, *more = cloudpickle.loads(blob)
     extras: Dict[str, Any] = more[0] if more else {}
     if extras.get("loss_constructors") is not None:
-        from sparktrain.estimators.torch import build_losses
-
         with user_code("loss_constructors"):
             loss = build_losses(extras["loss_constructors"], len(spec.label_cols), model=model,
                                 optimizer=optimizer, device=device, rank=0, world_size=1)

@@ -1,0 +1,176 @@
+"""The epoch protocol every rank loop follows, whatever the framework.
+
+Both rank loops (:mod:`sparktrain.estimators.torch_worker`, :mod:`~.keras_worker`) hand this
+driver the parts that are theirs, as an :class:`EpochTraining`: one epoch of training, the
+validation pass, the end-of-epoch callbacks, the checkpoint bytes and a sum over ranks. The
+driver owns the rest, identical for every framework and strategy:
+
+* resuming: the run's latest checkpoint, and the ranks' agreement on it (one could appear
+  meanwhile, written by a rank 0 of an attempt being torn down: the attempt is then retried);
+* progress: the ``start`` event, ``step`` events at most 4 a second, the ``epoch`` event and
+  the epoch's log line (rank 0 with ``verbose >= 1``);
+* the history, the TensorBoard writer (rank 0 of a run with a run directory);
+* checkpoints after every epoch, with the metadata a resumed attempt and the driver read;
+* stopping early: a callback's request or the ``max_time`` deadline, voted over the ranks so
+  that all stop after the same epoch.
+
+Example (rank side)::
+
+    driver = EpochDriver(rank=0, world_size=2, epochs=5, run_path=run, log=print)
+    state = driver.resume_bytes()             # None on a fresh run
+    ...                                       # build the model from it
+    driver.agree(training.all_reduce_sum)
+    driver.start(steps=100, description="2 rank(s) ...")
+    stop_reason = driver.run(training)        # driver.history, driver.attempts
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+
+from sparktrain.checkpoint import Checkpoints
+from sparktrain.launch.faults import mark_user_error
+
+Logs = Dict[str, float]
+
+
+class StepReporter:
+    """Rank 0's ``step`` progress events, at most ``per_second`` a second (and the last)."""
+
+    def __init__(self, progress: Callable[..., None], epoch: int, steps: int,
+                 per_second: float = 4.0) -> None:
+        self.progress, self.epoch, self.steps = progress, epoch, steps
+        self.interval, self.last = 1.0 / per_second, 0.0
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` (0-based) should be reported: then call :meth:`send`."""
+        return time.monotonic() - self.last >= self.interval or step + 1 == self.steps
+
+    def send(self, step: int, loss: float) -> None:
+        self.last = time.monotonic()
+        self.progress(event="step", epoch=self.epoch, step=step + 1, loss=float(loss))
+
+
+class EpochTraining(Protocol):
+    """What a framework's rank loop supplies to :meth:`EpochDriver.run`."""
+
+    def all_reduce_sum(self, values: Sequence[float]) -> List[float]:
+        """Element-wise sums over the ranks (a collective)."""
+
+    def train_epoch(self, epoch: int, reporter: Optional[StepReporter]) -> Logs:
+        """One epoch of training; the logs averaged over every rank's rows."""
+
+    def evaluate(self, epoch: int) -> Logs:
+        """The validation pass's logs, keys prefixed ``val_`` (``{}`` without validation)."""
+
+    def epoch_end(self, epoch: int, logs: Logs) -> bool:
+        """The user's end-of-epoch callbacks; ``True`` when one asks to stop."""
+
+    def checkpoint(self, epoch: int, logs: Logs) -> Optional[Tuple[bytes, Dict[str, Any]]]:
+        """Called on every rank (it may be a collective): rank 0's checkpoint bytes and extra
+        metadata, ``None`` on the other ranks."""
+
+
+class EpochDriver:
+    """Runs the epochs of one rank; see the module docstring for what it owns."""
+
+    def __init__(self, *, rank: int, world_size: int, epochs: int, verbose: int = 1,
+                 run_path: str = "", storage_options: Optional[Dict[str, Any]] = None,
+                 deadline: Optional[float] = None, attempt: int = 0,
+                 log: Callable[[str], None] = print,
+                 progress: Callable[..., None] = lambda **event: None,
+                 board: Optional[Callable[[], Any]] = None, require_finite: bool = False,
+                 meta: Optional[Dict[str, Any]] = None) -> None:
+        """``board`` makes rank 0's TensorBoard writer (``write(epoch, logs)``, ``close()``);
+        ``require_finite`` fails the fit on a non-finite metric (the user's bug, not retried);
+        ``meta`` goes into every checkpoint's metadata (e.g. the framework's name)."""
+        self.rank, self.world_size, self.epochs, self.verbose = rank, world_size, epochs, verbose
+        self.deadline, self.log, self.progress = deadline, log, progress
+        self.require_finite, self.extra_meta = require_finite, dict(meta or {})
+        self.checkpoints = Checkpoints(run_path, storage_options or {}) if run_path else None
+        self.resume = self.checkpoints.latest() if self.checkpoints is not None else None
+        self.meta: Dict[str, Any] = self.resume.meta if self.resume is not None else {}
+        self.first: int = self.meta.get("epochs_done", 0)
+        self.history: Dict[str, List[float]] = {
+            k: list(v) for k, v in self.meta.get("history", {}).items()}
+        self.attempts = self.meta.get("attempts", []) + [{"attempt": attempt,
+                                                          "start_epoch": self.first}]
+        self.attempt = attempt
+        self.lead = rank == 0 and verbose >= 1
+        self.steps = 0  # training steps per epoch, set by start()
+        self.stop_reason: Optional[str] = None
+        self._make_board = board if rank == 0 and run_path else None
+
+    def resume_bytes(self) -> Optional[bytes]:
+        """The checkpoint this attempt resumes from (the framework's bytes), or ``None``."""
+        return self.checkpoints.read(self.resume) if self.resume is not None else None
+
+    def agree(self, all_reduce_sum: Callable[[Sequence[float]], List[float]]) -> None:
+        """Fail the attempt (Spark retries it) unless every rank found the same latest
+        checkpoint. One small all-reduce, not a Spark ``allGather`` (about 0.5 s each here)."""
+        total = all_reduce_sum([float(self.first)])[0]
+        if total != self.first * self.world_size:
+            raise RuntimeError("ranks found different latest checkpoints of the run; the "
+                               "attempt is retried")
+
+    def start(self, steps: int, description: str) -> None:
+        """Log what trains (rank 0, or every rank with ``verbose >= 2``) and send ``start``."""
+        if self.lead or self.verbose >= 2:
+            self.log(description)
+        if self.rank == 0 and self.resume is not None:
+            self.log(f"resuming from the checkpoint after epoch {self.first} (attempt "
+                     f"{self.attempt + 1})")
+        if self.lead:
+            self.progress(event="start", epochs=self.epochs, steps=steps, first=self.first)
+        self.steps = steps
+
+    def run(self, training: EpochTraining) -> Optional[str]:
+        """Train the remaining epochs; returns why training stopped early (``"callback"``,
+        ``"max_time"``) or ``None``."""
+        board = self._make_board() if self._make_board is not None else None
+        try:
+            for epoch in range(self.first, self.epochs):
+                if self._epoch(training, epoch, board):
+                    return self.stop_reason
+            return None
+        finally:
+            if board is not None:
+                board.close()
+
+    def _epoch(self, training: EpochTraining, epoch: int, board: Any) -> bool:
+        started = time.perf_counter()
+        reporter = StepReporter(self.progress, epoch, self.steps) if self.lead else None
+        logs = dict(training.train_epoch(epoch, reporter))
+        logs.update(training.evaluate(epoch))
+        if self.require_finite and not all(math.isfinite(v) for v in logs.values()):
+            raise mark_user_error(FloatingPointError(
+                f"non-finite metrics at epoch {epoch + 1}: {logs}; lower the learning rate or "
+                f"check the data"), "the loss or metrics")
+        for key, value in logs.items():
+            self.history.setdefault(key, []).append(float(value))
+        if board is not None:
+            board.write(epoch, logs)
+        if self.lead:
+            self.progress(event="epoch", epoch=epoch, logs=logs)
+            values = "  ".join(f"{k}={v:.4g}" for k, v in logs.items())
+            self.log(f"epoch {epoch + 1}/{self.epochs}  {values}  "
+                     f"({time.perf_counter() - started:.1f}s)")
+        asked = bool(training.epoch_end(epoch, dict(logs)))
+        if self.checkpoints is not None:
+            saved = training.checkpoint(epoch, logs)
+            if self.rank == 0 and saved is not None:
+                payload, meta = saved
+                self.checkpoints.write(epoch + 1, payload, {
+                    "history": self.history, "attempts": self.attempts, **self.extra_meta,
+                    **meta})
+            del saved
+        late = self.deadline is not None and time.time() >= self.deadline
+        vote = 1.0 if asked or late else 0.0
+        if epoch + 1 < self.epochs and training.all_reduce_sum([vote])[0] > 0:
+            self.stop_reason = "callback" if asked else "max_time"
+            if self.rank == 0:
+                self.log(f"training stopped after epoch {epoch + 1}: "
+                         + ("a callback asked to stop" if asked else "max_time reached"))
+            return True
+        return False

@@ -1,0 +1,147 @@
+"""``KerasStrategy``: how ``KerasEstimator``'s ranks hold the model and apply gradients.
+
+One class per strategy, registered by name in :data:`sparktrain.strategies.KERAS_STRATEGIES`.
+It is asked in three places, and nobody else compares strategy names:
+
+- the driver (``KerasEstimator``): :meth:`KerasStrategy.check` validates ``backend``,
+  ``num_proc`` and the strategy's own params, and returns the plain options the ranks get
+  (``KerasTrainSpec.strategy_options``);
+- each Spark task of the ``tensorflow`` backend (:mod:`sparktrain.launch.tf_multiworker`):
+  :meth:`~KerasStrategy.roles` gives every barrier task its TensorFlow job (which becomes
+  ``TF_CONFIG``) and :meth:`~KerasStrategy.run_task` runs the task in it (by default: train);
+  a task that only serves the cluster runs :meth:`~KerasStrategy.serve` in its child process;
+- the training process (:func:`sparktrain.estimators.keras_worker.train`): it builds the
+  ``tf.distribute`` strategy (:meth:`~KerasStrategy.distribute`), the steps
+  (:meth:`~KerasStrategy.compile`) and asks for each epoch (:meth:`~KerasStrategy.train_epoch`).
+
+The class travels to the executors pickled (by value when it is defined in your own code).
+TensorFlow is imported inside the methods only: ``import sparktrain`` must not import it.
+
+Example (mirrored training that also prints each epoch's step count)::
+
+    from sparktrain.strategies import register_keras_strategy
+    from sparktrain.strategies.keras_mirrored import MultiWorkerMirrored
+
+    class Chatty(MultiWorkerMirrored):
+        def train_epoch(self, loop, epoch, report):
+            print(f"epoch {epoch}: {self.train_steps} steps")
+            return super().train_epoch(loop, epoch, report)
+
+    register_keras_strategy("chatty", Chatty)
+    KerasEstimator(..., strategy="chatty").fit(df)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from sparktrain.launch.tf_protocol import KerasTrainSpec
+
+
+@dataclass
+class RankLoop:
+    """What the training loop lends a strategy for an epoch (see ``keras_worker.train``).
+
+    ``run_epoch(step_fn, epoch, report, steps)``: ``step_fn(x, y, w)`` over this rank's
+    training batches, the totals summed over workers; ``step_reporter(epoch, report)``: an
+    ``on_step(i, values)`` that sends step progress when ``report``."""
+
+    run_epoch: Callable[[Callable, int, bool, Optional[int]], Any]
+    step_reporter: Callable[[int, bool], Callable[[int, Any], None]]
+
+
+class KerasStrategy:
+    """Base class of Keras strategies; subclasses implement the rank-side methods."""
+
+    #: the ``backend=`` values it trains on
+    backends: Tuple[str, ...] = ("tensorflow", "tfos")
+    #: why it does not train on the other backends (the error message's end)
+    backends_note: str = ""
+    #: KerasEstimator params of its own -> what they set up ("parameter servers")
+    params: Dict[str, str] = {}
+
+    def __init__(self, spec: KerasTrainSpec) -> None:
+        self.spec = spec
+        self.train_steps = 0  # per epoch, set by steps_per_epoch
+
+    # -- driver ---------------------------------------------------------------------------------
+    @classmethod
+    def check(cls, name: str, backend: str, num_proc: int,
+              params: Dict[str, Any]) -> Dict[str, Any]:
+        """Raise ``ValueError`` when ``backend``, ``num_proc`` or the strategy-specific
+        ``params`` (name -> value, ``None`` when not set) do not fit this strategy; return the
+        options the ranks get (plain values)."""
+        if backend not in cls.backends:
+            wanted = " or ".join(repr(b) for b in cls.backends)
+            note = f": {cls.backends_note}" if cls.backends_note else ""
+            raise ValueError(f"strategy={name!r} needs backend={wanted}, found "
+                             f"backend={backend!r}{note}")
+        for key, value in params.items():
+            if value is not None and key not in cls.params:
+                takers, what = _strategies_taking(key)
+                raise ValueError(f"{key}={value} needs strategy={' or '.join(takers)} (found "
+                                 f"strategy={name!r}, which has no {what})")
+        return {}
+
+    # -- Spark task (tensorflow backend) ----------------------------------------------------------
+    def roles(self, world_size: int) -> List[Tuple[str, int]]:
+        """The TensorFlow ``(job, index)`` of each barrier task, in rank order."""
+        return [("worker", rank) for rank in range(world_size)]
+
+    def run_task(self, task: Any) -> Any:
+        """Run this barrier task (a :class:`sparktrain.launch.tf_multiworker.TFTask`); return
+        its result (rank 0's is the fit's). By default: train in a child process."""
+        return task.train()
+
+    def serve(self, payload: Dict[str, Any], workdir: str) -> None:
+        """A child process of role ``spec.role``: serve until the task stops it."""
+        raise NotImplementedError(f"{type(self).__name__} has no serving role "
+                                  f"{self.spec.role!r}")
+
+    # -- training process -------------------------------------------------------------------------
+    def distribute(self, tf: Any) -> Any:
+        """The ``tf.distribute.Strategy`` whose ``scope()`` the model is loaded in."""
+        raise NotImplementedError
+
+    def prepare_optimizer(self, model: Any, optimizer: Any) -> None:
+        """Inside the scope, after the model and optimizer are loaded."""
+
+    def steps_per_epoch(self, reader_steps: int) -> int:
+        """Training steps per epoch (shown in progress); ``reader_steps``: this rank's batches."""
+        self.train_steps = self.spec.train_steps or reader_steps
+        return self.train_steps
+
+    def compile(self, tf: Any, forward: Callable, model: Any, optimizer: Any) -> None:
+        """Build the steps: ``forward(x, y, w, training) -> (per_row, stats, outputs)``."""
+        raise NotImplementedError
+
+    def train_epoch(self, loop: RankLoop, epoch: int, report: bool) -> Any:
+        """One epoch of training; the statistics' totals over all workers."""
+        raise NotImplementedError
+
+    def eval_step(self, x: Any, y: Any, w: Any) -> Any:
+        """One validation batch's statistics (this rank's)."""
+        raise NotImplementedError
+
+    def sum_over_workers(self, local: Any) -> Any:
+        """``local`` summed over the workers that train."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """The first line rank 0 prints."""
+        return f"{self.spec.world_size} worker(s), backend {self.spec.backend!r} " \
+               f"({type(self).__name__}): {self.train_steps} steps/epoch"
+
+
+def _strategies_taking(param: str) -> Tuple[List[str], str]:
+    """The registered strategies (``repr`` of their names) that take ``param``, and what it
+    sets up."""
+    from sparktrain.strategies import KERAS_STRATEGIES, load_strategy
+
+    takers, what = [], param
+    for name in KERAS_STRATEGIES:
+        strategy = load_strategy(KERAS_STRATEGIES, name)
+        if param in getattr(strategy, "params", {}):
+            takers.append(repr(name))
+            what = strategy.params[param]
+    return takers or ["(none registered)"], what
