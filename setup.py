@@ -3,7 +3,7 @@
 Requirements are the ranges sparktrain works with, never exact versions of a user's core
 packages: ``pip install sparktrain[torch]`` must not move their Spark, NumPy, Arrow, pandas or
 PyTorch. The exact versions of the two tested stacks live in ``constraints/`` and are used only by
-``scripts/setup.sh`` (README, "Supported stacks").
+``scripts/setup.sh`` (docs/supported-stacks.md).
 """
 from setuptools import find_packages, setup
 

@@ -120,7 +120,7 @@ def guarded(spark, fn: Callable[[], Any], timeout: float, label: str,
     """``timed(fn)``, but cancel every Spark job if it runs past ``timeout`` seconds, record the
     hang in ``hangs`` and try again (up to ``attempts`` times).
 
-    A fit that deadlocks in a barrier task (see README: the Gloo teardown hang fixed in 172f996)
+    A fit that deadlocks in a barrier task (the Gloo teardown hang fixed in 172f996, see sparktrain/launch/torch_ddp.py)
     would otherwise hang the whole benchmark; Spark kills the stuck Python worker once its task
     is cancelled.
     """

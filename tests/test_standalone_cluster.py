@@ -1,5 +1,5 @@
 """A real Spark standalone cluster on loopback: a master and two workers with (fake) GPUs,
-started from the pyspark install; the README's spark-submit of jobs/train_torch.py runs against
+started from the pyspark install; the spark-submit of docs/clusters-and-gpus.md of jobs/train_torch.py runs against
 it, and the saved model predicts here. Only the processes this test started are stopped."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Batches as training and prediction see them: one numpy array per column, by kind.
 
-What each column kind becomes (the ``transformation_fn`` contract, README "Images, text and
+What each column kind becomes (the ``transformation_fn`` contract, docs/data.md "Images, text and
 sequences"):
 
 ========== ==================================================================================

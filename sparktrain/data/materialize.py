@@ -286,7 +286,7 @@ def _explained(df: DataFrame, specs: Sequence[ColumnSpec], message: str) -> str:
     low, high = length_ranges(df, [name])[name]
     return (f"column {name!r} holds arrays of {low} to {high} elements; a model needs one "
             f"length per column. Pass a transformation_fn that pads or truncates them (it gets "
-            f"the column as an object array of 1-D numpy arrays, see the README's 'Images, "
+            f"the column as an object array of 1-D numpy arrays, see docs/data.md, 'Images, "
             f"text and sequences'), or make the arrays one length in the DataFrame")
 
 

@@ -212,8 +212,8 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                     f"{role} column {spec.name!r} is {_KIND_TEXT[spec.kind]}; a model takes "
                     f"numbers: "
                     f"pass transformation_fn=... that turns it into numeric arrays of one "
-                    f"shape (it gets {_KIND_FORM[spec.kind]}; README, 'Images, text and "
-                    f"sequences')")
+                    f"shape (it gets {_KIND_FORM[spec.kind]}; docs/data.md, 'Images, "
+                    f"text and sequences')")
         self._check_framework()
         return specs
 

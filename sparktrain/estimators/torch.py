@@ -14,7 +14,7 @@ Example::
 
 Horovod's ``horovod.spark.torch`` API works unchanged (``import sparktrain.estimators.torch as
 hvd``): ``hvd.TorchEstimator(..., input_shapes=[[-1, 1, 8, 8]], loss=lambda out, y: ...)``,
-``hvd.TorchModel``; see "Coming from Horovod" in the README.
+``hvd.TorchModel``; see docs/horovod-migration.md.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ launcher would give it (``create_slot_env_vars`` + ``create_run_env_vars``: rank
 local/cross rank and size, hostname, rendezvous address, controller and CPU operations
 ``gloo``, network interface) and calls ``hvd.init()``.
 
-What listens, and where (see "Security" in the README):
+What listens, and where (see docs/security.md):
 
 - The rendezvous server listens on rank 0's executor address only (Horovod's own server binds
   all interfaces on a random port), and answers only requests that carry a per-fit secret.

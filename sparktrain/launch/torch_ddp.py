@@ -5,7 +5,7 @@ executor's address, the port and a per-fit secret travel to the other ranks thro
 ``BarrierTaskContext.allGather``, and every rank joins with ``init_process_group(store=...)``.
 Gloo on CPU, NCCL when the rank has a GPU.
 
-What listens, and where (see "Security" in the README):
+What listens, and where (see docs/security.md):
 
 - rank 0's ``TCPStore`` listens on its executor's address only (the address Spark gives for the
   task), never on all interfaces: sparktrain binds the socket itself and hands it to the store.
