@@ -35,10 +35,30 @@ from pyspark.sql import SparkSession
 from sparktrain.data.store import Store, filesystem, to_fsspec_url
 from sparktrain.params import json_params, object_params
 from sparktrain.pickling import dumps
-from sparktrain.spark_api import ml_context, remove_saved
+from sparktrain.spark_api import is_remote
 
 T = TypeVar("T")
 PREDICT_FN_FILE = "model/predict_transformation_fn.pkl"
+
+
+# Driver-side only (pyspark.ml is imported here, never on a rank).
+def ml_context(writer: Any) -> Any:
+    """What pyspark's ``DefaultParamsWriter``/``Reader`` take: the SparkContext on a classic
+    session (Spark 3.5 needs it), the session itself over Connect (Spark 4 takes either)."""
+    return writer.sparkSession if is_remote(writer.sparkSession) else writer.sc
+
+
+def remove_saved(spark: SparkSession, path: str) -> None:
+    """Delete ``path`` for ``write().overwrite()``, resolved by Spark as Spark resolves it."""
+    if is_remote(spark):
+        # pyspark's own remote writers overwrite through this server-side helper.
+        from pyspark.ml.connect.readwrite import RemoteMLWriter
+
+        RemoteMLWriter.handleOverwrite(path, True)
+        return
+    from sparktrain.spark_jvm import remove_path
+
+    remove_path(spark, path)
 
 
 def saved_root(spark: SparkSession, path: str) -> str:

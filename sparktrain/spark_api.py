@@ -215,26 +215,6 @@ def plan_fingerprint(df: DataFrame) -> str:
     return f"{re.sub(r'#[0-9]+L?', '', analyzed)}|{df.semanticHash()}"
 
 
-# -- persistence --------------------------------------------------------------------------------
-def ml_context(writer: Any) -> Any:
-    """What pyspark's ``DefaultParamsWriter``/``Reader`` take: the SparkContext on a classic
-    session (Spark 3.5 needs it), the session itself over Connect (Spark 4 takes either)."""
-    return writer.sparkSession if is_remote(writer.sparkSession) else writer.sc
-
-
-def remove_saved(spark: SparkSession, path: str) -> None:
-    """Delete ``path`` for ``write().overwrite()``, resolved by Spark as Spark resolves it."""
-    if is_remote(spark):
-        # pyspark's own remote writers overwrite through this server-side helper.
-        from pyspark.ml.connect.readwrite import RemoteMLWriter
-
-        RemoteMLWriter.handleOverwrite(path, True)
-        return
-    from sparktrain.spark_jvm import remove_path
-
-    remove_path(spark, path)
-
-
 def classic_only(spark: SparkSession, what: str, instead: str) -> None:
     """Raise before any job when ``what`` needs a driver-side SparkContext and ``spark`` is a
     Spark Connect session; ``instead`` says what to use."""

@@ -18,3 +18,85 @@ def test_import_without_frameworks():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+# -- the import graph ------------------------------------------------------------------------------
+import ast  # noqa: E402
+import pathlib  # noqa: E402
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "sparktrain"
+#: the modules that run inside barrier tasks and their child processes
+RANK_SIDE = ("sparktrain.estimators.torch_worker", "sparktrain.estimators.keras_worker",
+             "sparktrain.strategies", "sparktrain.launch", "sparktrain.epochs")
+ESTIMATOR_MODULES = {"sparktrain.estimators.torch", "sparktrain.estimators.keras",
+                     "sparktrain.estimators.base", "sparktrain.estimators.preflight"}
+
+
+def _modules():
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(name, path):
+    """Every module ``name`` imports, at the top or inside a function (both run on a rank)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _graph():
+    modules = _modules()
+    edges = {}
+    for name, path in modules.items():
+        found = _imports(name, path)
+        edges[name] = {m for m in found if m in modules and m != name}
+        edges[name] |= {m for m in found if m.startswith("pyspark.ml")}
+    return modules, edges
+
+
+def test_no_import_circles():
+    modules, edges = _graph()
+    circles = []
+
+    def visit(name, path, done):
+        for target in sorted(edges.get(name, ())):
+            if target in path:
+                circles.append(path[path.index(target):] + [target])
+            elif target in modules and target not in done:
+                visit(target, path + [target], done)
+        done.add(name)
+
+    done = set()
+    for name in sorted(modules):
+        visit(name, [name], done)
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_rank_side_code_never_imports_an_estimator_or_pyspark_ml():
+    modules, edges = _graph()
+    offenders = []
+    for start in sorted(m for m in modules if m.startswith(RANK_SIDE)):
+        seen, stack = set(), [(start, [start])]
+        while stack:
+            name, path = stack.pop()
+            for target in edges.get(name, ()):
+                if target in ESTIMATOR_MODULES or target.startswith("pyspark.ml"):
+                    offenders.append(" -> ".join(path + [target]))
+                elif target not in seen and target in modules:
+                    seen.add(target)
+                    stack.append((target, path + [target]))
+    assert not offenders, "\n".join(offenders)

@@ -29,7 +29,7 @@ import torch
 
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.reader import ShardReader, take_steps
-from sparktrain.data.schema import ColumnSpec
+from sparktrain.data.columns import ColumnSpec
 from sparktrain.epochs import EpochDriver, Logs, StepReporter
 from sparktrain.estimators.torch_losses import build_losses, named_metrics
 from sparktrain.launch import TORCH_BACKENDS, load_backend
