@@ -504,3 +504,9 @@ def test_keras_horovod_params(spark, store, regression_df, tmp_path):
     assert last_model != model._model_bytes
     predictions = model.transform(regression_df.limit(5)).toPandas()["label__output"]
     assert predictions.notna().all()
+
+
+def test_fp16_loss_scaling_on_horovod_fails_before_launch(spark, store, regression_df):
+    """The engine says it cannot wrap fp16 loss scaling; checked before the GPU check."""
+    with pytest.raises(ValueError, match="not supported with backend='horovod'.*use 'bf16'"):
+        linear_estimator(store, backend="horovod", mixed_precision="fp16").fit(regression_df)

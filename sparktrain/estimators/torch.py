@@ -32,7 +32,7 @@ from sparktrain.data.batch import raw_columns
 from sparktrain.checkpoint import Checkpoints
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
-from sparktrain.launch import TORCH_BACKENDS
+from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext, run_barrier
 from sparktrain.launch.environment import rank_environment
 from sparktrain.params import EstimatorParams, TorchParams, with_accessors
@@ -205,9 +205,11 @@ class TorchEstimator(EstimatorBase, TorchParams):
                        ("on_train_begin", "on_epoch_end", "on_train_end")):
                 raise TypeError(f"callback {callback!r} has none of on_train_begin, "
                                 f"on_epoch_end, on_train_end (see sparktrain.callbacks)")
-        if self.getMixedPrecision() == "fp16" and self.getBackend() == "horovod":
-            raise ValueError("mixed_precision='fp16' is not supported with backend='horovod' "
-                             "(its gradient all-reduce would need unscaling first); use 'bf16'")
+        engine = load_backend(TORCH_BACKENDS, self.getBackend())  # its framework imports
+        if self.getMixedPrecision() == "fp16" and not engine.fp16_loss_scaling:
+            raise ValueError(f"mixed_precision='fp16' is not supported with "
+                             f"backend={self.getBackend()!r} (its gradient all-reduce would "
+                             f"need unscaling first); use 'bf16'")
         self._check_strategy(model)
 
     def _strategy_options(self) -> Tuple[type, Dict[str, Any]]:

@@ -131,6 +131,10 @@ class HorovodTorch:
     """Horovod (Gloo) for one rank; same interface as :class:`~.torch_ddp.TorchDDP`."""
 
     name = "horovod"
+    # hvd.DistributedOptimizer all-reduces from backward hooks and waits in step(); AMP needs
+    # optimizer.synchronize() before GradScaler.unscale_ and skip_synchronize() around its step
+    # (Horovod's AMP example), which the shared loop does not do. bf16 needs no scaling.
+    fp16_loss_scaling = False
 
     def __init__(self, ctx: RankContext, device: torch.device) -> None:
         import horovod.torch as hvd

@@ -117,6 +117,7 @@ class TorchDDP:
     """Process group + ``DistributedDataParallel`` wrapping for one rank."""
 
     name = "torch"
+    fp16_loss_scaling = True  # GradScaler scales the loss; DDP all-reduces scaled gradients
 
     def __init__(self, ctx: RankContext, device: torch.device) -> None:
         self.rank, self.world_size, self.device = ctx.rank, ctx.world_size, device
