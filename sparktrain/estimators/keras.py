@@ -19,8 +19,6 @@ hvd``); see "Coming from Horovod" in the README.
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
@@ -32,68 +30,21 @@ from sparktrain.data.batch import raw_columns
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
+from sparktrain.estimators.keras_saving import keras_module as _keras, load_model as _load_model, \
+    loading_objects, model_bytes as _model_bytes, model_shapes
 from sparktrain.launch import KERAS_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext, run_barrier
 from sparktrain.launch.environment import rank_environment
+from sparktrain.launch.tf_protocol import KerasTrainSpec
 from sparktrain.params import KerasParams
 from sparktrain.pickling import dumps
 from sparktrain.spark_api import classic_only
+from sparktrain.strategies import KERAS_STRATEGIES, load_strategy
 
+__all__ = ["KerasEstimator", "KerasModel", "loading_objects", "model_shapes", "predict_device"]
 
-def _keras() -> Any:
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ INFO/WARNING lines
-    import keras
-
-    return keras
-
-
-def _model_bytes(model: Any) -> bytes:
-    """The native ``.keras`` file of ``model``, as bytes."""
-    with tempfile.TemporaryDirectory(prefix="sparktrain-keras-") as tmp:
-        path = os.path.join(tmp, "model.keras")
-        model.save(path)
-        with open(path, "rb") as f:
-            return f.read()
-
-
-def loading_objects(keras: Any, custom_objects: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """``custom_objects`` keyed by name *and* by Keras' registered name (``package>Name``):
-    a class registered with ``register_keras_serializable`` is saved under the latter, and its
-    registration does not survive pickling to another process, so this runs on the driver."""
-    objects = dict(custom_objects or {})
-    for obj in list(objects.values()):
-        try:
-            objects.setdefault(keras.saving.get_registered_name(obj), obj)
-        except Exception:  # not a class or function Keras can name
-            pass
-    return objects
-
-
-def _load_model(data: bytes, custom_objects: Optional[Dict[str, Any]]) -> Any:
-    keras = _keras()
-    custom_objects = loading_objects(keras, custom_objects)
-    with tempfile.TemporaryDirectory(prefix="sparktrain-keras-") as tmp:
-        path = os.path.join(tmp, "model.keras")
-        with open(path, "wb") as f:
-            f.write(data)
-        return keras.saving.load_model(path, custom_objects=custom_objects or {}, compile=False)
-
-
-def model_shapes(model: Any) -> Tuple[Optional[List[List[int]]], Optional[List[List[int]]]]:
-    """``(input shapes, output shapes)`` of a built Keras model, ``-1`` for unknown dimensions
-    (Horovod's ``get_model_shapes``); ``(None, None)`` for a model without known inputs (a
-    subclassed model that was never called)."""
-    try:
-        inputs, outputs = model.inputs, model.outputs
-    except (AttributeError, ValueError):
-        return None, None
-    if not inputs:
-        return None, None
-
-    def shapes(tensors: Any) -> List[List[int]]:
-        return [[-1 if d is None else int(d) for d in t.shape] for t in tensors]
-    return shapes(inputs), shapes(outputs or [])
+#: KerasEstimator params that belong to a strategy (KerasStrategy.params says which takes them)
+STRATEGY_PARAMS = ("num_ps",)
 
 
 class KerasEstimator(EstimatorBase, KerasParams):
@@ -108,9 +59,10 @@ class KerasEstimator(EstimatorBase, KerasParams):
     train step of sparktrain's own (Keras 3's ``model.fit`` fails under it,
     keras-team/keras#20585), so any Keras 3 model trains unchanged. ``backend="tfos"``: the same
     loop on a TensorFlowOnSpark cluster (:mod:`sparktrain.launch.tfos`).
-    ``strategy="parameter_server"`` with ``num_ps`` (``backend="tensorflow"``):
+    ``strategy``: a registered :class:`~sparktrain.strategies.keras_strategy.KerasStrategy`;
+    ``parameter_server`` with ``num_ps`` (``backend="tensorflow"``):
     ``tf.distribute.ParameterServerStrategy``, ``num_ps`` tasks hold the variables, task 0
-    coordinates, the others train asynchronously (:mod:`sparktrain.launch.tf_parameter_server`).
+    coordinates, the others train asynchronously (:mod:`sparktrain.strategies.keras_ps`).
 
     Horovod's params (all of ``horovod.spark.keras.KerasEstimator``'s are taken): each feature
     is reshaped to the model's input shape (as Horovod does), and each label to
@@ -228,26 +180,15 @@ class KerasEstimator(EstimatorBase, KerasParams):
                              "keras.mixed_precision.set_dtype_policy('mixed_bfloat16')")
         self._check_strategy()
 
-    def _check_strategy(self) -> None:
-        """``strategy``, ``num_ps``, ``num_proc`` and ``backend`` fit together."""
-        num_ps, num_proc = self.getNumPs(), self.getNumProc()
-        if self.getStrategy() != "parameter_server":
-            if num_ps is not None:
-                raise ValueError(f"num_ps={num_ps} needs strategy='parameter_server' (found "
-                                 f"strategy={self.getStrategy()!r}, which has no parameter "
-                                 f"servers)")
-            return
-        if self.getBackend() != "tensorflow":
-            raise ValueError(f"strategy='parameter_server' needs backend='tensorflow', found "
-                             f"backend={self.getBackend()!r}: TensorFlowOnSpark runs its ps "
-                             f"nodes in a forked process stopped through its driver-side "
-                             f"shutdown, which sparktrain replaces (see the README)")
-        num_ps = num_ps or 1
-        if num_ps >= num_proc - 1:
-            raise ValueError(f"strategy='parameter_server' with num_proc={num_proc} tasks has "
-                             f"room for at most {max(num_proc - 2, 0)} parameter server(s) "
-                             f"(one task coordinates, at least one trains), found "
-                             f"num_ps={num_ps}; raise num_proc to at least {num_ps + 2}")
+    def _strategy_class(self) -> type:
+        return load_strategy(KERAS_STRATEGIES, self.getStrategy())
+
+    def _check_strategy(self) -> Dict[str, Any]:
+        """``strategy``, its params, ``num_proc`` and ``backend`` fit together (the strategy
+        class says); the options the ranks get."""
+        return self._strategy_class().check(
+            self.getStrategy(), self.getBackend(), self.getNumProc(),
+            {name: self.getOrDefault(name) for name in STRATEGY_PARAMS})
 
     def _payload(self) -> bytes:
         keras = _keras()
@@ -261,7 +202,8 @@ class KerasEstimator(EstimatorBase, KerasParams):
                           "loss": loss, "metrics": list(self.getMetrics() or []),
                           "custom_objects": loading_objects(keras, self.getCustomObjects()),
                           "callbacks": list(self.getCallbacks() or []),
-                          "transformation_fn": self.getTransformationFn()})
+                          "transformation_fn": self.getTransformationFn(),
+                          "strategy": self._strategy_class()})
         except Exception as exc:
             raise TypeError(f"model, loss, metrics, custom_objects, callbacks and "
                             f"transformation_fn must be saveable (.keras) and picklable to "
@@ -288,20 +230,20 @@ class KerasEstimator(EstimatorBase, KerasParams):
         if callback is not None and getattr(callback, "save_freq", "epoch") != "epoch":
             ignored.append("checkpoint_callback.save_freq: the best model is chosen at epoch "
                            "ends")
-        spec = {"dataset_root": data.root, "layouts": data.files,
-                "columns": [c.to_json() for c in data.columns],
-                "feature_cols": self.getFeatureCols(), "label_cols": self.getLabelCols(),
-                "sample_weight_col": self.getSampleWeightCol(), "batch_size": self.getBatchSize(),
-                "val_batch_size": self.getValBatchSize(), "epochs": self.getEpochs(),
-                "shuffle": self.getShuffle(), "seed": self.getRandomSeed(),
-                "verbose": self.getVerbose(), "backend": self.getBackend(),
-                "storage_options": run.store.storage_options, "input_shapes": input_shapes,
-                "label_shapes": self.getLabelShapes(), "loss_weights": self.getLossWeights(),
-                "backend_env": self.getBackendEnv(),
-                "best_model": checkpoint_settings(callback, self.getValidation()),
-                "strategy": self.getStrategy(), "num_ps": self.getNumPs() or 1,
-                **compat.reader_options(self, raw=bool(raw_columns(data.columns))),
-                **self._loop_options(run)}
+        spec = KerasTrainSpec(
+            dataset_root=data.root, layouts=data.files, columns=[c.to_json() for c in data.columns],
+            feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),
+            sample_weight_col=self.getSampleWeightCol(), batch_size=self.getBatchSize(),
+            val_batch_size=self.getValBatchSize(), epochs=self.getEpochs(),
+            shuffle=self.getShuffle(), seed=self.getRandomSeed(), verbose=self.getVerbose(),
+            backend=self.getBackend(), strategy=self.getStrategy(),
+            storage_options=run.store.storage_options, input_shapes=input_shapes,
+            label_shapes=self.getLabelShapes(), loss_weights=self.getLossWeights(),
+            backend_env=self.getBackendEnv(),
+            best_model=checkpoint_settings(callback, self.getValidation()),
+            strategy_options=self._check_strategy(),
+            **compat.reader_options(self, raw=bool(raw_columns(data.columns))),
+            **self._loop_options(run))
         compat.warn_ignored(self, ignored)
         launch = dict(description=f"sparktrain KerasEstimator {self.uid}",
                       echo_logs=self.getVerbose() >= 1, on_progress=run.progress.update,
@@ -311,9 +253,9 @@ class KerasEstimator(EstimatorBase, KerasParams):
             if getattr(backend, "launches_itself", False):  # tfos: starts its own cluster
                 return backend.launch(run.spark, self.getNumProc(), spec, payload, run.use_gpu,
                                       **launch, **where)
-            results = run_barrier(run.spark, self.getNumProc(),
-                                  functools.partial(_keras_rank, spec, payload, run.use_gpu),
-                                  **launch, **where)
+            task = functools.partial(_keras_rank, spec, dumps(self._strategy_class()), payload,
+                                     run.use_gpu)
+            results = run_barrier(run.spark, self.getNumProc(), task, **launch, **where)
         return results[0]
 
     def _check_session(self, spark: SparkSession) -> None:
@@ -329,8 +271,8 @@ class KerasEstimator(EstimatorBase, KerasParams):
         import tensorflow as tf
 
         from sparktrain.estimators import preflight
-        from sparktrain.estimators.keras_worker import batch_tensors, forward_stats, \
-            per_row_loss, _resolve_metrics
+        from sparktrain.estimators.keras_batch import batch_tensors, forward_stats, \
+            per_row_loss, resolve_metrics
         from sparktrain.launch.faults import user_code
 
         keras, model = _keras(), self.getModel()
@@ -347,7 +289,7 @@ class KerasEstimator(EstimatorBase, KerasParams):
                 loss_fn = per_row_loss(keras, keras.losses.serialize(loss)
                                        if isinstance(loss, keras.losses.Loss) else loss)
             with user_code("the metrics"):
-                metrics = _resolve_metrics(keras, list(self.getMetrics() or []),
+                metrics = resolve_metrics(keras, list(self.getMetrics() or []),
                                            loading_objects(keras, self.getCustomObjects()))
             x, y, w = batch_tensors(tf, batch, features, labels, self.getSampleWeightCol(),
                                     self._input_shapes(), self.getLabelShapes())
@@ -367,10 +309,13 @@ class KerasEstimator(EstimatorBase, KerasParams):
         return model
 
 
-def _keras_rank(spec: Dict[str, Any], payload: Any, use_gpu: bool, ctx: RankContext) -> Any:
-    backend = load_backend(KERAS_BACKENDS, spec["backend"])
-    with rank_environment(spec.get("backend_env")):  # the Keras worker process inherits it
-        return backend.run(ctx, spec, payload.value, use_gpu)
+def _keras_rank(spec: KerasTrainSpec, strategy: bytes, payload: Any, use_gpu: bool,
+                ctx: RankContext) -> Any:
+    """Executor side: this barrier task's part of the fit (``strategy``: the pickled
+    ``KerasStrategy`` class, which decides the task's role in the TensorFlow cluster)."""
+    backend = load_backend(KERAS_BACKENDS, spec.backend)
+    with rank_environment(spec.backend_env):  # the Keras worker process inherits it
+        return backend.run(ctx, spec, payload.value, use_gpu, cloudpickle.loads(strategy))
 
 
 class KerasModel(ModelBase):

@@ -1,18 +1,21 @@
-"""The ``tensorflow`` backend: ``MultiWorkerMirroredStrategy`` across the barrier tasks.
+"""The ``tensorflow`` backend: a TensorFlow cluster across the barrier tasks.
 
 TensorFlow's distributed runtime cannot be shut down and started again inside one process, and
 Spark reuses its Python workers, so each barrier task trains in a child process of its own:
 
 1. every task opens a free port and shares ``host:port`` through ``BarrierTaskContext.allGather``;
-2. the list becomes ``TF_CONFIG`` (``{"cluster": {"worker": [...]}, "task": {"index": rank}}``);
-3. the child (``python -m sparktrain.estimators.keras_worker DIR``) trains and writes its
-   result (or its traceback) into ``DIR``; its output lines are relayed to the driver, progress
-   events among them;
+2. the list becomes ``TF_CONFIG``, with the jobs the Keras strategy gives the tasks
+   (``KerasStrategy.roles``; MultiWorkerMirroredStrategy: ``{"cluster": {"worker": [...]},
+   "task": {"type": "worker", "index": rank}}``);
+3. the strategy runs the task (``KerasStrategy.run_task``, by default :meth:`TFTask.train`): the
+   child (``python -m sparktrain.estimators.keras_worker DIR``) trains and writes its result (or
+   its traceback) into ``DIR`` (files: :mod:`.tf_protocol`); its output lines are relayed to the
+   driver, progress events among them;
 4. the child dies with its task (``PR_SET_PDEATHSIG``), and is killed if the task fails.
 
 Example (executor side)::
 
-    result = run_tf_worker(ctx, spec_dict, payload_bytes, use_gpu=False)
+    result = run_tf_worker(ctx, spec, payload_bytes, use_gpu=False, strategy=MultiWorkerMirrored)
 """
 from __future__ import annotations
 
@@ -25,14 +28,14 @@ import socket
 import subprocess
 import sys
 import tempfile
-from typing import Any, Callable, Dict, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from sparktrain.estimators.keras_worker import USER_ERROR_FILE
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.faults import mark_user_error
 from sparktrain.launch.gpus import gpu_environment, rank_gpu
-
-PROGRESS_PREFIX = "\x1esparktrain-progress "
+from sparktrain.launch.tf_protocol import ERROR_FILE, PROGRESS_PREFIX, RESULT_FILE, \
+    USER_ERROR_FILE, WORKER_MODULE, KerasTrainSpec, write_inputs
 
 
 def _free_port(host: str) -> int:
@@ -42,7 +45,18 @@ def _free_port(host: str) -> int:
 
 
 def tf_config(workers: list, rank: int) -> str:
-    return json.dumps({"cluster": {"worker": list(workers)}, "task": {"type": "worker", "index": rank}})
+    """``TF_CONFIG`` of worker ``rank`` in a cluster of ``workers`` only."""
+    return cluster_config(workers, [("worker", i) for i in range(len(workers))], rank)
+
+
+def cluster_config(addresses: List[str], roles: List[Tuple[str, int]], rank: int) -> str:
+    """``TF_CONFIG`` of task ``rank``: each task's ``host:port`` (rank order) in the job its
+    role names, at its index."""
+    cluster: Dict[str, List[str]] = {}
+    for address, (job, index) in sorted(zip(addresses, roles), key=lambda p: p[1]):
+        cluster.setdefault(job, []).append(address)
+    kind, index = roles[rank]
+    return json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})
 
 
 def _noise(line: str, gpu: Any) -> bool:
@@ -51,7 +65,7 @@ def _noise(line: str, gpu: Any) -> bool:
         (gpu is None and "cuInit" in line)
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec (Linux)
+def die_with_parent() -> None:  # runs in the child between fork and exec (Linux)
     try:
         import ctypes
 
@@ -71,35 +85,58 @@ def child_environment(config: str, gpu: Optional[str]) -> Dict[str, str]:
     return env
 
 
-def run_tf_worker(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gpu: bool) -> Any:
-    """Run the Keras training child for this barrier task; return what it returned."""
-    if spec.get("strategy") == "parameter_server":  # roles: ps, coordinator, workers
-        from sparktrain.launch.tf_parameter_server import run_ps_task
+@dataclass
+class TFTask:
+    """One barrier task's place in the TensorFlow cluster, handed to ``KerasStrategy.run_task``."""
 
-        return run_ps_task(ctx, spec, payload, use_gpu)
+    ctx: RankContext
+    role: Tuple[str, int]  # (TF job, index)
+    config: str  # its TF_CONFIG
+    spec: KerasTrainSpec
+    payload: bytes = field(repr=False)
+    use_gpu: bool = False
+
+    def gpu(self) -> Optional[str]:
+        """The GPU Spark gave this task (when ``use_gpu``), else ``None``."""
+        return rank_gpu(self.ctx.resources, self.use_gpu)
+
+    def train(self, rank: Optional[int] = None, world_size: Optional[int] = None,
+              gpu: Any = "task", **spec_changes: Any) -> Any:
+        """Run the training loop in a child process (as ``rank`` of ``world_size``, by default
+        the task's); return its result. ``spec_changes``: fields of the spec to replace."""
+        return spawn_keras_worker(self.ctx.rank if rank is None else rank,
+                                  self.ctx.world_size if world_size is None else world_size,
+                                  self.config, replace(self.spec, **spec_changes), self.payload,
+                                  self.gpu() if gpu == "task" else gpu, self.ctx.progress)
+
+
+def run_tf_worker(ctx: RankContext, spec: KerasTrainSpec, payload: bytes, use_gpu: bool,
+                  strategy: type) -> Any:
+    """Run this barrier task's part of the cluster the Keras ``strategy`` (a class) forms;
+    return what it returned."""
+    spec = replace(spec, attempt=ctx.attempt)
+    chosen = strategy(spec)
     host = ctx.hosts[ctx.rank]
-    workers = ctx.all_gather(f"{host}:{_free_port(host)}")
-    return spawn_keras_worker(ctx.rank, ctx.world_size, tf_config(workers, ctx.rank),
-                              dict(spec, attempt=ctx.attempt), payload,
-                              rank_gpu(ctx.resources, use_gpu), ctx.progress)
+    addresses = ctx.all_gather(f"{host}:{_free_port(host)}")
+    roles = chosen.roles(ctx.world_size)
+    task = TFTask(ctx, roles[ctx.rank], cluster_config(addresses, roles, ctx.rank), spec,
+                  payload, use_gpu)
+    return chosen.run_task(task)
 
 
-def spawn_keras_worker(rank: int, world_size: int, config: str, spec: Dict[str, Any],
+def spawn_keras_worker(rank: int, world_size: int, config: str, spec: KerasTrainSpec,
                        payload: bytes, gpu: Optional[str],
                        progress: Callable[..., None]) -> Any:
     """Train in ``python -m sparktrain.estimators.keras_worker`` with ``TF_CONFIG=config``;
     relay its output (progress events to ``progress``), raise with its traceback on failure."""
     workdir = tempfile.mkdtemp(prefix=f"sparktrain-tf-rank{rank}-")
     try:
-        with open(os.path.join(workdir, "spec.json"), "w") as f:
-            json.dump(dict(spec, rank=rank, world_size=world_size), f)
-        with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
-            f.write(payload)
+        write_inputs(workdir, replace(spec, rank=rank, world_size=world_size), payload)
         child = subprocess.Popen(
-            [sys.executable, "-m", "sparktrain.estimators.keras_worker", workdir],
+            [sys.executable, "-m", WORKER_MODULE, workdir],
             env=child_environment(config, gpu),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
         try:
             for line in child.stdout:
                 if line.startswith(PROGRESS_PREFIX):
@@ -111,7 +148,7 @@ def spawn_keras_worker(rank: int, world_size: int, config: str, spec: Dict[str, 
             if child.poll() is None:
                 child.kill()
                 child.wait()
-        error = os.path.join(workdir, "error.txt")
+        error = os.path.join(workdir, ERROR_FILE)
         if code != 0:
             detail = open(error).read() if os.path.exists(error) else f"exit code {code}"
             failure = RuntimeError(f"the TensorFlow worker process of rank {rank} failed:\n"
@@ -120,14 +157,15 @@ def spawn_keras_worker(rank: int, world_size: int, config: str, spec: Dict[str, 
             if os.path.exists(user_error):
                 raise mark_user_error(failure, open(user_error).read())
             raise failure
-        with open(os.path.join(workdir, "result.pkl"), "rb") as f:
+        with open(os.path.join(workdir, RESULT_FILE), "rb") as f:
             return pickle.load(f)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 class TensorFlowMultiWorker:
-    """The registry's entry for ``backend="tensorflow"``: ``run(ctx, spec, payload, use_gpu)``."""
+    """The registry's entry for ``backend="tensorflow"``:
+    ``run(ctx, spec, payload, use_gpu, strategy)``."""
 
     name = "tensorflow"
     run = staticmethod(run_tf_worker)

@@ -1,14 +1,16 @@
-"""``strategy="parameter_server"`` on the ``tensorflow`` backend: roles, servers and shutdown.
+"""The parameter-server strategy's launch on the ``tensorflow`` backend: roles, servers, shutdown.
 
 Of the ``num_proc`` barrier tasks, rank 0 is the coordinator (TF's ``chief``), ranks
-``1..num_ps`` are parameter servers and the rest are workers. Every task trains (or serves) in a
-child process, as for MultiWorkerMirroredStrategy (:mod:`.tf_multiworker`):
+``1..num_ps`` are parameter servers and the rest are workers
+(:class:`sparktrain.strategies.keras_ps.ParameterServer`, whose ``run_task`` calls
+:func:`run_ps_task`). Every task trains (or serves) in a child process, as for
+MultiWorkerMirroredStrategy (:mod:`.tf_multiworker`):
 
 1. each task shares a free ``host:port`` (``allGather``); the list becomes ``TF_CONFIG`` with
-   ``chief``, ``ps`` and ``worker`` jobs;
-2. ps and worker tasks start their server child (``keras_worker`` with ``ps_role``); a worker's
-   child first writes its shard of the training data to local files
-   (:func:`sparktrain.estimators.keras_ps.write_shard`); the task waits until it is serving;
+   ``chief``, ``ps`` and ``worker`` jobs (:class:`~.tf_multiworker.TFTask`);
+2. ps and worker tasks start their server child (``keras_worker`` with the spec's ``role``); a
+   worker's child first writes its shard of the training data to local files
+   (:func:`sparktrain.strategies.keras_ps.write_shard`); the task waits until it is serving;
 3. a second ``allGather`` hands the shard files' descriptions to the coordinator, whose child
    runs sparktrain's Keras loop under ``ParameterServerStrategy``;
 4. TensorFlow's servers never return from ``join()``, so a third ``allGather`` tells every task
@@ -16,9 +18,9 @@ child process, as for MultiWorkerMirroredStrategy (:mod:`.tf_multiworker`):
    meanwhile (a lost worker or ps) fails its task, Spark re-runs the stage and the coordinator
    resumes from the last checkpoint. Children also die with their task (``PR_SET_PDEATHSIG``).
 
-Example (executor side, what ``run_tf_worker`` does for this strategy)::
+Example (executor side, what ``ParameterServer.run_task`` does)::
 
-    result = run_ps_task(ctx, dict(spec, num_ps=1), payload_bytes, use_gpu=False)
+    result = run_ps_task(task)     # task: the TFTask tf_multiworker.run_tf_worker made
 """
 from __future__ import annotations
 
@@ -31,59 +33,38 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import replace
+from typing import Any, List, Optional
 
-from sparktrain.estimators.keras_ps import READY, SHARD_INFO
-from sparktrain.estimators.keras_worker import USER_ERROR_FILE
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.faults import mark_user_error
-from sparktrain.launch.gpus import rank_gpu
-from sparktrain.launch.tf_multiworker import _die_with_parent, _free_port, child_environment, \
-    spawn_keras_worker
+from sparktrain.launch.tf_multiworker import TFTask, die_with_parent, child_environment
+from sparktrain.launch.tf_protocol import ERROR_FILE, READY, SHARD_INFO, USER_ERROR_FILE, \
+    WORKER_MODULE, KerasTrainSpec, write_inputs
 
 STOP_SECONDS = 10.0  # SIGTERM, then SIGKILL after this long
-
-
-def task_role(rank: int, num_ps: int) -> Tuple[str, int]:
-    """``(TF job, index)`` of barrier task ``rank``: 0 the chief, then ps, then workers."""
-    if rank == 0:
-        return "chief", 0
-    if rank <= num_ps:
-        return "ps", rank - 1
-    return "worker", rank - 1 - num_ps
-
-
-def ps_tf_config(addresses: List[str], num_ps: int, rank: int) -> str:
-    """``TF_CONFIG`` of task ``rank`` given every task's ``host:port`` in rank order."""
-    cluster = {"chief": addresses[:1], "ps": addresses[1:1 + num_ps],
-               "worker": addresses[1 + num_ps:]}
-    kind, index = task_role(rank, num_ps)
-    return json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})
 
 
 class _Server:
     """A ps or worker child process, its output in ``workdir/server.log``."""
 
-    def __init__(self, role: str, config: str, spec: Dict[str, Any], payload: bytes,
+    def __init__(self, role: str, config: str, spec: KerasTrainSpec, payload: bytes,
                  gpu: Optional[str]) -> None:
         self.role = role
         self.workdir = tempfile.mkdtemp(prefix=f"sparktrain-tf-{role}-")
-        with open(os.path.join(self.workdir, "spec.json"), "w") as f:
-            json.dump(dict(spec, ps_role=role), f)
-        with open(os.path.join(self.workdir, "payload.pkl"), "wb") as f:
-            f.write(payload)
+        write_inputs(self.workdir, replace(spec, role=role), payload)
         self.log = open(os.path.join(self.workdir, "server.log"), "w")
         self.child = subprocess.Popen(
-            [sys.executable, "-m", "sparktrain.estimators.keras_worker", self.workdir],
+            [sys.executable, "-m", WORKER_MODULE, self.workdir],
             env=child_environment(config, gpu), stdout=self.log, stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
 
     def check(self) -> None:
         """Raise if the child has exited (a server never does on its own)."""
         code = self.child.poll()
         if code is None:
             return
-        error = os.path.join(self.workdir, "error.txt")
+        error = os.path.join(self.workdir, ERROR_FILE)
         if os.path.exists(error):
             failure = RuntimeError(f"the TensorFlow {self.role} process failed:\n"
                                    f"{open(error).read()}")
@@ -138,18 +119,13 @@ def _wait_for_coordinator(ctx: RankContext, server: _Server) -> None:
         raise failed[0]
 
 
-def run_ps_task(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gpu: bool) -> Any:
+def run_ps_task(task: TFTask) -> Any:
     """This barrier task's role in the parameter-server cluster; the coordinator's result
     (rank 0) or ``{}``."""
-    num_ps = spec["num_ps"]
-    host = ctx.hosts[ctx.rank]
-    addresses = ctx.all_gather(f"{host}:{_free_port(host)}")
-    config = ps_tf_config(addresses, num_ps, ctx.rank)
-    role, _ = task_role(ctx.rank, num_ps)
-    spec = dict(spec, attempt=ctx.attempt)
-    gpu = None if role == "ps" else rank_gpu(ctx.resources, use_gpu)
+    ctx, (role, _) = task.ctx, task.role
+    gpu = None if role == "ps" else task.gpu()
     if role != "chief":
-        server = _Server(role, config, spec, payload, gpu)
+        server = _Server(role, task.config, task.spec, task.payload, gpu)
         try:
             ctx.all_gather(server.wait_ready())
             _wait_for_coordinator(ctx, server)
@@ -159,8 +135,7 @@ def run_ps_task(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gpu:
     shards = [json.loads(s) for s in ctx.all_gather("") if s]
     failure: Optional[BaseException] = None
     try:
-        result = spawn_keras_worker(0, 1, config, dict(spec, ps_shards=shards), payload, gpu,
-                                    ctx.progress)
+        result = task.train(rank=0, world_size=1, gpu=gpu, launch_info={"shards": shards})
     except BaseException as exc:  # tell the servers to stop first, then fail
         failure = exc
     ctx.all_gather("done")

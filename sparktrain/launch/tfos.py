@@ -41,6 +41,7 @@ import random
 import shutil
 import socket
 import tempfile
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from sparktrain.launch import import_quietly
@@ -48,6 +49,7 @@ from sparktrain.launch.barrier import RankContext, run_barrier, stage_attempts
 from sparktrain.launch.environment import rank_environment
 from sparktrain.launch.gpus import rank_gpu
 from sparktrain.launch.tf_multiworker import spawn_keras_worker
+from sparktrain.launch.tf_protocol import KerasTrainSpec
 from sparktrain.spark_jvm import hadoop_conf
 
 CHIEF = "chief"  # TFCluster.run's master_node: TFoS then exports TF_CONFIG with chief + workers
@@ -102,7 +104,7 @@ def stop_reservations(server: Any, address: Tuple[str, int]) -> None:
         pass
 
 
-def launch(spark: Any, num_proc: int, spec: Dict[str, Any], payload: Any, use_gpu: bool,
+def launch(spark: Any, num_proc: int, spec: KerasTrainSpec, payload: Any, use_gpu: bool,
            description: str = "sparktrain tfos", echo_logs: bool = True,
            on_progress: Any = None, max_attempts: Optional[int] = None,
            **where: Any) -> Any:
@@ -119,8 +121,7 @@ def launch(spark: Any, num_proc: int, spec: Dict[str, Any], payload: Any, use_gp
     try:
         for _ in range(attempts):  # one per attempt of the stage: a thread and a socket each
             clusters.append(start_reservations(sc, num_proc))
-        task = functools.partial(_node_task, dict(spec, tfos_clusters=[m for _, m in clusters]),
-                                 payload, use_gpu)
+        task = functools.partial(_node_task, spec, [m for _, m in clusters], payload, use_gpu)
         results = run_barrier(spark, num_proc, task, description=description,
                               echo_logs=echo_logs, on_progress=on_progress,
                               max_attempts=max_attempts, **where)
@@ -134,9 +135,10 @@ def launch(spark: Any, num_proc: int, spec: Dict[str, Any], payload: Any, use_gp
 # Executor side
 # ---------------------------------------------------------------------------------------------
 
-def _node_task(spec: Dict[str, Any], payload: Any, use_gpu: bool, ctx: RankContext) -> Any:
-    with rank_environment(spec.get("backend_env")):  # backend_env, inherited by the Keras worker
-        return run_node(ctx, spec, payload.value, use_gpu)
+def _node_task(spec: KerasTrainSpec, clusters: List[Dict[str, Any]], payload: Any,
+               use_gpu: bool, ctx: RankContext) -> Any:
+    with rank_environment(spec.backend_env):  # backend_env, inherited by the Keras worker
+        return run_node(ctx, spec, payload.value, use_gpu, clusters)
 
 
 def _stop_manager(node_module: Any) -> None:
@@ -166,16 +168,17 @@ def node_rank(job_name: str, task_index: int) -> int:
     return 0 if job_name == CHIEF else task_index + 1
 
 
-def run_node(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gpu: bool) -> Any:
-    """One TFoS node in barrier task ``ctx.rank``: TFoS's node start-up, then the Keras worker.
+def run_node(ctx: RankContext, spec: KerasTrainSpec, payload: bytes, use_gpu: bool,
+             clusters: List[Dict[str, Any]]) -> Any:
+    """One TFoS node in barrier task ``ctx.rank``: TFoS's node start-up, then the Keras worker
+    (``clusters``: the cluster metadata of each attempt, :func:`start_reservations`'s).
 
     The task's process is a Spark Python worker that later tasks reuse, so what TFoS changes in
     it is undone afterwards: its working directory (TFoS writes an ``executor_id`` file there,
     which in local mode is the driver's own directory), ``TF_CONFIG`` and
     ``CUDA_VISIBLE_DEVICES`` (TFoS exports both), and the TFManager.
     """
-    spec = dict(spec, attempt=ctx.attempt)
-    clusters = spec.pop("tfos_clusters")
+    spec = replace(spec, attempt=ctx.attempt)
     meta = clusters[min(ctx.attempt, len(clusters) - 1)]
     node_module = _tfos("TFSparkNode")
     result: Dict[str, Any] = {}
@@ -202,7 +205,7 @@ def run_node(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gpu: bo
         # num_gpus=0: else, when Spark assigned no GPU to the task but nvidia-smi lists some,
         # TFoS picks a free one itself (and sleeps 30 s, 60 s, 90 s, then fails, when none is
         # free). background=False: main_fun runs in this task (InputMode.TENSORFLOW).
-        args = argparse.Namespace(num_gpus=0, spec=spec, verbose=spec.get("verbose", 1))
+        args = argparse.Namespace(num_gpus=0, spec=spec, verbose=spec.verbose)
         start = node_module.run(main_fun, args, meta, False, None, ["error"], False)
         start(iter([ctx.rank]))  # the node RDD's partition holds its executor_id: the rank
     finally:
@@ -219,7 +222,9 @@ def run_node(ctx: RankContext, spec: Dict[str, Any], payload: bytes, use_gpu: bo
 
 class TensorFlowOnSpark:
     """The registry's entry for ``backend="tfos"``: it starts its own cluster around the Spark
-    job (``launch``, driver side); ``run(ctx, spec, payload, use_gpu)`` is one node."""
+    job (``launch``, driver side); ``run(ctx, spec, payload, use_gpu, clusters)`` is one node.
+    It forms the cluster itself (chief + workers), so ``KerasStrategy.roles`` and ``run_task``
+    are not asked: strategies that train here list ``"tfos"`` in their ``backends``."""
 
     name = "tfos"
     launches_itself = True
