@@ -162,7 +162,7 @@ def write_shard(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str, ind
     import tensorflow as tf
 
     from sparktrain.data.reader import ShardReader
-    from sparktrain.data.schema import ColumnSpec
+    from sparktrain.data.columns import ColumnSpec
     from sparktrain.estimators.keras_batch import batch_tensors
     from sparktrain.launch.faults import user_code
 

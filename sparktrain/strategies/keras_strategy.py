@@ -44,10 +44,10 @@ class RankLoop:
 
     ``run_epoch(step_fn, epoch, report, steps)``: ``step_fn(x, y, w)`` over this rank's
     training batches, the totals summed over workers; ``step_reporter(epoch, report)``: an
-    ``on_step(i, values)`` that sends step progress when ``report``."""
+    ``on_step(i, values)`` that sends step progress (of ``train_steps``) when ``report``."""
 
     run_epoch: Callable[[Callable, int, bool, Optional[int]], Any]
-    step_reporter: Callable[[int, bool], Callable[[int, Any], None]]
+    step_reporter: Callable[..., Callable[[int, Any], None]]
 
 
 class KerasStrategy:
