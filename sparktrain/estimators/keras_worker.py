@@ -26,19 +26,24 @@ import atexit
 import os
 import pickle
 import sys
-import time
 import traceback
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from sparktrain.epochs import EpochDriver, StepReporter
 from sparktrain.estimators.keras_batch import batch_tensors, forward_stats, per_row_loss, \
     resolve_metrics
 from sparktrain.estimators.keras_saving import loading_objects
 from sparktrain.launch.faults import user_code, user_error_source
-from sparktrain.launch.tf_protocol import ERROR_FILE, PAYLOAD_FILE, PROGRESS_PREFIX, \
+from sparktrain.launch.tf_protocol import ERROR_FILE, PAYLOAD_FILE, \
     RESULT_FILE, USER_ERROR_FILE, KerasTrainSpec, progress, read_spec
 from sparktrain.strategies.keras_strategy import RankLoop
 
 _progress = progress
+
+
+def _print(text: str) -> None:
+    """A log line: this process's stdout goes to the task, which echoes it to the driver."""
+    print(text, flush=True)
 _resolve_metrics = resolve_metrics  # the names this module had before keras_batch
 
 
@@ -67,6 +72,10 @@ class _TensorBoard:
             writer.flush()
         if self.remote:
             self.fs.put(self.local + "/", self.remote, recursive=True)
+
+    def close(self) -> None:
+        for writer in self.writers.values():
+            writer.close()
 
 
 def _checkpoint_bytes(model_file: str, optimizer: Any) -> bytes:
@@ -122,7 +131,6 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
     import tensorflow as tf
     import keras
 
-    from sparktrain.checkpoint import Checkpoints
     from sparktrain.data.columns import ColumnSpec
     from sparktrain.data.feed import BatchFeed
     from sparktrain.data.reader import ShardReader, take_steps
@@ -134,12 +142,15 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
     strategy = payload["strategy"](spec)
     distributed = strategy.distribute(tf)
     run_path = spec.run_path
-    checkpoints = Checkpoints(run_path, spec.storage_options) if run_path else None
-    resume = checkpoints.latest() if checkpoints is not None else None
-    meta: Dict[str, Any] = resume.meta if resume is not None else {}
+    driver = EpochDriver(rank=rank, world_size=world, epochs=spec.epochs, verbose=spec.verbose,
+                         run_path=run_path, storage_options=spec.storage_options,
+                         deadline=spec.deadline, attempt=spec.attempt, log=_print,
+                         progress=_progress, meta={"framework": "keras"},
+                         board=lambda: _TensorBoard(tf, run_path, spec.storage_options))
     model_bytes, optimizer_state = payload["model"], None
-    if resume is not None:
-        model_bytes, optimizer_state = _read_checkpoint(checkpoints.read(resume))
+    resumed = driver.resume_bytes()
+    if resumed is not None:
+        model_bytes, optimizer_state = _read_checkpoint(resumed)
     model_path = os.path.join(workdir, "model.keras")
     with open(model_path, "wb") as f:
         f.write(model_bytes)
@@ -188,17 +199,16 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
         rows = max(totals[0], 1.0)
         return {"loss": totals[1] / rows, **{n: v / rows for n, v in zip(names, totals[2:])}}
 
+    reporting: List[Optional[StepReporter]] = [None]  # the driver's, for the current epoch
+
     def step_reporter(epoch: int, report: bool, total: Any = None) -> Callable[[int, Any], None]:
-        """``on_step(i, values)``: a progress event at most every 0.25 s, and at the last."""
-        last = [0.0]
-        total = total or train_steps
+        """``on_step(i, values)``: step progress through the driver's reporter (throttled)."""
+        reporter = reporting[0] if report else None
 
         def on_step(i: int, values: Any) -> None:
-            if report and (time.monotonic() - last[0] > 0.25 or i + 1 == total):
-                last[0] = time.monotonic()
+            if reporter is not None and reporter.due(i):
                 values = np.asarray(values)
-                _progress(event="step", epoch=epoch, step=i + 1,
-                          loss=float(values[1] / max(values[0], 1)))
+                reporter.send(i, float(values[1] / max(values[0], 1)))
         return on_step
 
     def run_epoch(step_fn: Callable, source: ShardReader, epoch: int, report: bool,
@@ -219,72 +229,62 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
     loop = RankLoop(run_epoch=lambda step_fn, epoch, report, steps:
                     run_epoch(step_fn, train_reader, epoch, report, steps),
                     step_reporter=step_reporter)
-    lead = rank == 0 and spec.verbose >= 1
-    first = meta.get("epochs_done", 0)
-    # every worker must resume from the same epoch (a checkpoint could appear meanwhile)
-    agreed = np.asarray(strategy.sum_over_workers(tf.constant([float(first)])))[0]
-    if agreed != first * world:
-        raise RuntimeError("workers found different latest checkpoints; the attempt is retried")
-    attempts = meta.get("attempts", []) + [{"attempt": spec.attempt, "start_epoch": first}]
-    if lead:
-        print(strategy.describe(), flush=True)
-        if resume is not None:
-            print(f"resuming from the checkpoint after epoch {first}", flush=True)
-        _progress(event="start", epochs=spec.epochs, steps=train_steps, first=first)
-    history: Dict[str, List[float]] = {k: list(v) for k, v in meta.get("history", {}).items()}
-    board = _TensorBoard(tf, run_path, spec.storage_options) if rank == 0 and run_path else None
+    def sum_over_ranks(values: Any) -> List[float]:
+        return np.asarray(strategy.sum_over_workers(tf.constant(list(values)))).tolist()
+
+    driver.agree(sum_over_ranks)
+    driver.start(train_steps, strategy.describe())
     callbacks = list(payload.get("callbacks") or [])
     model.stop_training = False
     for callback in callbacks:
         with user_code(f"callback {type(callback).__name__}.on_train_begin"):
             callback.set_model(model)
-            callback.on_train_begin({k: v[-1] for k, v in history.items()})
-    stop_reason = None
+            callback.on_train_begin({k: v[-1] for k, v in driver.history.items()})
     checkpoint_file = os.path.join(workdir, "checkpoint.keras")
     best = None  # checkpoint_callback with save_best_only: rank 0 keeps the best epoch's model
     if rank == 0 and spec.best_model and run_path:
         from sparktrain.estimators.keras_checkpoint import BestModel
 
-        best = BestModel(spec.best_model, run_path, spec.storage_options, history)
-    for epoch in range(first, spec.epochs):
-        started = time.perf_counter()
-        for callback in callbacks:
-            with user_code(f"callback {type(callback).__name__}.on_epoch_begin"):
-                callback.on_epoch_begin(epoch)
-        logs = epoch_logs(strategy.train_epoch(loop, epoch, lead))
-        if val_reader is not None:
+        best = BestModel(spec.best_model, run_path, spec.storage_options, driver.history)
+
+    class Epochs:
+        """This process's part of the epoch protocol (:class:`sparktrain.epochs.EpochTraining`)."""
+
+        all_reduce_sum = staticmethod(sum_over_ranks)
+
+        @staticmethod
+        def train_epoch(epoch: int, reporter: Optional[StepReporter]) -> Dict[str, float]:
+            for callback in callbacks:
+                with user_code(f"callback {type(callback).__name__}.on_epoch_begin"):
+                    callback.on_epoch_begin(epoch)
+            reporting[0] = reporter
+            return epoch_logs(strategy.train_epoch(loop, epoch, reporter is not None))
+
+        @staticmethod
+        def evaluate(epoch: int) -> Dict[str, float]:
+            if val_reader is None:
+                return {}
             totals = run_epoch(strategy.eval_step, val_reader, 0, False, spec.val_steps)
-            logs.update({f"val_{k}": v for k, v in epoch_logs(totals).items()})
-        for key, value in logs.items():
-            history.setdefault(key, []).append(float(value))
-        if board is not None:
-            board.write(epoch, logs)
-        if lead:
-            _progress(event="epoch", epoch=epoch, logs=logs)
-            values = "  ".join(f"{k}={v:.4g}" for k, v in logs.items())
-            print(f"epoch {epoch + 1}/{spec.epochs}  {values}  "
-                  f"({time.perf_counter() - started:.1f}s)", flush=True)
-        for callback in callbacks:
-            with user_code(f"callback {type(callback).__name__}.on_epoch_end"):
-                callback.on_epoch_end(epoch, dict(logs))
-        if rank == 0 and checkpoints is not None:
+            return {f"val_{k}": v for k, v in epoch_logs(totals).items()}
+
+        @staticmethod
+        def epoch_end(epoch: int, logs: Dict[str, float]) -> bool:
+            for callback in callbacks:
+                with user_code(f"callback {type(callback).__name__}.on_epoch_end"):
+                    callback.on_epoch_end(epoch, dict(logs))
+            return bool(getattr(model, "stop_training", False))
+
+        @staticmethod
+        def checkpoint(epoch: int, logs: Dict[str, float]) -> Optional[Tuple[bytes, Dict]]:
+            if rank != 0:
+                return None
             model.save(checkpoint_file)
             if best is not None:  # before the checkpoint: a resumed run then finds it
                 best.epoch_end(epoch, logs, checkpoint_file)
-            checkpoints.write(epoch + 1, _checkpoint_bytes(checkpoint_file, optimizer),
-                              {"history": history, "attempts": attempts, "framework": "keras"})
-        late = spec.deadline is not None and time.time() >= spec.deadline
-        asked = bool(getattr(model, "stop_training", False))
-        if epoch + 1 < spec.epochs:
-            votes = np.asarray(strategy.sum_over_workers(
-                tf.constant([1.0 if asked or late else 0.0])))[0]
-            if votes > 0:
-                stop_reason = "callback" if asked else "max_time"
-                if rank == 0:
-                    print(f"training stopped after epoch {epoch + 1}: "
-                          + ("a callback asked to stop" if asked else "max_time reached"),
-                          flush=True)
-                break
+            return _checkpoint_bytes(checkpoint_file, optimizer), {}
+
+    stop_reason = driver.run(Epochs())
+    history = driver.history
     for callback in callbacks:
         with user_code(f"callback {type(callback).__name__}.on_train_end"):
             callback.on_train_end({k: v[-1] for k, v in history.items()})
@@ -306,7 +306,7 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
         with open(trained, "rb") as f:
             weights = f.read()
     return {"model": weights, "history": history, "stop_reason": stop_reason,
-            "attempts": attempts, "output_shapes": [list(o.shape[1:]) for o in outputs]}
+            "attempts": driver.attempts, "output_shapes": [list(o.shape[1:]) for o in outputs]}
 
 
 def main(workdir: str) -> int:
