@@ -12,7 +12,9 @@ driver owns the rest, identical for every framework and strategy:
 * the history, the TensorBoard writer (rank 0 of a run with a run directory);
 * checkpoints after every epoch, with the metadata a resumed attempt and the driver read;
 * stopping early: a callback's request or the ``max_time`` deadline, voted over the ranks so
-  that all stop after the same epoch.
+  that all stop after the same epoch. The stop is written into that epoch's checkpoint, so a
+  retried attempt of the same fit (``fit_id``) stops there too instead of training on; a new
+  fit with the run's ``run_id`` continues (what ``max_time``'s warning tells users to do).
 
 Example (rank side)::
 
@@ -77,7 +79,7 @@ class EpochDriver:
 
     def __init__(self, *, rank: int, world_size: int, epochs: int, verbose: int = 1,
                  run_path: str = "", storage_options: Optional[Dict[str, Any]] = None,
-                 deadline: Optional[float] = None, attempt: int = 0,
+                 deadline: Optional[float] = None, attempt: int = 0, fit_id: str = "",
                  log: Callable[[str], None] = print,
                  progress: Callable[..., None] = lambda **event: None,
                  board: Optional[Callable[[], Any]] = None, require_finite: bool = False,
@@ -96,7 +98,11 @@ class EpochDriver:
             k: list(v) for k, v in self.meta.get("history", {}).items()}
         self.attempts = self.meta.get("attempts", []) + [{"attempt": attempt,
                                                           "start_epoch": self.first}]
-        self.attempt = attempt
+        self.attempt, self.fit_id = attempt, fit_id
+        stopped = self.meta.get("stopped") or {}
+        # this fit already stopped early at the checkpoint (a retry after the stop): stay stopped
+        self.stopped: Optional[str] = stopped.get("reason") \
+            if fit_id and stopped.get("fit_id") == fit_id else None
         self.lead = rank == 0 and verbose >= 1
         self.steps = 0  # training steps per epoch, set by start()
         self.stop_reason: Optional[str] = None
@@ -128,6 +134,11 @@ class EpochDriver:
     def run(self, training: EpochTraining) -> Optional[str]:
         """Train the remaining epochs; returns why training stopped early (``"callback"``,
         ``"max_time"``) or ``None``."""
+        if self.stopped is not None:
+            if self.rank == 0:
+                self.log(f"this fit stopped after epoch {self.first} ({self.stopped}) before "
+                         f"its attempt was retried: nothing left to train")
+            return self.stopped
         board = self._make_board() if self._make_board is not None else None
         try:
             for epoch in range(self.first, self.epochs):
@@ -157,20 +168,24 @@ class EpochDriver:
             self.log(f"epoch {epoch + 1}/{self.epochs}  {values}  "
                      f"({time.perf_counter() - started:.1f}s)")
         asked = bool(training.epoch_end(epoch, dict(logs)))
+        late = self.deadline is not None and time.time() >= self.deadline
+        vote = 1.0 if asked or late else 0.0
+        stop = None
+        if epoch + 1 < self.epochs and training.all_reduce_sum([vote])[0] > 0:
+            stop = "callback" if asked else "max_time"
         if self.checkpoints is not None:
             saved = training.checkpoint(epoch, logs)
             if self.rank == 0 and saved is not None:
                 payload, meta = saved
+                stopped = {"stopped": {"reason": stop, "fit_id": self.fit_id}} if stop else {}
                 self.checkpoints.write(epoch + 1, payload, {
                     "history": self.history, "attempts": self.attempts, **self.extra_meta,
-                    **meta})
+                    **stopped, **meta})
             del saved
-        late = self.deadline is not None and time.time() >= self.deadline
-        vote = 1.0 if asked or late else 0.0
-        if epoch + 1 < self.epochs and training.all_reduce_sum([vote])[0] > 0:
-            self.stop_reason = "callback" if asked else "max_time"
-            if self.rank == 0:
-                self.log(f"training stopped after epoch {epoch + 1}: "
-                         + ("a callback asked to stop" if asked else "max_time reached"))
-            return True
-        return False
+        if stop is None:
+            return False
+        self.stop_reason = stop
+        if self.rank == 0:
+            self.log(f"training stopped after epoch {epoch + 1}: "
+                     + ("a callback asked to stop" if stop == "callback" else "max_time reached"))
+        return True

@@ -154,3 +154,17 @@ def test_step_reporter_throttles_but_sends_the_last_step():
             reporter.send(step, 0.1)
     assert sent[0]["step"] == 1 and sent[-1]["step"] == 1000 and len(sent) <= 3
     assert json.dumps(sent)  # plain values: they travel as JSON events
+
+
+def test_an_early_stop_holds_for_the_fits_retries_but_not_for_a_new_fit(tmp_path):
+    run, _, _ = driver(tmp_path, fit_id="fit-1")
+    assert run.run(Scripted(stop_after=2)) == "callback"
+    retry, _, lines = driver(tmp_path, fit_id="fit-1", attempt=1)
+    training = Scripted()
+    assert retry.run(training) == "callback"
+    assert not [c for c in training.calls if c[0] == "train"]
+    assert lines[-1].startswith("this fit stopped after epoch 2 (callback)")
+    assert retry.history["loss"] == [1.0, 0.5]
+    next_fit, _, _ = driver(tmp_path, fit_id="fit-2")
+    assert next_fit.run(Scripted()) is None
+    assert next_fit.history["loss"] == [1.0, 0.5, 1 / 3, 0.25]

@@ -9,13 +9,14 @@ per Python worker and predicts whole Arrow batches, never row by row.
 """
 from __future__ import annotations
 
+
 import hashlib
 import logging
 import time
 import uuid
 import warnings
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import cloudpickle
@@ -94,6 +95,8 @@ class FitRun:
     run_id: str
     progress: FitProgress
     started: float  # time.time() when fit began: max_time counts from here, across retries
+    # one fit, whatever its attempts: an early stop it checkpointed holds for its retries only
+    fit_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def run_path(self) -> str:
@@ -160,7 +163,8 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                 "scale_learning_rate": self.getScaleLearningRate(),
                 "mixed_precision": self.getMixedPrecision(),
                 "deadline": run.started + max_time if max_time else None,
-                "run_path": run.run_path}
+                "run_path": run.run_path,
+                "fit_id": run.fit_id}
 
     def _create_model(self, result: Dict[str, Any], dataset: MaterializedDataset) -> "ModelBase":
         raise NotImplementedError

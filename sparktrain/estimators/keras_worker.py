@@ -144,7 +144,8 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
     run_path = spec.run_path
     driver = EpochDriver(rank=rank, world_size=world, epochs=spec.epochs, verbose=spec.verbose,
                          run_path=run_path, storage_options=spec.storage_options,
-                         deadline=spec.deadline, attempt=spec.attempt, log=_print,
+                         deadline=spec.deadline, attempt=spec.attempt, fit_id=spec.fit_id,
+                         log=_print,
                          progress=_progress, meta={"framework": "keras"},
                          board=lambda: _TensorBoard(tf, run_path, spec.storage_options))
     model_bytes, optimizer_state = payload["model"], None

@@ -68,6 +68,7 @@ class TorchTrainSpec:
     scale_learning_rate: bool = False
     mixed_precision: Optional[str] = None
     deadline: Optional[float] = None  # time.time() after which training stops at an epoch end
+    fit_id: str = ""  # the fit's attempts share it (see sparktrain.epochs)
     # Horovod's params (see TorchEstimator)
     input_shapes: Optional[List[List[int]]] = None
     label_shapes: Optional[List[List[int]]] = None
@@ -478,7 +479,8 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     driver = EpochDriver(rank=ctx.rank, world_size=ctx.world_size, epochs=spec.epochs,
                          verbose=spec.verbose, run_path=spec.run_path,
                          storage_options=spec.storage_options, deadline=spec.deadline,
-                         attempt=ctx.attempt, log=ctx.log, progress=ctx.progress,
+                         attempt=ctx.attempt, fit_id=spec.fit_id, log=ctx.log,
+                         progress=ctx.progress,
                          board=lambda: _TensorBoard(spec.run_path, spec.storage_options),
                          require_finite=True,
                          meta={"framework": "torch", "strategy": spec.strategy})

@@ -63,6 +63,7 @@ class KerasTrainSpec:
     scale_learning_rate: bool = False
     mixed_precision: Optional[str] = None
     deadline: Optional[float] = None  # time.time() after which training stops at an epoch end
+    fit_id: str = ""  # the fit's attempts share it (see sparktrain.epochs)
     run_path: Optional[str] = None
     # how the ranks read and decode (compat.reader_options)
     train_prefetch: int = 2
