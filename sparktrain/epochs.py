@@ -127,7 +127,7 @@ class EpochDriver:
         if self.rank == 0 and self.resume is not None:
             self.log(f"resuming from the checkpoint after epoch {self.first} (attempt "
                      f"{self.attempt + 1})")
-        if self.lead:
+        if self.rank == 0:  # whatever the verbosity: driver listeners (MLflow) follow epochs
             self.progress(event="start", epochs=self.epochs, steps=steps, first=self.first)
         self.steps = steps
 
@@ -162,8 +162,9 @@ class EpochDriver:
             self.history.setdefault(key, []).append(float(value))
         if board is not None:
             board.write(epoch, logs)
-        if self.lead:
+        if self.rank == 0:
             self.progress(event="epoch", epoch=epoch, logs=logs)
+        if self.lead:
             values = "  ".join(f"{k}={v:.4g}" for k, v in logs.items())
             self.log(f"epoch {epoch + 1}/{self.epochs}  {values}  "
                      f"({time.perf_counter() - started:.1f}s)")

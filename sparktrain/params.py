@@ -160,11 +160,22 @@ def _to_loss_weights(value: Any) -> List[float]:
     return weights
 
 
+class EnvVars(dict):
+    """``backend_env``'s value: a plain dict whose ``repr`` hides the values (they may be
+    tokens), so that param dumps (``explainParams``, MLflow's ``pyspark.ml`` autologging, which
+    logs ``str(value)`` of every param) never show them."""
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{k!r}: '***'" for k in self) + "}"
+
+    __str__ = __repr__
+
+
 def _to_env(value: Any) -> Dict[str, str]:
     if not isinstance(value, dict):
         raise TypeError(f"backend_env must be a dict of environment variables (name -> value), "
                         f"found {type(value).__name__}")
-    env = {}
+    env = EnvVars()
     for key, item in value.items():
         if not isinstance(key, str) or not key or "=" in key or \
                 not isinstance(item, (str, int, float)) or isinstance(item, bool):
@@ -275,6 +286,10 @@ class EstimatorParams(Params):
     gradient_compression = Param(Params._dummy(), "gradient_compression",
                                  "gradient compression for the all-reduce: Horovod's "
                                  "Compression.fp16 (or 'fp16'), Compression.none (or None)")
+    mlflow_logging = Param(Params._dummy(), "mlflow_logging",
+                           "log this fit to MLflow: None follows sparktrain.mlflow.autolog() "
+                           "(or mlflow.autolog()), True logs it, False never "
+                           "(docs/mlflow.md)", _to_optional_bool)
     backend_env = Param(Params._dummy(), "backend_env",
                         "environment variables set in every rank's process while it trains",
                         _to_env)
@@ -334,7 +349,8 @@ class EstimatorParams(Params):
                          inmemory_cache_all=False, backward_passes_per_step=1,
                          scale_learning_rate=False, mixed_precision=None, max_time=None,
                          max_attempts=None, loss_weights=None, label_shapes=None,
-                         gradient_compression=None, backend_env={},
+                         gradient_compression=None, backend_env=EnvVars(),
+                         mlflow_logging=None,
                          train_reader_num_workers=None, val_reader_num_workers=None,
                          reader_pool_type="thread", shuffle_buffer_size=None,
                          partitions_per_process=None, mp_start_method=None, data_module=None,
@@ -428,6 +444,14 @@ class EstimatorParams(Params):
 
     def getMaxTime(self) -> Optional[float]:
         return self.getOrDefault(self.max_time)
+
+    def getMlflowLogging(self) -> Optional[bool]:
+        return self.getOrDefault(self.mlflow_logging)
+
+    def setMlflowLogging(self, value: Optional[bool]) -> "EstimatorParams":
+        """``True``/``False``: log this estimator's fits to MLflow or never; ``None``: follow
+        :func:`sparktrain.mlflow.autolog`."""
+        return self._set(mlflow_logging=value)
 
     def getMaxAttempts(self) -> Optional[int]:
         return self.getOrDefault(self.max_attempts)

@@ -13,9 +13,13 @@ k/N ...`` lines say how each epoch went, and during an epoch longer than the int
 ``epoch 2/6  step 120/230 (52%)  loss=0.1234  4.1 steps/s  epoch ETA 27s`` goes to the
 ``sparktrain`` logger.
 
+Rank 0 sends ``start`` and ``epoch`` events whatever ``verbose`` is; ``listeners`` (e.g.
+:mod:`sparktrain.mlflow`'s tracker) get every event, even with ``verbose=0``, and can never
+fail the fit.
+
 Example::
 
-    with FitProgress(verbose=1) as progress:
+    with FitProgress(verbose=1, listeners=[print]) as progress:
         run_barrier(spark, 2, task, on_progress=progress.update)
 """
 from __future__ import annotations
@@ -24,7 +28,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, Dict, Optional, TextIO
+from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO
 
 from pyspark.sql import SparkSession
 
@@ -88,8 +92,10 @@ class FitProgress:
     ``verbose == 0``. ``interval``: seconds between progress lines within an epoch."""
 
     def __init__(self, verbose: int = 1, stream: Optional[TextIO] = None,
-                 interval: float = DEFAULT_INTERVAL_SECONDS) -> None:
+                 interval: float = DEFAULT_INTERVAL_SECONDS,
+                 listeners: Sequence[Callable[[Dict[str, Any]], None]] = ()) -> None:
         self.verbose = verbose
+        self.listeners: List[Callable[[Dict[str, Any]], None]] = list(listeners)
         self.lines = not draws_bar(stream)  # line-based progress instead of a bar
         self.interval = interval
         self._stream = stream
@@ -101,6 +107,11 @@ class FitProgress:
         self._epoch_started = self._last_line = 0.0
 
     def update(self, event: Dict[str, Any]) -> None:
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:  # noqa: BLE001 - a listener never fails or stops training
+                log.debug("progress listener %r failed", listener, exc_info=True)
         if self.verbose < 1:
             return
         with self._lock:

@@ -40,6 +40,7 @@ from sparktrain.launch import check_backend
 from sparktrain.launch.barrier import check_slots
 from sparktrain.launch.executor_env import RANK_MODULES, check_executors
 from sparktrain.launch.gpus import check_gpu_conf
+from sparktrain.mlflow.tracking import track_fit
 from sparktrain.params import EstimatorParams, ModelParams
 from sparktrain.persistence import EstimatorReader, EstimatorWriter, ModelReader, ModelWriter
 from sparktrain.pickling import dumps
@@ -222,6 +223,11 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         return specs
 
     def _fit(self, dataset: DataFrame) -> "ModelBase":
+        # MLflow (docs/mlflow.md): a tracker that does nothing unless the fit is logged
+        with track_fit(self) as tracker:
+            return self._fit_tracked(dataset, tracker)
+
+    def _fit_tracked(self, dataset: DataFrame, tracker: Any) -> "ModelBase":
         specs = self._check_params(dataset)
         spark = dataset.sparkSession
         self._check_session(spark)
@@ -240,8 +246,10 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         # uid + time + random: copies of one estimator (CrossValidator) never share a run.
         run_id = self.getRunId() or \
             f"{self.uid}_{time.strftime('%Y%m%d-%H%M%S')}_{uuid.uuid4().hex[:6]}"
+        tracker.started(run_id, store, spark)
         with _FitLogging(self.getVerbose()), ExitStack() as stack, \
-                FitProgress(self.getVerbose(), interval=interval_from_conf(spark)) as progress:
+                FitProgress(self.getVerbose(), interval=interval_from_conf(spark),
+                            listeners=[tracker.on_progress]) as progress:
             started = time.perf_counter()
             stack.enter_context(run_lock(store, run_id, lease_seconds(spark)))
             latest = Checkpoints(store.run_path(run_id), store.storage_options).latest()
@@ -256,6 +264,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                                variable_length=self.getTransformationFn() is not None)
             result = self._train(FitRun(dataset.sparkSession, data, store, use_gpu, run_id,
                                         progress, time.time()))
+            tracker.trained(result)
             progress.close()
             log.info("fit done in %.1fs (materialize %.1fs%s); run %s", time.perf_counter() - started,
                      data.seconds, ", reused" if data.reused else "", store.run_path(run_id))
@@ -268,6 +277,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         model._set(feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),
                    run_id=run_id, use_gpu=self.getUseGpu(),
                    predict_transformation_fn=self._prediction_transform(data))
+        tracker.fitted(model, dataset)
         return model
 
     def _prediction_transform(self, data: MaterializedDataset) -> Optional[Callable]:
@@ -515,6 +525,38 @@ def _with_profile(result: DataFrame, profile: Any) -> DataFrame:
 _PREDICTORS: Dict[str, Callable] = {}
 
 
+def predict_columns(predict: Callable[[List[Any]], List[Any]], columns: Sequence[Any],
+                    specs: Sequence[ColumnSpec], transform: Optional[Callable],
+                    batch_size: int, n_outputs: int) -> List[Any]:
+    """The model's outputs (numpy, one row per input row) for pandas feature ``columns`` (one
+    per spec, as Arrow hands them to the prediction UDF): ``transform`` first (the model's
+    ``predict_transformation_fn``), then ``predict`` in slices of ``batch_size`` rows. Shared
+    by ``transform``'s UDF and the MLflow pyfunc (:mod:`sparktrain.mlflow.models`)."""
+    import numpy as np
+
+    names = [spec.name for spec in specs]
+    batch = {spec.name: series_values(s, spec) for s, spec in zip(columns, specs)}
+    if transform is not None:  # decoding, as in training (vectorized per Arrow batch)
+        batch = transform(batch)
+    batch = model_ready(batch, names, transform is not None)
+    features = [as_model_input(batch[name]) for name in names]
+    rows = len(columns[0])
+    parts: List[List[Any]] = []
+    for start in range(0, max(rows, 1), batch_size):
+        parts.append(predict([f[start:start + batch_size] for f in features]))
+    return [np.concatenate([p[i] for p in parts]) if rows else np.zeros(0)
+            for i in range(n_outputs)]
+
+
+def output_series(outputs: Sequence[Any], scalar_out: Sequence[bool],
+                  rows: int) -> List[pd.Series]:
+    """The prediction columns' values: a float per row for a one-number output, else a flat
+    list of floats per row (``array<double>``)."""
+    return [pd.Series(o.reshape(rows).astype("float64")) if scalar
+            else pd.Series(list(o.reshape(rows, -1).astype("float64")))
+            for o, scalar in zip(outputs, scalar_out)]
+
+
 def _prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
                     types: Sequence[T.DataType], batch_size: int,
                     transform_bytes: Optional[bytes] = None):
@@ -522,11 +564,8 @@ def _prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
     return_type = (T.StructType([T.StructField(f"_{i}", t, False) for i, t in enumerate(types)])
                    if multi else types[0])
     scalar_out = [isinstance(t, T.DoubleType) for t in types]
-    names = [spec.name for spec in specs]
 
     def predict_batches(batches):  # type hints set below: they select the UDF's shape
-        import numpy as np
-
         import pickle
 
         transform = pickle.loads(transform_bytes) if transform_bytes is not None else None
@@ -537,20 +576,9 @@ def _prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
             predict = _PREDICTORS[key] = factory()
         for columns in batches:
             columns = columns if isinstance(columns, tuple) else (columns,)
-            batch = {spec.name: series_values(s, spec) for s, spec in zip(columns, specs)}
-            if transform is not None:  # decoding, as in training (vectorized per Arrow batch)
-                batch = transform(batch)
-            batch = model_ready(batch, names, transform is not None)
-            features = [as_model_input(batch[name]) for name in names]
             rows = len(columns[0])
-            parts: List[List[np.ndarray]] = []
-            for start in range(0, max(rows, 1), batch_size):
-                parts.append(predict([f[start:start + batch_size] for f in features]))
-            outputs = [np.concatenate([p[i] for p in parts]) if rows else np.zeros(0)
-                       for i in range(len(types))]
-            series = [pd.Series(o.reshape(rows).astype("float64")) if scalar
-                      else pd.Series(list(o.reshape(rows, -1).astype("float64")))
-                      for o, scalar in zip(outputs, scalar_out)]
+            outputs = predict_columns(predict, columns, specs, transform, batch_size, len(types))
+            series = output_series(outputs, scalar_out, rows)
             yield pd.DataFrame({f"_{i}": s for i, s in enumerate(series)}) if multi else series[0]
 
     # Spark picks the iterator pandas_udf flavour from these hints (SCALAR_ITER).

@@ -112,7 +112,8 @@ class KerasEstimator(EstimatorBase, KerasParams):
                  compress_sparse_cols: Optional[bool] = None,
                  transformation_edit_fields: Any = None,
                  transformation_removed_fields: Any = None, strategy: Optional[str] = None,
-                 num_ps: Optional[int] = None) -> None:
+                 num_ps: Optional[int] = None,
+                 mlflow_logging: Optional[bool] = None) -> None:
         super().__init__()
         self._setDefault(backend="tensorflow")
         self._set(**{k: v for k, v in self._input_kwargs.items() if v is not None})

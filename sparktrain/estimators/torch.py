@@ -141,7 +141,8 @@ class TorchEstimator(EstimatorBase, TorchParams):
                  transformation_edit_fields: Any = None,
                  transformation_removed_fields: Any = None, strategy: Optional[str] = None,
                  fsdp_wrap: Any = None, fsdp_cpu_offload: Optional[bool] = None,
-                 activation_checkpointing: Any = None) -> None:
+                 activation_checkpointing: Any = None,
+                 mlflow_logging: Optional[bool] = None) -> None:
         super().__init__()
         self._setDefault(backend="torch", loss=None)  # None: loss_constructors may build it
         kwargs = self._input_kwargs
