@@ -137,10 +137,118 @@ def test_torch_fit_is_tracked_live_with_its_model(autologged, regression_df, sto
     got = pyfunc.predict(frame)["label__output"]
     assert got.to_numpy() == pytest.approx(expected.to_numpy(), rel=1e-6)
     torch_model = mlflow.pytorch.load_model(tags["sparktrain.model_uri.pytorch"])
-    assert type(torch_model).__name__ == "Linear"
+    import torch
+
+    assert torch.equal(torch_model.state_dict()["weight"], model.getModel().state_dict()["weight"])
 
 
 def sparktrain_warning():
     from sparktrain.mlflow.tracking import MlflowLoggingWarning
 
     return MlflowLoggingWarning
+
+
+def _runs(client, query):
+    experiment = mlflow.get_experiment_by_name("sparktrain-tests").experiment_id
+    return client.search_runs([experiment], query)
+
+
+def test_keras_fit_is_tracked(autologged, classification_df, store):
+    import keras
+
+    from sparktrain import KerasEstimator
+
+    client = autologged
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+    est = KerasEstimator(num_proc=2, model=net, optimizer=keras.optimizers.Adam(0.05),
+                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                         feature_cols=["features"], label_cols=["label"], batch_size=32,
+                         epochs=2, store=store, run_id="keras-tracked", verbose=0)
+    model = est.fit(classification_df)
+    run = _runs(client, "tags.`sparktrain.run_id` = 'keras-tracked'")[0]
+    values, steps = _history(client, run.info.run_id, "loss")
+    assert steps == [0, 1] and values == pytest.approx(model.getHistory()["loss"])
+    assert run.data.params["model"] == "Sequential"
+    assert run.data.tags["sparktrain.engine"] == "tensorflow"
+    assert "sparktrain/history.png" in _artifacts(client, run.info.run_id)
+    expected = model.transform(classification_df.limit(20)).toPandas()["label__output"]
+    frame = classification_df.limit(20).select("features").toPandas()
+    got = mlflow.pyfunc.load_model(run.data.tags["sparktrain.model_uri.pyfunc"]).predict(frame)
+    assert [list(v) for v in got["label__output"]] == pytest.approx(
+        [list(v) for v in expected], rel=1e-5)
+    assert run.data.tags["sparktrain.model_uri.keras"].startswith("models:/")
+
+
+def test_cross_validator_gives_nested_runs(autologged, regression_df, store):
+    from pyspark.ml.evaluation import RegressionEvaluator
+    from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+
+    client = autologged
+    sparktrain_autolog = __import__("sparktrain.mlflow", fromlist=["autolog"]).autolog
+    sparktrain_autolog(log_models=False)
+    est = linear_estimator(store, epochs=1, batch_size=100)
+    grid = ParamGridBuilder().addGrid(est.epochs, [1, 2]).build()
+    cv = CrossValidator(estimator=est, estimatorParamMaps=grid, numFolds=2, seed=1,
+                        evaluator=RegressionEvaluator(predictionCol="label__output"))
+    with mlflow.start_run(run_name="tuning") as parent:
+        cv.fit(regression_df.limit(400))
+    children = _runs(client, f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert len(children) == 5  # 2 folds x 2 param maps + the best model refit
+    assert sorted(int(c.data.params["epochs"]) for c in children) == [1, 1, 2, 2, 2]
+    assert all(c.info.status == "FINISHED" for c in children)
+
+
+def test_pipeline_model_round_trips_through_mlflow_spark(tracking_uri, regression_df, store,
+                                                        tmp_path):
+    from pyspark.ml import Pipeline
+    from pyspark.ml.feature import StandardScaler
+
+    scaler = StandardScaler(inputCol="features", outputCol="scaled")
+    est = linear_estimator(store, epochs=1, batch_size=100, feature_cols=["scaled"])
+    fitted = Pipeline(stages=[scaler, est]).fit(regression_df)
+    with mlflow.start_run():
+        info = mlflow.spark.log_model(fitted, "pipeline", dfs_tmpdir=str(tmp_path / "dfs"))
+    loaded = mlflow.spark.load_model(info.model_uri, dfs_tmpdir=str(tmp_path / "load"))
+    test = regression_df.limit(30)
+    expected = fitted.transform(test).select("label__output").toPandas()
+    got = loaded.transform(test).select("label__output").toPandas()
+    assert got["label__output"].to_numpy() == pytest.approx(
+        expected["label__output"].to_numpy(), rel=1e-6)
+    assert type(loaded.stages[-1]).__name__ == "TorchModel"
+
+
+def test_unreachable_server_gives_one_warning_and_the_fit_succeeds(regression_df, store,
+                                                                     monkeypatch):
+    import sparktrain.mlflow
+    from sparktrain.mlflow import tracking
+
+    monkeypatch.setattr(tracking, "GRACE_SECONDS", 2.0)
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    sparktrain.mlflow.autolog()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            started = time.time()
+            model = linear_estimator(store, epochs=2, batch_size=100).fit(regression_df)
+            seconds = time.time() - started
+    finally:
+        sparktrain.mlflow.autolog(disable=True)
+        mlflow.set_tracking_uri(previous)
+    ours = [w for w in caught if issubclass(w.category, tracking.MlflowLoggingWarning)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert len(model.getHistory()["loss"]) == 2
+    assert seconds < 120
+
+
+def test_nothing_is_logged_unless_asked(tracking_uri, regression_df, store):
+    from sparktrain.mlflow.config import settings
+
+    assert settings() is None and settings(False) is None and settings(True) is not None
+    client = mlflow.MlflowClient(tracking_uri)
+    linear_estimator(store, epochs=1, batch_size=100, run_id="not-logged").fit(regression_df)
+    assert not _runs(client, "tags.`sparktrain.run_id` = 'not-logged'")
+    linear_estimator(store, epochs=1, batch_size=100, run_id="logged-by-param",
+                     mlflow_logging=True).fit(regression_df)
+    assert _runs(client, "tags.`sparktrain.run_id` = 'logged-by-param'")

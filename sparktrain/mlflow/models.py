@@ -119,6 +119,10 @@ def log_fitted_model(model: Any, dataset: Any,
         example_input = as_model_input(series_values(sample[spec.name], spec)).astype("float32")
         raw = pyfunc._predict([example_input])
         signature = infer_signature(example_input, raw[0] if len(raw) == 1 else None)
+    if flavor == "keras":
+        # mlflow.keras.save_model writes the input example before it creates the model's
+        # directory (mlflow/keras/save.py, 3.17: FileNotFoundError): the signature only
+        example_input = None
     log_flavor = getattr(mlflow, flavor).log_model
     info = log_flavor(model.getModel(), name=f"{module}_model", signature=signature,
                       input_example=example_input,

@@ -67,9 +67,12 @@ class FitTracker(_Untracked):
         self.estimator, self.config = estimator, config
         self.client = mlflow.MlflowClient()
         active = mlflow.active_run()  # thread-local: None in CrossValidator's pool threads
-        self.run_id: Optional[str] = active.info.run_id if active is not None else None
-        self.own = active is None  # a run of our own: we end it
-        self.parent = parent_run_id(estimator) if self.own else None
+        self.parent = parent_run_id(estimator)  # a fit inside CrossValidator & co.
+        if active is not None and active.info.run_id != self.parent:
+            self.run_id: Optional[str] = active.info.run_id  # the caller's run
+        else:  # a run of our own, nested under the tuning run if any; we end it
+            self.run_id = None
+        self.own = self.run_id is None
         self.sender = Sender()
         self.result: Dict[str, Any] = {}
         self.model: Any = None
