@@ -36,6 +36,11 @@ PETASTORM = ["petastorm>=0.12.1,<0.13", "pyarrow<15", "numpy<2", "setuptools<81"
 # googleapis-common-protos, zstandard); barrier mapInPandas over Connect needs pyspark 4.
 CONNECT = ["pyspark[connect]>=4.0"]
 PLOT = ["matplotlib>=3.7"]
+# MLflow tracking (sparktrain.mlflow): the client only. `mlflow` itself pins pyarrow < 26
+# (3.17.2) and would move a user's Arrow; mlflow-skinny has the tracking client and the
+# pytorch/keras/spark/pyfunc flavors without that pin. A tracking server is the user's own
+# (scripts/setup.sh puts one in .venv-mlflow for the tests). docs/mlflow.md
+MLFLOW = ["mlflow-skinny>=3.1,<4"] + PLOT
 TEST = ["pytest>=8", "pytest-timeout>=2.3", "packaging", "scikit-learn>=1.4", "psutil",
         "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25", "ipywidgets>=8"] + PLOT
 
@@ -57,6 +62,7 @@ setup(
         "petastorm": PETASTORM,
         "connect": CONNECT,
         "plot": PLOT,
+        "mlflow": MLFLOW,
         "test": TEST,
     },
     classifiers=[

@@ -7,6 +7,10 @@
 #                                                 # NumPy 1.26, Petastorm) in .venv-spark35
 #   SPARKTRAIN_SKIP_HOROVOD=1 ./scripts/setup.sh  # skip the Horovod compile (about 3 min)
 #
+# The primary stack also gets .venv-mlflow: a full `mlflow` (its tracking server, for
+# tests/test_mlflow.py) in its own venv, because mlflow pins pyarrow < 26 (3.17.2); .venv has
+# only the client (mlflow-skinny, the `mlflow` extra).
+#
 # Idempotent: a re-run with nothing changed takes about a second. The exact versions come from
 # constraints/<stack>.txt; sparktrain's own requirements (setup.py) are ranges.
 set -euo pipefail
@@ -15,7 +19,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 stack="${SPARKTRAIN_STACK:-spark4}"
 case "$stack" in
-  spark4) default_venv="$root/.venv"; extras="torch,tf-cpu,tfos,connect,test" ;;
+  spark4) default_venv="$root/.venv"; extras="torch,tf-cpu,tfos,connect,mlflow,test" ;;
   spark35) default_venv="$root/.venv-spark35"; extras="torch,tf-cpu,tfos,petastorm,test" ;;
   *) printf '[setup] error: SPARKTRAIN_STACK=%s is not a stack; use spark4 (default) or spark35\n' "$stack" >&2
      exit 1 ;;
@@ -41,9 +45,13 @@ esac
 command -v "$python_bin" >/dev/null 2>&1 || die "$python_bin not found; install Python 3.11 or set PYTHON=/path/to/python3.11"
 
 # --- fast path: nothing changed since the last successful run ---------------------------------
+mlflow_server_version="3.17.2"  # the tests' tracking server (.venv-mlflow), primary stack only
+mlflow_venv="$root/.venv-mlflow"
 stamp_file="$venv/.sparktrain-setup-stamp"
 stamp="$(cat setup.py "$constraints" scripts/setup.sh | sha256sum | cut -d' ' -f1)${SPARKTRAIN_SKIP_HOROVOD:+-nohvd}"
-if [ -x "$venv/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ]; then
+mlflow_ready() { [ "$stack" != spark4 ] || [ -x "$mlflow_venv/bin/mlflow" ]; }
+if [ -x "$venv/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] \
+    && mlflow_ready; then
   say "environment up to date ($venv)"
   exit 0
 fi
@@ -102,7 +110,18 @@ WRAP
   "$venv/bin/python" -c "import horovod.torch" || die "Horovod was installed but 'import horovod.torch' fails"
 fi
 
+# --- the tests' MLflow tracking server, in its own venv (primary stack) ------------------------
+if [ "$stack" = spark4 ] && ! "$mlflow_venv/bin/python" -c "import mlflow, sys; \
+    sys.exit(mlflow.__version__ != '$mlflow_server_version')" 2>/dev/null; then
+  say "installing the MLflow tracking server $mlflow_server_version in $mlflow_venv"
+  [ -x "$mlflow_venv/bin/python" ] || "$python_bin" -m venv "$mlflow_venv"
+  "$mlflow_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+    "mlflow==$mlflow_server_version" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+fi
+
 imports="import sparktrain, pyspark, torch, tensorflow, keras, tensorflowonspark"
+[ "$stack" = spark4 ] && imports="$imports, mlflow.pytorch, mlflow.keras, mlflow.spark"
 [ "$stack" = spark35 ] && imports="$imports, petastorm"
 TF_CPP_MIN_LOG_LEVEL=3 "$venv/bin/python" -c "$imports" \
   || die "the installed stack does not import"

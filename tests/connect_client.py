@@ -243,7 +243,40 @@ def horovod(spark, workdir: str) -> Dict[str, Any]:
     return {"history": model.getHistory()["loss"]}
 
 
-SCENARIOS: Dict[str, Callable] = {"readme": readme, "faults": faults, "horovod": horovod}
+def mlflow_tracking(spark, workdir: str) -> Dict[str, Any]:
+    """A fit logged by sparktrain.mlflow.autolog() over Connect (the tracking server's URI in
+    MLFLOW_TRACKING_URI), its run as the server has it, and its pyfunc against transform."""
+    import mlflow
+    import numpy as np
+
+    import sparktrain.mlflow
+    from helpers import linear_estimator
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(600, 4))
+    y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
+    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y)],
+                               "features array<double>, label double")
+    sparktrain.mlflow.autolog()
+    model = linear_estimator(os.path.join(workdir, "store"), epochs=2, batch_size=50,
+                             run_id="over-connect").fit(df)
+    client = mlflow.MlflowClient()
+    run = client.search_runs([mlflow.get_experiment_by_name(
+        os.environ["MLFLOW_EXPERIMENT_NAME"]).experiment_id],
+        "tags.`sparktrain.run_id` = 'over-connect'")[0]
+    logged = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "loss"),
+                                      key=lambda m: m.step)]
+    test = df.limit(20)
+    expected = model.transform(test).toPandas()["label__output"].tolist()
+    pyfunc = mlflow.pyfunc.load_model(run.data.tags["sparktrain.model_uri.pyfunc"])
+    got = pyfunc.predict(test.select("features").toPandas())["label__output"].tolist()
+    return {"history": model.getHistory()["loss"], "logged": logged,
+            "session": run.data.tags.get("sparktrain.session"), "status": run.info.status,
+            "expected": expected, "pyfunc": got}
+
+
+SCENARIOS: Dict[str, Callable] = {"readme": readme, "faults": faults, "horovod": horovod,
+                                  "mlflow": mlflow_tracking}
 
 
 def main(scenario: str, url: str, workdir: str) -> None:

@@ -175,8 +175,10 @@ def test_keras_fit_is_tracked(autologged, classification_df, store):
     expected = model.transform(classification_df.limit(20)).toPandas()["label__output"]
     frame = classification_df.limit(20).select("features").toPandas()
     got = mlflow.pyfunc.load_model(run.data.tags["sparktrain.model_uri.pyfunc"]).predict(frame)
-    assert [list(v) for v in got["label__output"]] == pytest.approx(
-        [list(v) for v in expected], rel=1e-5)
+    import numpy as np
+
+    assert np.allclose(np.stack(got["label__output"].to_numpy()),
+                       np.stack(expected.to_numpy()), rtol=1e-5)
     assert run.data.tags["sparktrain.model_uri.keras"].startswith("models:/")
 
 
@@ -252,3 +254,21 @@ def test_nothing_is_logged_unless_asked(tracking_uri, regression_df, store):
     linear_estimator(store, epochs=1, batch_size=100, run_id="logged-by-param",
                      mlflow_logging=True).fit(regression_df)
     assert _runs(client, "tags.`sparktrain.run_id` = 'logged-by-param'")
+
+
+def test_the_same_over_spark_connect(tracking_uri, tmp_path):
+    pytest.importorskip("pyspark.sql.connect.client", reason="needs pyspark[connect] (Spark 4)")
+    from sparktrain import ConnectServer
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "PYSPARK_GATEWAY_PORT")}
+    env.update(MLFLOW_TRACKING_URI=tracking_uri, MLFLOW_EXPERIMENT_NAME="sparktrain-tests")
+    with ConnectServer("local[2]", conf={"spark.sql.shuffle.partitions": "4"}) as server:
+        result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "connect_client.py"),
+                                 "mlflow", server.url, str(tmp_path)], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-6000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["session"] == "connect" and found["status"] == "FINISHED"
+    assert found["logged"] == pytest.approx(found["history"]) and len(found["logged"]) == 2
+    assert found["pyfunc"] == pytest.approx(found["expected"], rel=1e-6)

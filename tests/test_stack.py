@@ -58,7 +58,7 @@ def test_installing_sparktrain_changes_none_of_the_users_packages(tmp_path):
     """``pip install sparktrain[...]`` into this environment (which already holds one tested
     stack) would install sparktrain alone: no package of the user's is upgraded or downgraded.
     ``--no-index``: pip may use only what is installed, so anything else fails the test."""
-    extras = "torch,tf-cpu,tfos,horovod,plot" + (",petastorm" if CLASSIC else ",connect")
+    extras = "torch,tf-cpu,tfos,horovod,plot" + (",petastorm" if CLASSIC else ",connect,mlflow")
     report = tmp_path / "report.json"
     result = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation",
