@@ -48,7 +48,7 @@ def autolog(log_models: bool = True, registered_model_name: Optional[str] = None
     _state = Settings(log_models, registered_model_name, log_artifacts)
     from sparktrain.mlflow.tuning import install
 
-    install()  # nested runs: CrossValidator fits in pool threads (docs/mlflow.md)
+    install(_logged)  # nested runs: CrossValidator fits in pool threads (docs/mlflow.md)
 
 
 def _check_mlflow() -> None:
@@ -81,6 +81,10 @@ def _from_mlflow_autolog() -> Optional[Settings]:
                                                                  "registered_model_name", None))
 
 
+def _logged() -> bool:
+    return settings() is not None
+
+
 def settings(flag: Optional[bool] = None) -> Optional[Settings]:
     """How a fit with ``mlflow_logging=flag`` is logged; ``None``: it is not."""
     if flag is False or (_state == _DISABLED and flag is None):
@@ -91,7 +95,7 @@ def settings(flag: Optional[bool] = None) -> Optional[Settings]:
     if found is not None:
         from sparktrain.mlflow.tuning import install
 
-        install()  # later tuning fits get nested runs too
+        install(_logged)  # later tuning fits get nested runs too
         return found
     if flag:
         _check_mlflow()

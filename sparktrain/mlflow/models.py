@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 import mlflow
 import pandas as pd
 
-from sparktrain.estimators.base import _feature_expr, as_model_input, output_series, \
+from sparktrain.estimators.prediction import as_model_input, feature_expr, output_series, \
     predict_columns, series_values
 from sparktrain.pickling import dumps
 
@@ -99,7 +99,7 @@ def log_fitted_model(model: Any, dataset: Any,
 
     flavor, module = _FLAVORS.get(type(model).__name__, (None, None))
     pyfunc = SparktrainPyfunc(model)
-    sample = dataset.select(*[_feature_expr(s).alias(s.name) for s in pyfunc.specs]) \
+    sample = dataset.select(*[feature_expr(s).alias(s.name) for s in pyfunc.specs]) \
         .limit(EXAMPLE_ROWS).toPandas()
     example = _jsonable(sample)
     outputs = pyfunc.predict(None, sample)

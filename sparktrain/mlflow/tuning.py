@@ -9,7 +9,7 @@ uid (a param-map copy keeps its uid) in any thread then starts a nested run unde
 
 Example::
 
-    install()                    # once; sparktrain.mlflow.autolog() calls it
+    install(lambda: True)        # once; sparktrain.mlflow.autolog() calls it
     CrossValidator(estimator=est, ...).fit(df)   # one child run per fit under the tuning run
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +39,10 @@ def _uids(estimator: Any) -> List[str]:
     return uids + [u for stage in stages for u in _uids(stage)]
 
 
-def _wrap(original):
+def _wrap(original, logged: Callable[[], bool]):
     @functools.wraps(original)
     def _fit(self, dataset):
-        from sparktrain.mlflow.config import settings
-
-        if settings() is None:
+        if not logged():
             return original(self, dataset)
         import mlflow
 
@@ -82,8 +80,9 @@ def _wrap(original):
     return _fit
 
 
-def install() -> None:
-    """Wrap ``CrossValidator._fit`` and ``TrainValidationSplit._fit`` (once per process)."""
+def install(logged: Callable[[], bool]) -> None:
+    """Wrap ``CrossValidator._fit`` and ``TrainValidationSplit._fit`` (once per process);
+    ``logged()`` says whether fits are being logged now."""
     global _installed
     with _lock:
         if _installed:
@@ -92,5 +91,5 @@ def install() -> None:
 
         for cls in (CrossValidator, TrainValidationSplit):
             if not getattr(cls._fit, "__sparktrain_mlflow__", False):
-                cls._fit = _wrap(cls._fit)
+                cls._fit = _wrap(cls._fit, logged)
         _installed = True
