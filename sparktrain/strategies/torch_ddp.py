@@ -42,6 +42,7 @@ class DataParallel(TorchStrategy):
                    ) -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, Any]]]:
         if self.rank != 0:
             return {}, None
-        model = getattr(module, "module", module)  # DDP's wrapper keeps the model as .module
-        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        # ``module`` is the model as the user built it (never the engine's wrapper), so the
+        # state_dict keys are the user's
+        weights = {k: v.detach().cpu() for k, v in module.state_dict().items()}
         return weights, optimizer.state_dict() if optimizer is not None else None

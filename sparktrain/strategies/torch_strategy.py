@@ -88,5 +88,6 @@ class TorchStrategy:
                    ) -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, Any]]]:
         """Collective (every rank calls it): the full model ``state_dict`` on rank 0's CPU and,
         with ``optimizer``, its usual index-keyed ``state_dict``; empty on the other ranks.
+        ``module`` is the model the user built (what :meth:`setup` was given), not a wrapper.
         One form for every strategy, so a run resumes from any strategy's checkpoints."""
         raise NotImplementedError
