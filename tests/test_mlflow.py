@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER = os.path.join(ROOT, ".venv-mlflow", "bin", "mlflow")
 
 mlflow = pytest.importorskip("mlflow", reason="needs the mlflow extra (mlflow-skinny): the "
-                             "primary stack installs it, the classic spark35 stack cannot")
+                             "primary stack's setup installs it, the classic spark35 stack's does not")
 if not os.path.exists(SERVER):
     pytest.skip("needs .venv-mlflow (scripts/setup.sh creates it on the primary stack)",
                 allow_module_level=True)
