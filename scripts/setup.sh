@@ -1,35 +1,58 @@
 #!/usr/bin/env bash
-# Set up sparktrain's development environment: one of the two tested stacks, with TensorFlow,
-# TensorFlowOnSpark, Horovod 0.28.1 (compiled for PyTorch with Gloo) and sparktrain itself.
+# Set up sparktrain in a virtual environment on one of the two tested stacks.
 #
-#   ./scripts/setup.sh                            # primary stack (pyspark 4.3, NumPy 2) in .venv
-#   SPARKTRAIN_STACK=spark35 ./scripts/setup.sh   # classic stack (pyspark 3.5, pyarrow 14,
-#                                                 # NumPy 1.26, Petastorm) in .venv-spark35
-#   SPARKTRAIN_SKIP_HOROVOD=1 ./scripts/setup.sh  # skip the Horovod compile (about 3 min)
+#   ./scripts/setup.sh            # .venv: sparktrain with PyTorch, TensorFlow/Keras 3,
+#                                 # TensorFlowOnSpark, the Spark Connect and MLflow clients
+#                                 # (everything the demos and everyday use need)
+#   ./scripts/setup.sh --horovod  # ... and Horovod 0.28.1, compiled for this torch with Gloo
+#                                 # (about 3 min on 2 cores the first time; the wheel is cached
+#                                 # in ~/.cache/sparktrain/wheels and reused by every clone)
+#   ./scripts/setup.sh --tests    # ... and all the tests need: the test tools, Horovod, and
+#                                 # .venv-mlflow (the tests' MLflow tracking server)
+#   SPARKTRAIN_STACK=spark35 ./scripts/setup.sh ...   # the classic stack (pyspark 3.5,
+#                                 # pyarrow 14, NumPy 1.26, Petastorm) in .venv-spark35
 #
-# The primary stack also gets .venv-mlflow: a full `mlflow` (its tracking server, for
-# tests/test_mlflow.py) in its own venv, because mlflow pins pyarrow < 26 (3.17.2); .venv has
-# only the client (mlflow-skinny, the `mlflow` extra).
+# Installs with uv (https://docs.astral.sh/uv/, from PyPI, bootstrapped once into
+# ~/.cache/sparktrain/uv): it resolves and installs many times faster than pip and honours the
+# same constraints files. SPARKTRAIN_INSTALLER=pip uses pip instead (also the fallback when uv
+# cannot be installed). The exact versions come from constraints/<stack>.txt; sparktrain's own
+# requirements (setup.py) are ranges.
 #
-# Idempotent: a re-run with nothing changed takes about a second. The exact versions come from
-# constraints/<stack>.txt; sparktrain's own requirements (setup.py) are ranges.
+# Idempotent: a re-run with nothing changed takes about a second. Other settings: PYTHON (the
+# interpreter, default python3.11), SPARKTRAIN_VENV (the venv's path),
+# SPARKTRAIN_WHEEL_CACHE (where the Horovod wheel is kept).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+say() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+
+want_horovod="" want_tests=""
+for arg in "$@"; do
+  case "$arg" in
+    --horovod) want_horovod=1 ;;
+    --tests) want_tests=1; want_horovod=1 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown option '$arg' (use --horovod, --tests or --help)" ;;
+  esac
+done
+[ -n "${SPARKTRAIN_SKIP_HOROVOD:-}" ] && want_horovod=""  # kept from earlier versions
+
 stack="${SPARKTRAIN_STACK:-spark4}"
 case "$stack" in
-  spark4) default_venv="$root/.venv"; extras="torch,tf-cpu,tfos,connect,mlflow,test" ;;
-  spark35) default_venv="$root/.venv-spark35"; extras="torch,tf-cpu,tfos,petastorm,test" ;;
-  *) printf '[setup] error: SPARKTRAIN_STACK=%s is not a stack; use spark4 (default) or spark35\n' "$stack" >&2
-     exit 1 ;;
+  spark4) default_venv="$root/.venv"; extras="torch,tf-cpu,tfos,connect,mlflow" ;;
+  spark35) default_venv="$root/.venv-spark35"; extras="torch,tf-cpu,tfos,petastorm" ;;
+  *) die "SPARKTRAIN_STACK=$stack is not a stack; use spark4 (default) or spark35" ;;
 esac
+[ -n "$want_tests" ] && extras="$extras,test"
 constraints="constraints/$stack.txt"
 venv="${SPARKTRAIN_VENV:-$default_venv}"
 python_bin="${PYTHON:-python3.11}"
-wheel_cache="${SPARKTRAIN_WHEEL_CACHE:-$HOME/.cache/sparktrain/wheels}"
-say() { printf '[setup] %s\n' "$*"; }
-die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+tool_cache="$HOME/.cache/sparktrain"
+wheel_cache="${SPARKTRAIN_WHEEL_CACHE:-$tool_cache/wheels}"
+mlflow_server_version="3.17.2"  # the tests' tracking server (.venv-mlflow), primary stack only
+mlflow_venv="$root/.venv-mlflow"
 
 # --- prerequisites: Java 17 for Spark, Python 3.11 --------------------------------------------
 if ! command -v java >/dev/null 2>&1 && [ -z "${JAVA_HOME:-}" ]; then
@@ -44,42 +67,91 @@ case "$java_version" in
 esac
 command -v "$python_bin" >/dev/null 2>&1 || die "$python_bin not found; install Python 3.11 or set PYTHON=/path/to/python3.11"
 
-# --- fast path: nothing changed since the last successful run ---------------------------------
-mlflow_server_version="3.17.2"  # the tests' tracking server (.venv-mlflow), primary stack only
-mlflow_venv="$root/.venv-mlflow"
+# --- fast path: what is asked for is already there and nothing changed ------------------------
+# The stamp records the inputs' hash and the parts installed (base, horovod, tests).
 stamp_file="$venv/.sparktrain-setup-stamp"
-stamp="$(cat setup.py "$constraints" scripts/setup.sh | sha256sum | cut -d' ' -f1)${SPARKTRAIN_SKIP_HOROVOD:+-nohvd}"
-mlflow_ready() { [ "$stack" != spark4 ] || [ -x "$mlflow_venv/bin/mlflow" ]; }
-if [ -x "$venv/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] \
-    && mlflow_ready; then
-  say "environment up to date ($venv)"
+inputs="$(cat setup.py "$constraints" scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+parts="base${want_horovod:+ horovod}${want_tests:+ tests}"
+installed_parts=""
+if [ -x "$venv/bin/python" ] && [ -f "$stamp_file" ] && [ "$(head -n1 "$stamp_file")" = "$inputs" ]; then
+  installed_parts="$(sed -n 2p "$stamp_file")"
+fi
+missing=""
+for part in $parts; do
+  case " $installed_parts " in *" $part "*) ;; *) missing="$missing $part" ;; esac
+done
+mlflow_ready() { [ -z "$want_tests" ] || [ "$stack" != spark4 ] || [ -x "$mlflow_venv/bin/mlflow" ]; }
+if [ -z "$missing" ] && mlflow_ready; then
+  say "environment up to date ($venv: $installed_parts)"
   exit 0
 fi
 
-# --- the virtual environment and the Python stack ---------------------------------------------
-[ -x "$venv/bin/python" ] || { say "creating $venv"; "$python_bin" -m venv "$venv"; }
-pip=(pip_install)
-# This machine's pip config may name index folders that do not exist; pip warns once per
-# package about them. Keep real errors, drop that noise.
-pip_install() {
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c "$constraints" "$@" \
-    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+# --- the installer: uv, or pip -----------------------------------------------------------------
+filter_pip_noise() {
+  # This machine's pip config may name index folders that do not exist; pip warns once per
+  # package about them. Keep real errors, drop that noise.
+  grep -v "is ignored: it is neither a file nor a directory" >&2 || true
 }
-say "installing build tools"
-"${pip[@]}" --upgrade pip "setuptools>=77.0.3,<81" wheel
-say "installing torch 2.13.0"
-"${pip[@]}" "torch==2.13.0"
-say "installing sparktrain[$extras] on the $stack stack ($constraints)"
-"${pip[@]}" -e ".[$extras]"
+uv_bin=""
+if [ "${SPARKTRAIN_INSTALLER:-uv}" = uv ]; then
+  if command -v uv >/dev/null 2>&1; then
+    uv_bin="$(command -v uv)"
+  else
+    uv_bin="$tool_cache/uv/bin/uv"
+    if [ ! -x "$uv_bin" ]; then
+      say "installing uv into $tool_cache/uv (once)"
+      { "$python_bin" -m venv "$tool_cache/uv" \
+        && "$tool_cache/uv/bin/python" -m pip install --quiet --disable-pip-version-check "uv>=0.5" \
+             2> >(filter_pip_noise); } || { say "uv could not be installed: using pip"; uv_bin=""; }
+    fi
+  fi
+fi
+# uv does not read pip's configuration: carry over where pip is told to look for packages
+# (a local wheel folder, a mirror), and pick like pip does, the best version over all indexes
+# (uv's default would stop at the first index that has a package at all).
+uv_sources=(--index-strategy unsafe-best-match)
+if [ -n "$uv_bin" ]; then
+  while IFS= read -r line; do
+    key="${line%%=*}"; value="${line#*=}"; value="${value#\'}"; value="${value%\'}"
+    for location in $value; do
+      case "${key##*.}" in
+        index-url) uv_sources+=(--default-index "$location") ;;
+        extra-index-url) uv_sources+=(--index "$location") ;;
+        find-links) uv_sources+=(--find-links "$location") ;;
+      esac
+    done
+  done < <("$python_bin" -m pip config list 2>/dev/null || true)
+fi
+make_venv() {  # make_venv DIR
+  if [ -n "$uv_bin" ]; then "$uv_bin" venv --quiet --seed --python "$python_bin" "$1"
+  else "$python_bin" -m venv "$1"; fi
+}
+install_into() {  # install_into VENV PIP-ARGS...
+  local target="$1"; shift
+  if [ -n "$uv_bin" ]; then
+    "$uv_bin" pip install --quiet --python "$target/bin/python" "${uv_sources[@]}" "$@"
+  else
+    "$target/bin/python" -m pip install --quiet --disable-pip-version-check "$@" \
+      2> >(filter_pip_noise)
+  fi
+}
+
+# --- the virtual environment and the Python stack ---------------------------------------------
+if [ ! -x "$venv/bin/python" ]; then say "creating $venv"; make_venv "$venv"; fi
+rm -f "$stamp_file"
+say "installing sparktrain[$extras] on the $stack stack ($constraints) with ${uv_bin:+uv}${uv_bin:-pip}"
+# setuptools (torch needs >= 77.0.3, tensorflowonspark and petastorm import pkg_resources: < 81)
+# and wheel are also Horovod's build tools.
+install_into "$venv" -c "$constraints" pip "setuptools>=77.0.3,<81" wheel -e ".[$extras]"
 
 # --- Horovod, compiled against this torch ------------------------------------------------------
-if [ -z "${SPARKTRAIN_SKIP_HOROVOD:-}" ] && ! "$venv/bin/python" -c "import horovod.torch" 2>/dev/null; then
+if [ -n "$want_horovod" ] && ! "$venv/bin/python" -c "import horovod.torch" 2>/dev/null; then
   mkdir -p "$wheel_cache"
   torch_version="$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
   wheel_dir="$wheel_cache/horovod-0.28.1-torch$torch_version"
   if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
-    say "compiling Horovod 0.28.1 for torch $torch_version with Gloo (about 3 minutes on 2 cores)"
-    command -v cmake >/dev/null 2>&1 || "${pip[@]}" "cmake>=3.13,<4"
+    say "compiling Horovod 0.28.1 for torch $torch_version with Gloo (about 3 minutes on 2 cores, once)"
+    command -v cmake >/dev/null 2>&1 || install_into "$venv" "cmake>=3.13,<4"
     # Horovod's CMakeLists pins C++14, but torch >= 2.1 headers need C++17: a compiler wrapper
     # rewrites the standard flag (see DESIGN.md, "Verified dependency stack").
     wrap="$(mktemp -d)"
@@ -97,33 +169,34 @@ done
 exec "${SPARKTRAIN_REAL_CXX:-g++}" "${args[@]}"
 WRAP
     chmod +x "$wrap/cxx"
+    rm -rf "$wheel_dir.tmp"
     CXX="$wrap/cxx" CC="${CC:-gcc}" PATH="$venv/bin:$PATH" \
     HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
     HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
-      "$venv/bin/python" -m pip wheel --quiet --no-deps --no-build-isolation --no-binary horovod \
-        -c "$constraints" -w "$wheel_dir.tmp" "horovod==0.28.1" \
-        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+      "$venv/bin/python" -m pip wheel --quiet --disable-pip-version-check --no-deps \
+        --no-build-isolation --no-binary horovod -c "$constraints" -w "$wheel_dir.tmp" \
+        "horovod==0.28.1" 2> >(filter_pip_noise)
     mv "$wheel_dir.tmp" "$wheel_dir"
   fi
   say "installing Horovod from $wheel_dir"
-  "${pip[@]}" "$wheel_dir"/horovod-*.whl
+  install_into "$venv" --no-deps "$wheel_dir"/horovod-*.whl
   "$venv/bin/python" -c "import horovod.torch" || die "Horovod was installed but 'import horovod.torch' fails"
 fi
 
 # --- the tests' MLflow tracking server, in its own venv (primary stack) ------------------------
-if [ "$stack" = spark4 ] && ! "$mlflow_venv/bin/python" -c "import mlflow, sys; \
+# mlflow pins pyarrow < 26 (3.17.2), so the server cannot live in .venv, which has only the
+# client (mlflow-skinny, the `mlflow` extra).
+if [ -n "$want_tests" ] && [ "$stack" = spark4 ] && ! "$mlflow_venv/bin/python" -c "import mlflow, sys; \
     sys.exit(mlflow.__version__ != '$mlflow_server_version')" 2>/dev/null; then
   say "installing the MLflow tracking server $mlflow_server_version in $mlflow_venv"
-  [ -x "$mlflow_venv/bin/python" ] || "$python_bin" -m venv "$mlflow_venv"
-  "$mlflow_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    "mlflow==$mlflow_server_version" \
-    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  [ -x "$mlflow_venv/bin/python" ] || make_venv "$mlflow_venv"
+  install_into "$mlflow_venv" "mlflow==$mlflow_server_version"
 fi
 
 imports="import sparktrain, pyspark, torch, tensorflow, keras, tensorflowonspark"
 [ "$stack" = spark4 ] && imports="$imports, mlflow.pytorch, mlflow.keras, mlflow.spark"
 [ "$stack" = spark35 ] && imports="$imports, petastorm"
-TF_CPP_MIN_LOG_LEVEL=3 "$venv/bin/python" -c "$imports" \
+TF_CPP_MIN_LOG_LEVEL=3 "$venv/bin/python" -c "$imports" 2> >(grep -v "^WARNING: All log messages\|oneDNN\|cpu_feature_guard\|rebuild TensorFlow" >&2 || true) \
   || die "the installed stack does not import"
-echo "$stamp" > "$stamp_file"
-say "done ($stack stack in $venv): $("$venv/bin/python" -c 'import pyspark, torch, pyarrow, numpy; print("pyspark", pyspark.__version__, "| numpy", numpy.__version__, "| pyarrow", pyarrow.__version__, "| torch", torch.__version__)')"
+printf '%s\n%s\n' "$inputs" "$parts" > "$stamp_file"
+say "done ($stack stack in $venv: $parts): $("$venv/bin/python" -c 'import pyspark, torch, pyarrow, numpy; print("pyspark", pyspark.__version__, "| numpy", numpy.__version__, "| pyarrow", pyarrow.__version__, "| torch", torch.__version__)')"
