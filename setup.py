@@ -41,8 +41,10 @@ PLOT = ["matplotlib>=3.7"]
 # pytorch/keras/spark/pyfunc flavors without that pin. A tracking server is the user's own
 # (scripts/setup.sh puts one in .venv-mlflow for the tests). docs/mlflow.md
 MLFLOW = ["mlflow-skinny>=3.1,<4"] + PLOT
-TEST = ["pytest>=8", "pytest-timeout>=2.3", "packaging", "scikit-learn>=1.4", "psutil",
-        "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25", "ipywidgets>=8"] + PLOT
+# The demos' data (scikit-learn's bundled digits: no download) and images (Pillow).
+EXAMPLES = ["scikit-learn>=1.4", "pillow>=10"]
+TEST = ["pytest>=8", "pytest-timeout>=2.3", "packaging", "psutil",
+        "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25", "ipywidgets>=8"] + EXAMPLES + PLOT
 
 setup(
     name="sparktrain",
@@ -63,6 +65,7 @@ setup(
         "connect": CONNECT,
         "plot": PLOT,
         "mlflow": MLFLOW,
+        "examples": EXAMPLES,
         "test": TEST,
     },
     classifiers=[

@@ -41,8 +41,8 @@ done
 
 stack="${SPARKTRAIN_STACK:-spark4}"
 case "$stack" in
-  spark4) default_venv="$root/.venv"; extras="torch,tf-cpu,tfos,connect,mlflow" ;;
-  spark35) default_venv="$root/.venv-spark35"; extras="torch,tf-cpu,tfos,petastorm" ;;
+  spark4) default_venv="$root/.venv"; extras="torch,tf-cpu,tfos,connect,mlflow,examples" ;;
+  spark35) default_venv="$root/.venv-spark35"; extras="torch,tf-cpu,tfos,petastorm,examples" ;;
   *) die "SPARKTRAIN_STACK=$stack is not a stack; use spark4 (default) or spark35" ;;
 esac
 [ -n "$want_tests" ] && extras="$extras,test"
@@ -139,7 +139,7 @@ install_into() {  # install_into VENV PIP-ARGS...
 # --- the virtual environment and the Python stack ---------------------------------------------
 if [ ! -x "$venv/bin/python" ]; then say "creating $venv"; make_venv "$venv"; fi
 rm -f "$stamp_file"
-say "installing sparktrain[$extras] on the $stack stack ($constraints) with ${uv_bin:+uv}${uv_bin:-pip}"
+say "installing sparktrain[$extras] on the $stack stack ($constraints) with ${uv_bin:+uv}${uv_bin:+ }${uv_bin:-pip}"
 # setuptools (torch needs >= 77.0.3, tensorflowonspark and petastorm import pkg_resources: < 81)
 # and wheel are also Horovod's build tools.
 install_into "$venv" -c "$constraints" pip "setuptools>=77.0.3,<81" wheel -e ".[$extras]"
