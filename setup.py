@@ -16,7 +16,9 @@ CORE = [
     "fsspec>=2023.1",
     "tqdm>=4.60",  # the driver's progress bar (terminal and Jupyter)
 ]
-TORCH = ["torch>=2.4", "tensorboard>=2.10"]  # tensorboard: torch's SummaryWriter
+# tensorboard: torch's SummaryWriter; psutil: the DDP launcher finds the rank-0 address's
+# network interface for Gloo (launch/torch_ddp.py)
+TORCH = ["torch>=2.4", "tensorboard>=2.10", "psutil>=5.9"]
 # TensorFlow comes as `tensorflow` or `tensorflow-cpu`, two distributions pip does not know
 # are one: each extra names one of them, so a user keeps the one they have (as transformers'
 # `tf` / `tf-cpu` extras do).
