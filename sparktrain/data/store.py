@@ -177,7 +177,7 @@ def _horovod_keywords(prefix: str, storage_options: Optional[Dict[str, Any]],
             prefix = f"hdfs://{host}{f':{port}' if port else ''}/{path}"
         options.update(hdfs)
     if notes:
-        from sparktrain.compat import IgnoredParamWarning
+        from sparktrain.errors import IgnoredParamWarning
 
         warnings.warn("Store.create: Horovod keyword(s) accepted but without effect here:\n  - "
                       + "\n  - ".join(notes), IgnoredParamWarning, stacklevel=3)
