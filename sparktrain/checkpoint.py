@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from sparktrain.data.store import filesystem
+from sparktrain.fs import filesystem, put_file
 
 _NAME = re.compile(r"epoch-(\d{6})\.json$")
 
@@ -75,17 +74,12 @@ class Checkpoints:
     def read(self, checkpoint: Checkpoint) -> bytes:
         return self.fs.cat_file(checkpoint.payload_path)
 
-    def _put(self, path: str, data: bytes) -> None:
-        temporary = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        self.fs.pipe_file(temporary, data)
-        self.fs.mv(temporary, path)
-
     def write(self, epochs_done: int, payload: bytes, meta: Dict[str, Any]) -> Checkpoint:
         """Write the checkpoint after ``epochs_done`` epochs, then prune old ones."""
         self.fs.makedirs(self.root, exist_ok=True)
         meta = dict(meta, epochs_done=epochs_done)
-        self._put(self._path(epochs_done, "ckpt"), payload)
-        self._put(self._path(epochs_done, "json"), json.dumps(meta).encode())
+        put_file(self.fs, self._path(epochs_done, "ckpt"), payload)
+        put_file(self.fs, self._path(epochs_done, "json"), json.dumps(meta).encode())
         for old in self._done()[:-self.keep]:
             for suffix in ("json", "ckpt"):  # the marker first: never a marker without data
                 try:

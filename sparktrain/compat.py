@@ -17,11 +17,11 @@ import math
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+# in the leaf errors module so that the store (a lower layer) can warn with it too; the
+# documented name sparktrain.compat.IgnoredParamWarning stays
+from sparktrain.errors import IgnoredParamWarning
+
 DEFAULT_PREFETCH = 2  # ShardReader's read-ahead, and Horovod's default reader worker count
-
-
-class IgnoredParamWarning(UserWarning):
-    """A Horovod param that has no equivalent in sparktrain was set; it is ignored."""
 
 
 def compression_name(value: Any) -> Optional[str]:

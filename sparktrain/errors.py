@@ -1,4 +1,4 @@
-"""The errors a fit raises to its caller, in one leaf module every layer may import.
+"""The errors and warnings a fit raises to its caller, in one leaf module every layer may import.
 
 Example::
 
@@ -26,3 +26,7 @@ class TrainingError(RuntimeError):
 
 class PreflightError(ValueError):
     """The model, loss or metrics failed on a few real rows before any training started."""
+
+
+class IgnoredParamWarning(UserWarning):
+    """A Horovod param that has no equivalent in sparktrain was set; it is ignored."""

@@ -15,9 +15,18 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Type
+from typing import Any, Callable, Dict, List, Optional
 
 from pyspark.ml.param import Param, Params, TypeConverters
+
+# Value converters and accessor generation have modules of their own (issue #26); the constants,
+# EnvVars and with_accessors stay importable from here.
+from sparktrain.param_accessors import HOROVOD_ACCESSOR_NAMES, with_accessors  # noqa: F401
+from sparktrain.param_converters import (  # noqa: F401 - the constants are re-exported
+    MIXED_PRECISION, MP_START_METHODS, READER_POOL_TYPES, EnvVars, to_backend_name, to_choice,
+    to_count, to_env, to_keras_strategy, to_loss_weights, to_mixed_precision, to_module_classes,
+    to_num_ps, to_optional_bool, to_optional_float, to_optional_int, to_resource_profile,
+    to_shapes, to_strategy, to_validation)
 
 # Params whose values are Python objects (modules, optimizers, callables): they are pickled with
 # cloudpickle on save, never written into the JSON metadata.
@@ -27,178 +36,6 @@ OBJECT_PARAMS = ("model", "optimizer", "loss", "metrics", "callbacks", "store", 
                  "gradient_compression", "checkpoint_callback", "data_module",
                  "transformation_edit_fields", "transformation_removed_fields",
                  "resource_profile", "fsdp_wrap", "activation_checkpointing")
-
-MIXED_PRECISION = ("bf16", "fp16")
-
-
-def _to_strategy(value: Any) -> str:
-    """A registered torch strategy (see :mod:`sparktrain.strategies`)."""
-    from sparktrain.strategies import KERAS_STRATEGIES, TORCH_STRATEGIES
-
-    value = TypeConverters.toString(value)
-    if value not in TORCH_STRATEGIES:
-        hint = f" ({value!r} is a KerasEstimator strategy; TorchEstimator replicates the " \
-               f"model with 'ddp' or shards parameters and optimizer state across ranks " \
-               f"with 'fsdp')" if value in KERAS_STRATEGIES else ""
-        raise ValueError(f"strategy must be one of {sorted(TORCH_STRATEGIES)}, found "
-                         f"{value!r}{hint}; register your own with "
-                         f"sparktrain.strategies.register_torch_strategy")
-    return value
-
-
-def _to_module_classes(name: str, allow: type) -> Callable[[Any], Any]:
-    """Converter for params taking module classes (or one ``allow``-typed value instead)."""
-    def convert(value: Any) -> Any:
-        if value is None or (isinstance(value, allow)
-                             and (allow is bool or not isinstance(value, bool))):
-            if allow is int and value < 1:
-                raise ValueError(f"{name}: a minimum parameter count must be >= 1, found "
-                                 f"{value}")
-            return value
-        items = list(value) if isinstance(value, (list, tuple, set)) else [value]
-        if not items or not all(isinstance(c, type) for c in items):
-            kinds = "True, " if allow is bool else "a minimum parameter count, "
-            raise TypeError(f"{name} takes {kinds}or a list of torch.nn.Module subclasses "
-                            f"(e.g. [TransformerBlock]); found {value!r}")
-        return items
-    return convert
-
-
-def _to_validation(value: Any) -> Any:
-    """``validation`` is a fraction in [0, 1) or the name of a boolean column."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        raise TypeError("validation must be a fraction in [0, 1) or a boolean column name, not a bool")
-    return TypeConverters.toFloat(value)
-
-
-def _to_optional_bool(value: Any) -> Optional[bool]:
-    return None if value is None else TypeConverters.toBoolean(value)
-
-
-def _to_optional_int(value: Any) -> Optional[int]:
-    return None if value is None else TypeConverters.toInt(value)
-
-
-def _to_optional_float(value: Any) -> Optional[float]:
-    return None if value is None else TypeConverters.toFloat(value)
-
-
-def _to_resource_profile(value: Any) -> Any:
-    from pyspark.resource import ResourceProfile
-
-    if value is not None and not isinstance(value, ResourceProfile):
-        raise TypeError(f"resource_profile must be a pyspark.resource.ResourceProfile (from "
-                        f"ResourceProfileBuilder().require(...).build), found "
-                        f"{type(value).__name__}")
-    return value
-
-
-def _to_mixed_precision(value: Any) -> Optional[str]:
-    if value is None:
-        return None
-    if value not in MIXED_PRECISION:
-        raise ValueError(f"mixed_precision={value!r}; expected None, 'bf16' or 'fp16'")
-    return value
-
-
-READER_POOL_TYPES = ("thread", "process", "dummy")
-MP_START_METHODS = ("fork", "spawn", "forkserver")
-
-
-def _to_backend_name(value: Any) -> str:
-    """``backend`` names the engine; Horovod's ``Backend`` objects have no place here."""
-    if isinstance(value, str):
-        return value
-    ranks = getattr(value, "num_processes", None)
-    hint = ""
-    if callable(ranks):
-        try:
-            hint = f" (num_proc={int(ranks())} for this one)"
-        except Exception:  # noqa: BLE001 - only a hint
-            hint = ""
-    raise TypeError(f"backend={type(value).__name__} object; sparktrain's backend is the name "
-                    f"of the distributed engine: 'torch' or 'horovod' for TorchEstimator, "
-                    f"'tensorflow' or 'tfos' for KerasEstimator. Horovod's Backend objects are "
-                    f"not used: ranks are Spark barrier tasks, set their number with "
-                    f"num_proc=N{hint}")
-
-
-def _to_shapes(name: str) -> Any:
-    def convert(value: Any) -> List[List[int]]:
-        example = "[[-1, 1, 8, 8]]" if name == "input_shapes" else "[[-1]]"
-        expected = (f"{name} must be a list with one shape per column, each a list of ints "
-                    f"(-1 for the batch dimension), e.g. {example}")
-        if not isinstance(value, (list, tuple)) or not value:
-            raise TypeError(f"{expected}; found {value!r}")
-        if all(isinstance(d, int) and not isinstance(d, bool) for d in value):
-            raise TypeError(f"{expected}; found the single shape {list(value)!r}: wrap it as "
-                            f"[{list(value)!r}]")
-        shapes = []
-        for shape in value:
-            if not isinstance(shape, (list, tuple)) or not shape or \
-                    not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-                raise TypeError(f"{expected}; found {value!r}")
-            if any(d == 0 or d < -1 for d in shape) or list(shape).count(-1) > 1:
-                raise TypeError(f"{expected}; found {list(shape)!r} (dimensions are >= 1, and at "
-                                f"most one is -1)")
-            shapes.append([int(d) for d in shape])
-        return shapes
-    return convert
-
-
-def _to_loss_weights(value: Any) -> List[float]:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        raise TypeError(f"loss_weights must be a list with one number per label column, e.g. "
-                        f"[1.0, 0.5]; found the single number {value!r}")
-    try:
-        weights = TypeConverters.toListFloat(value)
-    except TypeError:
-        raise TypeError(f"loss_weights must be a list with one number per label column, e.g. "
-                        f"[1.0, 0.5]; found {value!r}") from None
-    return weights
-
-
-class EnvVars(dict):
-    """``backend_env``'s value: a plain dict whose ``repr`` hides the values (they may be
-    tokens), so that param dumps (``explainParams``, MLflow's ``pyspark.ml`` autologging, which
-    logs ``str(value)`` of every param) never show them."""
-
-    def __repr__(self) -> str:
-        return "{" + ", ".join(f"{k!r}: '***'" for k in self) + "}"
-
-    __str__ = __repr__
-
-
-def _to_env(value: Any) -> Dict[str, str]:
-    if not isinstance(value, dict):
-        raise TypeError(f"backend_env must be a dict of environment variables (name -> value), "
-                        f"found {type(value).__name__}")
-    env = EnvVars()
-    for key, item in value.items():
-        if not isinstance(key, str) or not key or "=" in key or \
-                not isinstance(item, (str, int, float)) or isinstance(item, bool):
-            raise TypeError(f"backend_env must map variable names (str, no '=') to str or "
-                            f"number values; found {key!r}: {item!r}")
-        env[key] = str(item)
-    return env
-
-
-def _to_choice(name: str, choices: Sequence[str]) -> Any:
-    def convert(value: Any) -> str:
-        if value not in choices:
-            raise ValueError(f"{name}={value!r}; expected one of {list(choices)}")
-        return value
-    return convert
-
-
-def _to_count(name: str) -> Any:
-    def convert(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise TypeError(f"{name} must be an integer >= 0, found {value!r}")
-        return value
-    return convert
 
 
 class EstimatorParams(Params):
@@ -217,7 +54,7 @@ class EstimatorParams(Params):
                               TypeConverters.toString)
     validation = Param(Params._dummy(), "validation",
                        "fraction of rows held out for validation, or a boolean column marking them",
-                       _to_validation)
+                       to_validation)
     batch_size = Param(Params._dummy(), "batch_size", "rows per batch on each process",
                        TypeConverters.toInt)
     val_batch_size = Param(Params._dummy(), "val_batch_size",
@@ -235,16 +72,16 @@ class EstimatorParams(Params):
                     TypeConverters.toInt)
     callbacks = Param(Params._dummy(), "callbacks", "objects called at the end of every epoch")
     backend = Param(Params._dummy(), "backend", "distributed engine (a name, e.g. 'torch')",
-                    _to_backend_name)
+                    to_backend_name)
     use_gpu = Param(Params._dummy(), "use_gpu",
                     "train on the GPU Spark assigned to each task (default: when tasks have GPUs)",
-                    _to_optional_bool)
+                    to_optional_bool)
     train_steps_per_epoch = Param(Params._dummy(), "train_steps_per_epoch",
                                   "training batches per epoch and rank (default: one pass over "
-                                  "the rank's rows)", _to_optional_int)
+                                  "the rank's rows)", to_optional_int)
     validation_steps_per_epoch = Param(Params._dummy(), "validation_steps_per_epoch",
                                        "validation batches per epoch and rank (default: all)",
-                                       _to_optional_int)
+                                       to_optional_int)
     transformation_fn = Param(Params._dummy(), "transformation_fn",
                               "function applied on the worker to every batch, a dict of numpy "
                               "arrays by column name, before training and validation steps")
@@ -266,58 +103,58 @@ class EstimatorParams(Params):
                                 TypeConverters.toBoolean)
     mixed_precision = Param(Params._dummy(), "mixed_precision",
                             "autocast precision: None (off), 'bf16' (CPU or GPU) or 'fp16' (GPU)",
-                            _to_mixed_precision)
+                            to_mixed_precision)
     max_time = Param(Params._dummy(), "max_time",
                      "seconds after which training stops at the end of an epoch",
-                     _to_optional_float)
+                     to_optional_float)
     max_attempts = Param(Params._dummy(), "max_attempts",
                          "attempts of the training stage before a fit fails on a fault (a lost "
                          "process or executor, a store error: retried from the checkpoint); an "
                          "error raised by user code fails the fit at once (default and upper "
-                         "bound: spark.stage.maxConsecutiveAttempts)", _to_optional_int)
+                         "bound: spark.stage.maxConsecutiveAttempts)", to_optional_int)
 
     # -- Horovod's params (horovod.spark.common.params.EstimatorParams, 0.28.1) ---------------
     loss_weights = Param(Params._dummy(), "loss_weights",
                          "weight of each label column's loss in the total loss (default: 1 each)",
-                         _to_loss_weights)
+                         to_loss_weights)
     label_shapes = Param(Params._dummy(), "label_shapes",
                          "shape of each label column's batch tensor, -1 for the batch dimension",
-                         _to_shapes("label_shapes"))
+                         to_shapes("label_shapes"))
     gradient_compression = Param(Params._dummy(), "gradient_compression",
                                  "gradient compression for the all-reduce: Horovod's "
                                  "Compression.fp16 (or 'fp16'), Compression.none (or None)")
     mlflow_logging = Param(Params._dummy(), "mlflow_logging",
                            "log this fit to MLflow: None follows sparktrain.mlflow.autolog() "
                            "(or mlflow.autolog()), True logs it, False never "
-                           "(docs/mlflow.md)", _to_optional_bool)
+                           "(docs/mlflow.md)", to_optional_bool)
     backend_env = Param(Params._dummy(), "backend_env",
                         "environment variables set in every rank's process while it trains",
-                        _to_env)
+                        to_env)
     train_reader_num_workers = Param(Params._dummy(), "train_reader_num_workers",
                                      "row groups the training reader decodes ahead (Petastorm: "
-                                     "reader worker count)", _to_count("train_reader_num_workers"))
+                                     "reader worker count)", to_count("train_reader_num_workers"))
     val_reader_num_workers = Param(Params._dummy(), "val_reader_num_workers",
                                    "row groups the validation reader decodes ahead (Petastorm: "
-                                   "reader worker count)", _to_count("val_reader_num_workers"))
+                                   "reader worker count)", to_count("val_reader_num_workers"))
     reader_pool_type = Param(Params._dummy(), "reader_pool_type",
                              "'thread' (read ahead in a thread, transformation_fn in the "
                              "training thread), 'process' (transformation_fn in "
                              "train_reader_num_workers worker processes: the default when a "
                              "column holds bytes, text, images or variable-length arrays), "
                              "'dummy' (read in the training thread)",
-                             _to_choice("reader_pool_type", READER_POOL_TYPES))
+                             to_choice("reader_pool_type", READER_POOL_TYPES))
     shuffle_buffer_size = Param(Params._dummy(), "shuffle_buffer_size",
                                 "(Horovod: deprecated, unused) accepted and ignored with a "
-                                "warning; use shuffle", _to_count("shuffle_buffer_size"))
+                                "warning; use shuffle", to_count("shuffle_buffer_size"))
     partitions_per_process = Param(Params._dummy(), "partitions_per_process",
                                    "(Horovod: Parquet files per process) accepted and ignored "
                                    "with a warning: ranks read row ranges, not files",
-                                   _to_count("partitions_per_process"))
+                                   to_count("partitions_per_process"))
     mp_start_method = Param(Params._dummy(), "mp_start_method",
                             "start method of the decode worker processes: 'forkserver' "
                             "(default on Linux) or 'spawn'; 'fork' is refused with a warning "
                             "(forking a process holding Spark's and torch's threads can hang)",
-                            _to_choice("mp_start_method", MP_START_METHODS))
+                            to_choice("mp_start_method", MP_START_METHODS))
     data_module = Param(Params._dummy(), "data_module",
                         "(Horovod: Petastorm/NVTabular data module class) accepted and ignored "
                         "with a warning: sparktrain reads with its own shard reader")
@@ -472,7 +309,7 @@ class TorchParams(Params):
     input_shapes = Param(Params._dummy(), "input_shapes",
                          "shape of each feature column's batch tensor, -1 for the batch "
                          "dimension, e.g. [[-1, 1, 8, 8]] (default: (batch, n), scalars "
-                         "(batch, 1))", _to_shapes("input_shapes"))
+                         "(batch, 1))", to_shapes("input_shapes"))
     loss_constructors = Param(Params._dummy(), "loss_constructors",
                               "functions returning the loss (one, or one per label column), "
                               "called on every rank instead of shipping loss")
@@ -482,18 +319,18 @@ class TorchParams(Params):
     strategy = Param(Params._dummy(), "strategy",
                      "'ddp' (every rank holds the whole model, DistributedDataParallel) or "
                      "'fsdp' (parameters, gradients and optimizer state sharded across ranks, "
-                     "FSDP2; backend='torch' only)", _to_strategy)
+                     "FSDP2; backend='torch' only)", to_strategy)
     fsdp_wrap = Param(Params._dummy(), "fsdp_wrap",
                       "with strategy='fsdp', the blocks sharded as one unit: module classes "
                       "(e.g. [TransformerBlock]) or a minimum parameter count (default 1e6)",
-                      _to_module_classes("fsdp_wrap", int))
+                      to_module_classes("fsdp_wrap", int))
     fsdp_cpu_offload = Param(Params._dummy(), "fsdp_cpu_offload",
                              "with strategy='fsdp' on GPUs, keep parameter shards and optimizer "
                              "state in CPU memory", TypeConverters.toBoolean)
     activation_checkpointing = Param(Params._dummy(), "activation_checkpointing",
                                      "recompute blocks' activations in backward instead of "
                                      "storing them: True (the blocks fsdp_wrap picks) or "
-                                     "module classes", _to_module_classes(
+                                     "module classes", to_module_classes(
                                          "activation_checkpointing", bool))
 
     def __init__(self) -> None:
@@ -511,27 +348,6 @@ class TorchParams(Params):
     def getTrainMinibatchFn(self) -> Optional[Callable]:
         return self.getOrDefault(self.train_minibatch_fn)
 
-
-def _to_keras_strategy(value: Any) -> str:
-    """A registered Keras strategy (see :mod:`sparktrain.strategies`)."""
-    from sparktrain.strategies import KERAS_STRATEGIES, TORCH_STRATEGIES
-
-    value = TypeConverters.toString(value)
-    if value not in KERAS_STRATEGIES:
-        hint = " (TorchEstimator's strategies; Keras trains data parallel with " \
-               "'multi_worker_mirrored')" if value in TORCH_STRATEGIES else ""
-        raise ValueError(f"strategy must be one of {sorted(KERAS_STRATEGIES)}, found "
-                         f"{value!r}{hint}")
-    return value
-
-
-def _to_num_ps(value: Any) -> int:
-    value = TypeConverters.toInt(value)
-    if value < 1:
-        raise ValueError(f"num_ps must be at least 1 (parameter servers), found {value}")
-    return value
-
-
 class KerasParams(Params):
     """Params only ``KerasEstimator`` has (Horovod's ``horovod.spark.keras.KerasEstimator``)."""
 
@@ -544,10 +360,10 @@ class KerasParams(Params):
                      "'multi_worker_mirrored' (every task a synchronous replica, "
                      "MultiWorkerMirroredStrategy) or 'parameter_server' (num_ps tasks hold "
                      "the variables, one coordinates, the rest train asynchronously; "
-                     "ParameterServerStrategy, backend='tensorflow' only)", _to_keras_strategy)
+                     "ParameterServerStrategy, backend='tensorflow' only)", to_keras_strategy)
     num_ps = Param(Params._dummy(), "num_ps",
                    "with strategy='parameter_server', how many of the num_proc tasks are "
-                   "parameter servers (default 1; TensorFlowOnSpark's name)", _to_num_ps)
+                   "parameter servers (default 1; TensorFlowOnSpark's name)", to_num_ps)
 
     def __init__(self) -> None:
         super().__init__()
@@ -582,11 +398,11 @@ class ModelParams(Params):
     use_gpu = Param(Params._dummy(), "use_gpu",
                     "predict on the first GPU Spark assigned to each task: None (default) when "
                     "the task has one, True require one, False always on the CPU",
-                    _to_optional_bool)
+                    to_optional_bool)
     resource_profile = Param(Params._dummy(), "resource_profile",
                              "a pyspark.resource.ResourceProfile for the prediction stage (e.g. "
                              "a GPU per task; stage-level scheduling), not saved with the model",
-                             _to_resource_profile)
+                             to_resource_profile)
 
     def __init__(self) -> None:
         super().__init__()
@@ -643,51 +459,6 @@ class ModelParams(Params):
         """Set params by keyword (Horovod's ``feature_columns``/``label_columns`` too)."""
         aliases = {"feature_columns": "feature_cols", "label_columns": "label_cols"}
         return self._set(**{aliases.get(k, k): v for k, v in kwargs.items()})
-
-
-# Horovod's accessor names where they are not get/set + the param's name in CamelCase
-# (horovod/spark/common/params.py, 0.28.1); both spellings exist here.
-HOROVOD_ACCESSOR_NAMES = {"shuffle_buffer_size": "ShufflingBufferSize",
-                          "train_reader_num_workers": "TrainReaderNumWorker",
-                          "val_reader_num_workers": "ValReaderNumWorker",
-                          "inmemory_cache_all": "InMemoryCacheAll"}
-
-
-def _camel(name: str) -> str:
-    return "".join(part[:1].upper() + part[1:] for part in name.split("_"))
-
-
-def _getter(name: str, doc: str) -> Callable:
-    def get(self: Params) -> Any:
-        return self.getOrDefault(name)
-    get.__doc__ = f"The value of ``{name}``: {doc}."
-    return get
-
-
-def _setter(name: str, doc: str) -> Callable:
-    def set_(self: Params, value: Any) -> Params:
-        return self._set(**{name: value})
-    set_.__doc__ = f"Set ``{name}`` ({doc}); returns this object."
-    return set_
-
-
-def with_accessors(cls: Type[Params]) -> Type[Params]:
-    """Add ``getX``/``setX`` for every Param declared on ``cls`` that has no hand-written one
-    (``X``: the param's name in CamelCase, plus Horovod's spelling where it differs).
-
-    Example: ``EstimatorParams.num_proc`` gives ``getNumProc()`` and ``setNumProc(4)``.
-    """
-    for param in [v for v in vars(cls).values() if isinstance(v, Param)]:
-        for suffix in dict.fromkeys([_camel(param.name),
-                                     HOROVOD_ACCESSOR_NAMES.get(param.name, "")]):
-            for prefix, make in (("get", _getter), ("set", _setter)):
-                method = f"{prefix}{suffix}"
-                if suffix and not hasattr(cls, method):
-                    function = make(param.name, param.doc)
-                    function.__name__ = method
-                    function.__qualname__ = f"{cls.__name__}.{method}"
-                    setattr(cls, method, function)
-    return cls
 
 
 for _cls in (EstimatorParams, TorchParams, KerasParams, ModelParams):

@@ -32,7 +32,8 @@ import cloudpickle
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 from pyspark.sql import SparkSession
 
-from sparktrain.data.store import Store, filesystem, to_fsspec_url
+from sparktrain.data.store import Store
+from sparktrain.fs import filesystem, to_fsspec_url
 from sparktrain.params import json_params, object_params
 from sparktrain.pickling import dumps
 from sparktrain.spark_api import is_remote

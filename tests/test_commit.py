@@ -12,9 +12,10 @@ import fsspec
 import pytest
 
 from sparktrain.data.commit import DatasetDirectory
-from sparktrain.data.lease import Lease, live_leases, put_file, read_json
+from sparktrain.data.lease import Lease, live_leases
 from sparktrain.data.run_lock import RunInUseError, run_lock
 from sparktrain.data.store import Store
+from sparktrain.fs import put_file, read_json
 
 
 @pytest.fixture(params=["local", "memory"])

@@ -100,3 +100,76 @@ def test_rank_side_code_never_imports_an_estimator_or_pyspark_ml():
                     seen.add(target)
                     stack.append((target, path + [target]))
     assert not offenders, "\n".join(offenders)
+
+
+# -- the layers ------------------------------------------------------------------------------------
+#: low to high (issue #26): a module imports its own layer and those below it, never one above.
+#: A module is in the layer of its longest matching prefix; a new module must be placed here.
+LAYERS = (
+    ("foundation", ("sparktrain.errors", "sparktrain.fs", "sparktrain.plugins",
+                    "sparktrain.fit_hooks", "sparktrain.pickling")),
+    ("Spark access", ("sparktrain.spark_jvm", "sparktrain.spark_api")),
+    ("data and launch", ("sparktrain.data", "sparktrain.launch", "sparktrain.checkpoint",
+                         "sparktrain.progress")),
+    # the rank-side loops and their helpers live next to their framework's estimator
+    ("strategies and rank loops", ("sparktrain.strategies", "sparktrain.epochs",
+                                   "sparktrain.callbacks", "sparktrain.estimators.torch_worker",
+                                   "sparktrain.estimators.torch_losses",
+                                   "sparktrain.estimators.keras_worker",
+                                   "sparktrain.estimators.keras_batch",
+                                   "sparktrain.estimators.keras_checkpoint",
+                                   "sparktrain.estimators.keras_saving")),
+    ("params", ("sparktrain.params", "sparktrain.param_converters", "sparktrain.param_accessors",
+                "sparktrain.compat", "sparktrain.persistence", "sparktrain.session")),
+    ("estimators", ("sparktrain.estimators",)),
+    ("plug-ins", ("sparktrain.mlflow",)),
+)
+#: the package itself: its exports are imported lazily (``__getattr__``), so any layer may
+#: import it (``from sparktrain import compat``, ``import sparktrain`` for its path)
+PACKAGE_ROOT = "sparktrain"
+
+
+def _layer(name):
+    """``(rank, layer name)`` of module ``name``, or ``None`` if no layer claims it."""
+    best = None
+    for rank, (layer, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and \
+                    (best is None or len(prefix) > best[2]):
+                best = (rank, layer, len(prefix))
+    return best and best[:2]
+
+
+def test_every_module_has_a_layer():
+    modules, edges = _graph()
+    assert not edges[PACKAGE_ROOT], f"importing the package imports {sorted(edges[PACKAGE_ROOT])}"
+    unplaced = sorted(m for m in modules if m != PACKAGE_ROOT and _layer(m) is None)
+    assert not unplaced, f"place these modules in LAYERS (tests/test_import.py): {unplaced}"
+
+
+def test_imports_never_go_up_a_layer():
+    modules, edges = _graph()
+    upward = []
+    for name in sorted(modules):
+        if name == PACKAGE_ROOT or _layer(name) is None:
+            continue
+        rank, layer = _layer(name)
+        for target in sorted(t for t in edges[name] if t in modules and t != PACKAGE_ROOT):
+            target_rank, target_layer = _layer(target) or (0, "?")
+            if target_rank > rank:
+                upward.append(f"{name} ({layer}) imports {target} ({target_layer})")
+    assert not upward, "imports up the layers:\n" + "\n".join(upward)
+
+
+def test_low_layers_and_the_base_estimator_import_no_estimator_or_plugin():
+    """The rules issue #26 names, spelled out: data, launch and fs import no estimator and no
+    MLflow; the base estimator reaches MLflow only through the fit hooks."""
+    modules, edges = _graph()
+    low = [m for m in modules if m.startswith(("sparktrain.data", "sparktrain.launch"))
+           or m in ("sparktrain.fs", "sparktrain.errors", "sparktrain.fit_hooks")]
+    offenders = [f"{m} -> {t}" for m in sorted(low) for t in sorted(edges[m])
+                 if t.startswith(("sparktrain.estimators", "sparktrain.mlflow"))]
+    offenders += [f"sparktrain.estimators.base -> {t}"
+                  for t in sorted(edges["sparktrain.estimators.base"])
+                  if t.startswith("sparktrain.mlflow")]
+    assert not offenders, "\n".join(offenders)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from sparktrain import Store, TorchEstimator
-from sparktrain.data.store import filesystem
+from sparktrain.fs import filesystem
 
 WILDCARDS = {"0.0.0.0", "::", ""}
 CREDENTIALS = {"key": "AKIA-SECRET", "secret": "s3cr3t-token"}

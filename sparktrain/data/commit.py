@@ -35,7 +35,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set
 
-from sparktrain.data.lease import list_json, live_leases, put_file, read_json
+from sparktrain.data.lease import live_leases
+from sparktrain.fs import list_json, put_file, read_json
 
 log = logging.getLogger(__name__)
 

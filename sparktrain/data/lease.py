@@ -6,9 +6,8 @@ thread of the holder renews it while the work goes on. A lease counts as *live* 
 not expired and, when its holder runs on this host, while the holder's process exists (so a
 killed driver on this machine frees its leases at once instead of after ``ttl`` seconds).
 
-Writes go to a hidden temporary name and are then moved into place: readers never see half a
-file where the filesystem renames atomically (local disks, HDFS), and on object stores a
-single PUT/copy is atomic by itself. Names sort by creation time, so "the earliest live
+Writes go through :func:`sparktrain.fs.put_file` (a hidden temporary name, then moved into
+place): readers never see half a file. Names sort by creation time, so "the earliest live
 lease" is one well-defined holder; on stores whose clocks disagree two holders may both think
 they are first, which is why every user of a lease (dataset commits, run locks) is also safe
 without it (see :mod:`sparktrain.data.commit`).
@@ -26,58 +25,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-import posixpath
 import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
+
+from sparktrain.fs import list_json, put_file, read_json
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL_SECONDS = 120.0
 _HOST = socket.gethostname()
-
-
-def put_file(fs: Any, path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see all of it or nothing."""
-    directory, name = posixpath.split(path)
-    fs.makedirs(directory, exist_ok=True)
-    temporary = f"{directory}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        fs.pipe_file(temporary, data)
-    except FileNotFoundError:  # an empty directory removed meanwhile (remove_empty)
-        fs.makedirs(directory, exist_ok=True)
-        fs.pipe_file(temporary, data)
-    try:
-        fs.mv(temporary, path)
-    except Exception:
-        try:
-            fs.rm(temporary)
-        except Exception:  # noqa: BLE001 - the original error matters more
-            pass
-        raise
-
-
-def read_json(fs: Any, path: str) -> Optional[Dict[str, Any]]:
-    """The JSON object at ``path``, or ``None`` if it is missing or not (yet) complete."""
-    try:
-        value = json.loads(fs.cat_file(path))
-    except (FileNotFoundError, ValueError, UnicodeDecodeError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def list_json(fs: Any, directory: str) -> List[str]:
-    """Paths of the visible ``*.json`` files in ``directory`` (sorted by name), ``[]`` if none."""
-    try:
-        fs.invalidate_cache(directory)
-        names = fs.ls(directory, detail=False)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return sorted(p for p in names if p.endswith(".json")
-                  and not posixpath.basename(p).startswith("."))
 
 
 def process_alive(pid: int) -> bool:

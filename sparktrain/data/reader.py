@@ -37,7 +37,7 @@ import numpy as np
 
 from sparktrain.data.batch import arrow_to_numpy
 from sparktrain.data.columns import ColumnSpec
-from sparktrain.data.store import filesystem
+from sparktrain.fs import filesystem
 
 Batch = Dict[str, np.ndarray]
 

@@ -21,13 +21,13 @@ import posixpath
 import re
 import tempfile
 import warnings
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
+
+# the URL and filesystem helpers live in sparktrain.fs; these names stay importable from here
+from sparktrain.fs import filesystem, redact, split_scheme, to_fsspec_url, \
+    to_spark_url  # noqa: F401 - re-exported
 
 DEFAULT_LOCAL_STORE = os.path.join(tempfile.gettempdir(), "sparktrain-store")
-
-# Hadoop scheme -> fsspec protocol, where the two differ.
-_SPARK_TO_FSSPEC = {"s3a": "s3", "s3n": "s3", "wasbs": "abfs", "abfss": "abfs"}
-_FSSPEC_TO_SPARK = {"s3": "s3a"}
 
 # Horovod 0.28.1's Store.create keywords (horovod/spark/common/store.py: AbstractFilesystemStore
 # and HDFSStore) -> what sparktrain does with them instead, for those it does not map.
@@ -40,87 +40,6 @@ _IGNORED_STORE_KEYWORDS = {
     "checkpoint_filename": "checkpoints are <prefix>/runs/<run_id>/checkpoints/epoch-N",
     "driver": "only pyarrow < 0.17 had a choice of HDFS driver",
 }
-
-
-def _split_scheme(url: str) -> Tuple[str, str]:
-    if "://" in url:
-        scheme, rest = url.split("://", 1)
-        return scheme.lower(), rest
-    if url.startswith(("file:", "dbfs:")):
-        scheme, rest = url.split(":", 1)
-        return scheme.lower(), rest
-    return "", url
-
-
-def to_fsspec_url(url: str) -> str:
-    """The fsspec form of a Hadoop or fsspec URL (``file:/x`` -> ``/x``, ``s3a://`` -> ``s3://``)."""
-    scheme, rest = _split_scheme(url)
-    if scheme in ("", "file"):
-        return "/" + rest.lstrip("/") if scheme else os.path.abspath(rest)
-    if scheme == "dbfs":  # Databricks mounts DBFS at /dbfs on every node (FUSE)
-        return "/dbfs/" + rest.lstrip("/")
-    return f"{_SPARK_TO_FSSPEC.get(scheme, scheme)}://{rest}"
-
-
-def to_spark_url(url: str) -> str:
-    """The Hadoop form of a URL (``/x`` -> ``file:///x``, ``s3://`` -> ``s3a://``)."""
-    scheme, rest = _split_scheme(url)
-    if scheme == "":
-        return "file://" + os.path.abspath(rest)
-    if scheme == "file":
-        return "file:///" + rest.lstrip("/")
-    if scheme == "dbfs":
-        return url
-    return f"{_FSSPEC_TO_SPARK.get(scheme, scheme)}://{rest}"
-
-
-def _secret_strings(options: Any) -> List[str]:
-    """Every string value (at any depth) of ``storage_options``: all of them may be secrets."""
-    if isinstance(options, dict):
-        return [s for value in options.values() for s in _secret_strings(value)]
-    if isinstance(options, (list, tuple, set)):
-        return [s for value in options for s in _secret_strings(value)]
-    if isinstance(options, bytes):
-        options = options.decode("utf-8", "replace")
-    return [options] if isinstance(options, str) and len(options) >= 4 else []
-
-
-def redact(text: str, storage_options: Optional[Dict[str, Any]]) -> str:
-    """``text`` with every string value of ``storage_options`` replaced by ``***``."""
-    for secret in sorted(_secret_strings(storage_options), key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return text
-
-
-def filesystem(url: str, storage_options: Optional[Dict[str, Any]] = None):
-    """``(fsspec filesystem, path within it)`` for any URL this module understands.
-
-    A filesystem that fails to start may quote its options in the error (e.g. a token taken
-    for a file name): such an error is raised again, same type where possible, with every
-    option value replaced by ``***`` and without the original attached.
-    """
-    import fsspec
-
-    options = dict(storage_options or {})
-    try:
-        return fsspec.core.url_to_fs(to_fsspec_url(url), **options)
-    except Exception as exc:  # noqa: BLE001 - re-raised below, redacted if it quotes a secret
-        text = str(exc)
-        cleaned = redact(text, options)
-        if cleaned == text:
-            raise
-        error = _same_kind(exc, f"cannot open the store {to_fsspec_url(url)!r}: {cleaned}")
-    raise error  # outside the except block: the original (with the secret) is not chained
-
-
-def _same_kind(exc: Exception, message: str) -> Exception:
-    try:
-        error = type(exc)(message)
-        if str(error) == message:
-            return error
-    except Exception:  # noqa: BLE001 - the type needs other arguments
-        pass
-    return RuntimeError(f"{type(exc).__name__}: {message}")
 
 
 class Store:
@@ -184,7 +103,7 @@ class Store:
         if hdfs:
             host, port = hdfs.pop("host", None), hdfs.pop("port", None)
             hdfs.pop("driver", None)
-            scheme, rest = _split_scheme(prefix)
+            scheme, rest = split_scheme(prefix)
             if host not in (None, "default") and not rest.split("/", 1)[0]:
                 rest = f"{host}{f':{port}' if port else ''}{rest}"
                 prefix = f"hdfs://{rest}"
@@ -237,7 +156,7 @@ def _horovod_keywords(prefix: str, storage_options: Optional[Dict[str, Any]],
         notes.append("save_runs=False: runs are always kept (each epoch's checkpoint is what a "
                      "retried attempt resumes from); delete <prefix>/runs/<run_id> after fit")
     hdfs = {k: given[k] for k in _HDFS_KEYWORDS if given.get(k) is not None}
-    scheme, rest = _split_scheme(prefix)
+    scheme, rest = split_scheme(prefix)
     if hdfs and scheme != "hdfs":
         notes.append(f"{sorted(hdfs)}: they configure HDFS, and {prefix!r} is not an hdfs:// "
                      f"path")
@@ -258,7 +177,7 @@ def _horovod_keywords(prefix: str, storage_options: Optional[Dict[str, Any]],
             prefix = f"hdfs://{host}{f':{port}' if port else ''}/{path}"
         options.update(hdfs)
     if notes:
-        from sparktrain.compat import IgnoredParamWarning
+        from sparktrain.errors import IgnoredParamWarning
 
         warnings.warn("Store.create: Horovod keyword(s) accepted but without effect here:\n  - "
                       + "\n  - ".join(notes), IgnoredParamWarning, stacklevel=3)

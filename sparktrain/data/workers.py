@@ -12,15 +12,17 @@ How a batch travels:
 * **Out**: the worker packs every numeric output array into one POSIX shared memory block and
   sends only ``(task, block name, [(key, dtype, shape, offset)])``; the parent copies each array
   out (one memcpy: the consumer owns the result) and unlinks the block at once. Other outputs
-  (object arrays, lists, scalars) are pickled; the caller checks types later.
+  (object arrays, lists, scalars) are pickled; the caller checks types later
+  (:mod:`sparktrain.data.shm_blocks`).
 * **Bounded**: batches dispatched but not yet consumed are limited so that their decoded bytes
   (measured on recent results) stay under ``max_bytes``; at least 1 and at most
   ``2 * workers`` are in flight, and the input iterator is read only as batches are dispatched.
 * **Deterministic**: before each call the worker seeds ``random`` and ``numpy.random`` (and
   torch's RNG, if the function imported torch) from ``(seed, epoch, batch number)``, so random
-  augmentations give the same batches whatever the number of workers.
+  augmentations give the same batches whatever the number of workers (the worker's loop and
+  the messages it exchanges with this pool: :mod:`sparktrain.data.decode_worker`).
 
-Workers start with ``forkserver`` on Linux (the server preloads numpy and this module, so a
+Workers start with ``forkserver`` on Linux (the server preloads numpy and the worker's module, so a
 worker starts in milliseconds) and ``spawn`` elsewhere, never ``fork``: the training process
 holds Spark's and torch's threads, and a forked copy of a held lock deadlocks. As with any
 ``spawn``/``forkserver`` pool, each worker imports the parent's ``__main__`` module again (as
@@ -45,41 +47,29 @@ Example::
 """
 from __future__ import annotations
 
-import errno
-import faulthandler
 import multiprocessing
 import operator
 import os
 import pickle
 import queue
-import random
 import secrets
 import signal
-import struct
 import sys
 import threading
 import time
-import traceback
 from collections import deque
-from multiprocessing import connection, resource_tracker, shared_memory
-from typing import (Any, Callable, Deque, Dict, Iterable, Iterator, List, NoReturn, Optional,
-                    Tuple)
+from multiprocessing import connection
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, NoReturn, Optional, Tuple
 
-import cloudpickle
-import numpy as np
-
+from sparktrain.data.decode_worker import HEADER, work
+from sparktrain.data.shm_blocks import SHM_PREFIX, discard_block, unpack
 from sparktrain.pickling import dumps_code
 
 Batch = Dict[str, Any]
 
-#: shared memory blocks are named ``sptr<parent pid>_<pool token>_<task>`` (hex), short enough
-#: for macOS's 31-character limit; a pool can find (and unlink) the block of any task it sent
-SHM_PREFIX = "sptr"
-_ALIGN = 64  # arrays start on cache-line boundaries inside a block
 _RECENT = 8  # results whose sizes estimate the next ones (the largest of them is used)
 _POLL_SECONDS = 1.0  # longest wait between checks that every worker is still alive
 _STOP_SECONDS = 5.0  # how long close() lets idle workers exit before terminating them
-_HEADER = struct.Struct("<qqq")  # task, epoch, batch number: sent before each pickled batch
 _CRASH_SIGNALS = {"SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE"}
 
 
@@ -255,7 +245,7 @@ class DecodePool:
         finally:
             # answers never read: a worker may have created the block before it stopped
             for task in self._owner:
-                _discard_block(self._prefix + f"{task:x}")
+                discard_block(self._prefix + f"{task:x}")
             self._owner.clear()
             self._ready.clear()
             self._ready_bytes = 0
@@ -297,13 +287,13 @@ class DecodePool:
         if self.start_method == "forkserver":
             # imported once in the server, so each forked worker starts without importing them
             # (no effect when this process's fork server is already running)
-            ctx.set_forkserver_preload(["sparktrain.data.workers", "numpy", "cloudpickle"])
+            ctx.set_forkserver_preload(["sparktrain.data.decode_worker", "numpy", "cloudpickle"])
         self._floor = ctx.RawValue("q", 0)
         try:
             for index in range(self.workers):
                 task_r, task_w = ctx.Pipe(duplex=False)
                 result_r, result_w = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_work, name=f"sparktrain-decode-{index}", daemon=True,
+                proc = ctx.Process(target=work, name=f"sparktrain-decode-{index}", daemon=True,
                                    args=(index, fn_bytes, self.seed, self._prefix, task_r,
                                          result_w, self._floor))
                 try:
@@ -338,7 +328,7 @@ class DecodePool:
         self._owner[task] = (worker, epoch, number)
         self._load[worker] += 1
         self._next_task += 1
-        self._senders[worker].put(_HEADER.pack(task, epoch, number), body)
+        self._senders[worker].put(HEADER.pack(task, epoch, number), body)
 
     def _collect(self) -> None:
         """Wait for one answer from any worker and file it; a dead worker raises."""
@@ -373,9 +363,9 @@ class DecodePool:
             _, _, block, layout, extra, nbytes = message
             if discard:
                 if block is not None:
-                    _discard_block(block)
+                    discard_block(block)
                 return
-            self._ready[task] = (_unpack(block, layout, extra), nbytes)
+            self._ready[task] = (unpack(block, layout, extra), nbytes)
             self._ready_bytes += nbytes
             self._sizes.append(nbytes)
         elif discard or kind == "skip":
@@ -509,231 +499,3 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
-
-
-# ---------------------------------------------------------------- shared memory
-
-def _attach(name: str) -> shared_memory.SharedMemory:
-    if sys.version_info >= (3, 13):  # registration balanced by hand in _release
-        return shared_memory.SharedMemory(name=name, track=False)
-    return shared_memory.SharedMemory(name=name)
-
-
-def _release(shm: shared_memory.SharedMemory) -> None:
-    """Close and unlink a block the parent attached to.
-
-    The worker registered the block with the resource tracker when it created it; workers share
-    the parent's tracker, whose registry is a set of names. Before 3.13 attaching registers the
-    same name again (no change) and ``unlink`` unregisters it, which leaves the tracker clean;
-    from 3.13 the block is attached untracked and the worker's registration is dropped here.
-    Either way nothing is unlinked twice and the tracker has nothing to warn about at exit.
-    """
-    try:
-        shm.close()
-    except BufferError:  # a view survived (an error while copying): the mapping goes with it
-        pass
-    try:
-        shm.unlink()
-    except FileNotFoundError:
-        return
-    if sys.version_info >= (3, 13) and os.name == "posix":
-        resource_tracker.unregister("/" + shm.name, "shared_memory")
-
-
-def _discard_block(name: str) -> None:
-    """Unlink block ``name`` if it exists (a result never read, or never sent)."""
-    try:
-        shm = _attach(name)
-    except FileNotFoundError:
-        return
-    except (OSError, ValueError):  # created but not yet sized when its worker stopped
-        try:
-            os.unlink(os.path.join("/dev/shm", name))
-        except OSError:
-            pass
-        return
-    _release(shm)
-
-
-def _unpack(block: Optional[str], layout: Optional[List[Tuple[Any, ...]]],
-            extra: Optional[bytes]) -> Any:
-    """A worker's result: arrays copied out of ``block`` (then unlinked), the rest unpickled."""
-    shm = _attach(block) if block is not None else None
-    try:
-        others = pickle.loads(extra) if extra is not None else {}
-        if layout is None:  # fn returned something other than a dict: passed on as is
-            return others
-        out = {}
-        for key, dtype, shape, offset in layout:
-            if offset is None:
-                out[key] = others[key]
-            else:
-                out[key] = _copy_out(shm, np.dtype(dtype), shape, offset)
-        return out
-    finally:
-        if shm is not None:
-            _release(shm)
-
-
-def _copy_out(shm: Optional[shared_memory.SharedMemory], dtype: np.dtype,
-              shape: Tuple[int, ...], offset: int) -> np.ndarray:
-    if shm is None or 0 in shape:
-        return np.empty(shape, dtype)
-    # the view dies with this frame, before the block is closed
-    return np.ndarray(shape, dtype, buffer=shm.buf, offset=offset).copy()
-
-
-# ---------------------------------------------------------------- worker side
-
-class _ShmFull(Exception):
-    """/dev/shm has no room for a result: reported as a :class:`DecodeWorkerError`."""
-
-
-def _work(index: int, fn_bytes: bytes, seed: int, prefix: str, tasks: Any, results: Any,
-          floor: Any) -> None:
-    """A decode worker's loop: read a task, run ``fn``, answer; until the pipe closes."""
-    # Ctrl-C reaches the whole process group; the parent decides what stops, then stops us
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # a segfault in a native decoder then prints the Python stack that called it
-    faulthandler.enable()
-    fn, load_error = None, None
-    try:
-        fn = cloudpickle.loads(fn_bytes)
-    except BaseException as exc:  # reported with each batch, which names the function
-        load_error = (_type_name(exc), f"cannot load the function in decode worker {index}: "
-                      f"{_text(exc)}", traceback.format_exc())
-    del fn_bytes
-    while True:
-        try:
-            header = tasks.recv_bytes()
-            body = tasks.recv_bytes()
-        except (EOFError, OSError):  # the pool closed, or the parent is gone
-            return
-        task, epoch, number = _HEADER.unpack(header)
-        if task < floor.value:  # the map that sent it was abandoned
-            answer: Tuple[Any, ...] = ("skip", task)
-        elif load_error is not None:
-            answer = ("error", task) + load_error
-        else:
-            answer = _run(fn, body, task, epoch, number, seed, f"{prefix}{task:x}")
-        del body
-        try:
-            results.send(answer)
-        except (OSError, ValueError):  # the parent is gone: nobody will unlink the block
-            if answer[0] == "ok" and answer[2] is not None:
-                _discard_block(answer[2])
-            return
-
-
-def _run(fn: Callable[[Batch], Any], body: bytes, task: int, epoch: int, number: int,
-         seed: int, block: str) -> Tuple[Any, ...]:
-    try:
-        batch = pickle.loads(body)
-        _seed(seed, epoch, number)
-        out = fn(batch)
-        del batch
-        return _pack(task, out, block)
-    except _ShmFull as exc:
-        return ("fatal", task, str(exc))
-    except BaseException as exc:  # SystemExit from the function included: report, live on
-        return ("error", task, _type_name(exc), _text(exc), traceback.format_exc())
-
-
-def _seed(seed: int, epoch: int, number: int) -> None:
-    """Seed the global RNGs for batch ``number`` of ``epoch``: the same whichever worker."""
-    state = np.random.SeedSequence([seed, epoch % (1 << 64), number]).generate_state(4)
-    np.random.seed(state)
-    random.seed(int.from_bytes(state.tobytes(), "little"))
-    torch = sys.modules.get("torch")  # only if fn imported it: workers never import torch
-    if torch is not None:
-        torch.manual_seed(int.from_bytes(state[:2].tobytes(), "little") >> 1)
-
-
-def _shareable(value: Any) -> bool:
-    """Arrays whose bytes are the whole story (no object pointers, no field names)."""
-    return (type(value) is np.ndarray and not value.dtype.hasobject
-            and value.dtype.fields is None)
-
-
-def _pack(task: int, out: Any, name: str) -> Tuple[Any, ...]:
-    """``out``'s plain arrays copied into one new block ``name``; the rest pickled."""
-    if not isinstance(out, dict):
-        extra = cloudpickle.dumps(out)
-        return ("ok", task, None, None, extra, len(extra))
-    layout: List[Tuple[Any, ...]] = []
-    others = {}
-    total = 0
-    for key, value in out.items():
-        if _shareable(value):
-            total = -(-total // _ALIGN) * _ALIGN
-            layout.append((key, value.dtype.str, value.shape, total))
-            total += value.nbytes
-        else:
-            layout.append((key, None, None, None))
-            others[key] = value
-    # cloudpickle: a local class's instances survive too
-    extra = cloudpickle.dumps(others) if others else None
-    block = None
-    if total:
-        shm = shared_memory.SharedMemory(name=name, create=True, size=total)
-        try:
-            _reserve(shm, total)
-            for key, dtype, shape, offset in layout:
-                if offset is not None:
-                    _copy_in(shm, out[key], offset)
-        except BaseException:
-            _close_quietly(shm)
-            shm.unlink()
-            raise
-        _close_quietly(shm)
-        block = name
-    return ("ok", task, block, layout, extra, total + (len(extra) if extra else 0))
-
-
-def _copy_in(shm: shared_memory.SharedMemory, value: np.ndarray, offset: int) -> None:
-    if value.size:  # the view dies with this frame, before the block is closed
-        np.ndarray(value.shape, value.dtype, buffer=shm.buf, offset=offset)[...] = value
-
-
-def _close_quietly(shm: shared_memory.SharedMemory) -> None:
-    try:
-        shm.close()
-    except BufferError:
-        pass
-
-
-def _reserve(shm: shared_memory.SharedMemory, size: int) -> None:
-    """Allocate the block's pages now: on a full /dev/shm writing into them would kill the
-    worker with SIGBUS; this fails with a message instead."""
-    fd = getattr(shm, "_fd", -1)
-    if fd < 0 or not hasattr(os, "posix_fallocate"):
-        return
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
-            return  # not supported here: write and hope
-        try:
-            free = os.statvfs("/dev/shm")
-            room = f" ({free.f_bavail * free.f_frsize >> 20} MiB free)"
-        except OSError:
-            room = ""
-        raise _ShmFull(f"shared memory is full: a decoded batch of {size >> 20} MiB does not "
-                       f"fit in /dev/shm{room}. Give the container a larger /dev/shm (Docker: "
-                       f"--shm-size; Kubernetes: an emptyDir volume with medium Memory mounted "
-                       f"at /dev/shm), or lower the batch size or the number of workers") \
-            from exc
-
-
-def _type_name(exc: BaseException) -> str:
-    cls = type(exc)
-    module = getattr(cls, "__module__", "")
-    return cls.__qualname__ if module in ("builtins", "__main__", None, "") \
-        else f"{module}.{cls.__qualname__}"
-
-
-def _text(exc: BaseException) -> str:
-    try:
-        return str(exc)
-    except Exception:  # a broken __str__ must not hide the error itself
-        return f"<{type(exc).__name__}: str() failed>"

@@ -36,11 +36,11 @@ from sparktrain.data.store import Store, StoredBytes
 from sparktrain.estimators.prediction import as_model_input, feature_expr as _feature_expr, \
     output_series, predict_columns, series_to_numpy, series_values  # noqa: F401 - re-exported
 from sparktrain.estimators.preflight import run_preflight
+from sparktrain.fit_hooks import FitListener, fit_hooks
 from sparktrain.launch import check_backend
 from sparktrain.launch.barrier import check_slots
 from sparktrain.launch.executor_env import RANK_MODULES, check_executors
 from sparktrain.launch.gpus import check_gpu_conf
-from sparktrain.mlflow.tracking import track_fit
 from sparktrain.params import EstimatorParams, ModelParams
 from sparktrain.persistence import EstimatorReader, EstimatorWriter, ModelReader, ModelWriter
 from sparktrain.pickling import dumps
@@ -223,11 +223,12 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         return specs
 
     def _fit(self, dataset: DataFrame) -> "ModelBase":
-        # MLflow (docs/mlflow.md): a tracker that does nothing unless the fit is logged
-        with track_fit(self) as tracker:
-            return self._fit_tracked(dataset, tracker)
+        # the registered fit hooks (MLflow, docs/mlflow.md: it does nothing unless the fit is
+        # logged) wrap the fit: plug-ins follow fits without this module importing them
+        with fit_hooks(self) as listener:
+            return self._fit_tracked(dataset, listener)
 
-    def _fit_tracked(self, dataset: DataFrame, tracker: Any) -> "ModelBase":
+    def _fit_tracked(self, dataset: DataFrame, listener: FitListener) -> "ModelBase":
         specs = self._check_params(dataset)
         spark = dataset.sparkSession
         self._check_session(spark)
@@ -246,10 +247,10 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         # uid + time + random: copies of one estimator (CrossValidator) never share a run.
         run_id = self.getRunId() or \
             f"{self.uid}_{time.strftime('%Y%m%d-%H%M%S')}_{uuid.uuid4().hex[:6]}"
-        tracker.started(run_id, store, spark)
+        listener.started(run_id, store, spark)
         with _FitLogging(self.getVerbose()), ExitStack() as stack, \
                 FitProgress(self.getVerbose(), interval=interval_from_conf(spark),
-                            listeners=[tracker.on_progress]) as progress:
+                            listeners=[listener.on_progress]) as progress:
             started = time.perf_counter()
             stack.enter_context(run_lock(store, run_id, lease_seconds(spark)))
             latest = Checkpoints(store.run_path(run_id), store.storage_options).latest()
@@ -264,7 +265,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                                variable_length=self.getTransformationFn() is not None)
             result = self._train(FitRun(dataset.sparkSession, data, store, use_gpu, run_id,
                                         progress, time.time()))
-            tracker.trained(result)
+            listener.trained(result)
             progress.close()
             log.info("fit done in %.1fs (materialize %.1fs%s); run %s", time.perf_counter() - started,
                      data.seconds, ", reused" if data.reused else "", store.run_path(run_id))
@@ -277,7 +278,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         model._set(feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),
                    run_id=run_id, use_gpu=self.getUseGpu(),
                    predict_transformation_fn=self._prediction_transform(data))
-        tracker.fitted(model, dataset)
+        listener.fitted(model, dataset)
         return model
 
     def _prediction_transform(self, data: MaterializedDataset) -> Optional[Callable]:

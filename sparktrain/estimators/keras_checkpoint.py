@@ -69,7 +69,7 @@ class BestModel:
     def __init__(self, settings: Dict[str, Any], run_path: str,
                  storage_options: Optional[Dict[str, Any]],
                  history: Dict[str, List[float]]) -> None:
-        from sparktrain.data.store import filesystem
+        from sparktrain.fs import filesystem
 
         self.monitor, self.mode = settings["monitor"], settings["mode"]
         self.fs, root = filesystem(posixpath.join(run_path, "checkpoint_callback"),

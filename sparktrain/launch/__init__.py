@@ -10,6 +10,8 @@ import logging
 import warnings
 from typing import Any, Dict, Tuple
 
+from sparktrain.plugins import load
+
 # backend name -> ("module:Class", the framework module it needs)
 TORCH_BACKENDS: Dict[str, Tuple[str, str]] = {
     "torch": ("sparktrain.launch.torch_ddp:TorchDDP", "torch"),
@@ -64,6 +66,4 @@ def check_backend(registry: Dict[str, Tuple[str, str]], name: str) -> None:
 
 def load_backend(registry: Dict[str, Tuple[str, str]], name: str) -> Any:
     """The backend class registered as ``name`` (imports its framework)."""
-    target, _ = registry[name]
-    module, attr = target.split(":")
-    return getattr(importlib.import_module(module), attr)
+    return load(registry[name][0])

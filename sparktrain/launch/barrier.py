@@ -45,8 +45,9 @@ import cloudpickle
 from pyspark import BarrierTaskContext
 from pyspark.sql import SparkSession
 
-from sparktrain.data.store import Store, filesystem
+from sparktrain.data.store import Store
 from sparktrain.errors import TrainingError  # noqa: F401 - raised here, importable from here
+from sparktrain.fs import filesystem
 from sparktrain.launch.events import EventWatcher, RankEvents
 from sparktrain.launch.faults import user_error_source
 from sparktrain.spark_api import cancel_tag, conf_value, is_local_master, is_remote, job_tag, \

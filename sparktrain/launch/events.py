@@ -34,7 +34,7 @@ import uuid
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from sparktrain.data.store import filesystem
+from sparktrain.fs import filesystem
 
 log = logging.getLogger("sparktrain.rank")
 

@@ -1,4 +1,5 @@
-"""One fit's MLflow run: the one context manager ``EstimatorBase._fit`` enters.
+"""One fit's MLflow run: the fit hook (:mod:`sparktrain.fit_hooks`, registered there as
+``"sparktrain.mlflow.tracking:track_fit"``) that ``EstimatorBase._fit`` enters.
 
 Everything goes from the driver: params and tags when the fit starts, each epoch's metrics when
 rank 0's ``epoch`` progress event reaches the driver (``step`` = epoch), then the outcome,
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
 import time
 import warnings
@@ -26,6 +28,7 @@ from contextlib import contextmanager
 from importlib import metadata
 from typing import Any, Dict, Iterator, Optional
 
+from sparktrain.fit_hooks import FitListener
 from sparktrain.mlflow.config import Settings, settings
 from sparktrain.mlflow.fit_params import fit_params
 
@@ -40,23 +43,20 @@ class MlflowLoggingWarning(UserWarning):
     """MLflow could not log (part of) a fit; the fit itself succeeded or failed on its own."""
 
 
-class _Untracked:
-    """The tracker of a fit that is not logged: every hook does nothing."""
-
-    def started(self, *args: Any) -> None:
-        pass
-
-    def on_progress(self, event: Dict[str, Any]) -> None:
-        pass
-
-    def trained(self, result: Dict[str, Any]) -> None:
-        pass
-
-    def fitted(self, model: Any, dataset: Any) -> None:
-        pass
+# frames between a warning here and the fit (EstimatorBase._fit) it is about
+_HOOK_MODULES = (__name__, "sparktrain.fit_hooks", "contextlib")
 
 
-class FitTracker(_Untracked):
+def _warn(message: str) -> None:
+    """Warn as from ``EstimatorBase._fit``'s line, however many context managers lie between
+    (the fit hooks enter this one through an ``ExitStack``)."""
+    frame, level = sys._getframe(0), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__") in _HOOK_MODULES:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, MlflowLoggingWarning, stacklevel=level)
+
+
+class FitTracker(FitListener):
     """Logs one fit (see the module docstring)."""
 
     def __init__(self, estimator: Any, config: Settings) -> None:
@@ -198,9 +198,8 @@ class FitTracker(_Untracked):
         if problem is None:
             problem = self._finish(status)
         if problem is not None:
-            warnings.warn(f"MLflow could not log this fit ({type(problem).__name__}: "
-                          f"{problem}); the fit itself is not affected. docs/mlflow.md",
-                          MlflowLoggingWarning, stacklevel=4)
+            _warn(f"MLflow could not log this fit ({type(problem).__name__}: {problem}); the "
+                  f"fit itself is not affected. docs/mlflow.md")
 
     def _finish(self, status: str) -> Optional[BaseException]:
         """Models (in this thread: MLflow's model logging uses the thread's active run) and
@@ -235,19 +234,18 @@ class FitTracker(_Untracked):
 
 
 @contextmanager
-def track_fit(estimator: Any) -> Iterator[_Untracked]:
+def track_fit(estimator: Any) -> Iterator[FitListener]:
     """The tracker of one fit of ``estimator``: a :class:`FitTracker` when it is logged
     (:func:`sparktrain.mlflow.config.settings`), else one that does nothing."""
     config = settings(estimator.getMlflowLogging())
     if config is None:
-        yield _Untracked()
+        yield FitListener()
         return
     try:
-        tracker: _Untracked = FitTracker(estimator, config)
+        tracker: FitListener = FitTracker(estimator, config)
     except Exception as problem:  # noqa: BLE001
-        warnings.warn(f"MLflow could not log this fit ({type(problem).__name__}: {problem})",
-                      MlflowLoggingWarning, stacklevel=3)
-        yield _Untracked()
+        _warn(f"MLflow could not log this fit ({type(problem).__name__}: {problem})")
+        yield FitListener()
         return
     try:
         yield tracker

@@ -23,8 +23,9 @@ Example (a strategy of your own, see ``docs/engines-and-strategies.md``)::
 """
 from __future__ import annotations
 
-import importlib
 from typing import Dict, Union
+
+from sparktrain.plugins import load
 
 Entry = Union[str, type]
 
@@ -69,7 +70,4 @@ def load_strategy(registry: Dict[str, Entry], name: str) -> type:
         entry = registry[name]
     except KeyError:
         raise ValueError(f"unknown strategy {name!r}; registered: {sorted(registry)}") from None
-    if isinstance(entry, type):
-        return entry
-    module, attr = entry.split(":")
-    return getattr(importlib.import_module(module), attr)
+    return load(entry)

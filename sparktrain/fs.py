@@ -1,0 +1,150 @@
+"""File-system access for every layer: URLs in their Hadoop and fsspec forms, the fsspec
+filesystem of a URL (errors scrubbed of credentials), and small whole-file JSON writes and reads.
+
+The one home of these helpers (issue #26): the store, leases, dataset commits, checkpoints,
+the launch's events and results all come here, so this module imports nothing of sparktrain.
+
+Example::
+
+    fs, path = filesystem("s3a://bucket/st/runs/r1", {"anon": False})   # s3fs, "bucket/st/..."
+    put_file(fs, f"{path}/meta.json", b'{"epochs": 3}')   # readers see all of it or nothing
+    read_json(fs, f"{path}/meta.json")                      # {'epochs': 3}
+"""
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
+
+# Hadoop scheme -> fsspec protocol, where the two differ.
+_SPARK_TO_FSSPEC = {"s3a": "s3", "s3n": "s3", "wasbs": "abfs", "abfss": "abfs"}
+_FSSPEC_TO_SPARK = {"s3": "s3a"}
+
+
+def split_scheme(url: str) -> Tuple[str, str]:
+    """``(scheme, rest)`` of a URL, the scheme lower-cased (``""`` for a plain path)."""
+    if "://" in url:
+        scheme, rest = url.split("://", 1)
+        return scheme.lower(), rest
+    if url.startswith(("file:", "dbfs:")):
+        scheme, rest = url.split(":", 1)
+        return scheme.lower(), rest
+    return "", url
+
+
+def to_fsspec_url(url: str) -> str:
+    """The fsspec form of a Hadoop or fsspec URL (``file:/x`` -> ``/x``, ``s3a://`` -> ``s3://``)."""
+    scheme, rest = split_scheme(url)
+    if scheme in ("", "file"):
+        return "/" + rest.lstrip("/") if scheme else os.path.abspath(rest)
+    if scheme == "dbfs":  # Databricks mounts DBFS at /dbfs on every node (FUSE)
+        return "/dbfs/" + rest.lstrip("/")
+    return f"{_SPARK_TO_FSSPEC.get(scheme, scheme)}://{rest}"
+
+
+def to_spark_url(url: str) -> str:
+    """The Hadoop form of a URL (``/x`` -> ``file:///x``, ``s3://`` -> ``s3a://``)."""
+    scheme, rest = split_scheme(url)
+    if scheme == "":
+        return "file://" + os.path.abspath(rest)
+    if scheme == "file":
+        return "file:///" + rest.lstrip("/")
+    if scheme == "dbfs":
+        return url
+    return f"{_FSSPEC_TO_SPARK.get(scheme, scheme)}://{rest}"
+
+
+def _secret_strings(options: Any) -> List[str]:
+    """Every string value (at any depth) of ``storage_options``: all of them may be secrets."""
+    if isinstance(options, dict):
+        return [s for value in options.values() for s in _secret_strings(value)]
+    if isinstance(options, (list, tuple, set)):
+        return [s for value in options for s in _secret_strings(value)]
+    if isinstance(options, bytes):
+        options = options.decode("utf-8", "replace")
+    return [options] if isinstance(options, str) and len(options) >= 4 else []
+
+
+def redact(text: str, storage_options: Optional[Dict[str, Any]]) -> str:
+    """``text`` with every string value of ``storage_options`` replaced by ``***``."""
+    for secret in sorted(_secret_strings(storage_options), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def filesystem(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[Any, str]:
+    """``(fsspec filesystem, path within it)`` for any URL this module understands.
+
+    A filesystem that fails to start may quote its options in the error (e.g. a token taken
+    for a file name): such an error is raised again, same type where possible, with every
+    option value replaced by ``***`` and without the original attached.
+    """
+    import fsspec
+
+    options = dict(storage_options or {})
+    try:
+        return fsspec.core.url_to_fs(to_fsspec_url(url), **options)
+    except Exception as exc:  # noqa: BLE001 - re-raised below, redacted if it quotes a secret
+        text = str(exc)
+        cleaned = redact(text, options)
+        if cleaned == text:
+            raise
+        error = _same_kind(exc, f"cannot open the store {to_fsspec_url(url)!r}: {cleaned}")
+    raise error  # outside the except block: the original (with the secret) is not chained
+
+
+def _same_kind(exc: Exception, message: str) -> Exception:
+    try:
+        error = type(exc)(message)
+        if str(error) == message:
+            return error
+    except Exception:  # noqa: BLE001 - the type needs other arguments
+        pass
+    return RuntimeError(f"{type(exc).__name__}: {message}")
+
+
+def put_file(fs: Any, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see all of it or nothing.
+
+    It goes to a hidden temporary name first and is then moved into place: atomic where the
+    filesystem renames atomically (local disks, HDFS); on object stores one PUT/copy is atomic
+    by itself. Listings that skip dot-names (:func:`list_json`) never see the temporary file.
+    """
+    directory, name = posixpath.split(path)
+    fs.makedirs(directory, exist_ok=True)
+    temporary = f"{directory}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        fs.pipe_file(temporary, data)
+    except FileNotFoundError:  # an empty directory removed meanwhile (remove_empty)
+        fs.makedirs(directory, exist_ok=True)
+        fs.pipe_file(temporary, data)
+    try:
+        fs.mv(temporary, path)
+    except Exception:
+        try:
+            fs.rm(temporary)
+        except Exception:  # noqa: BLE001 - the original error matters more
+            pass
+        raise
+
+
+def read_json(fs: Any, path: str) -> Optional[Dict[str, Any]]:
+    """The JSON object at ``path``, or ``None`` if it is missing or not (yet) complete."""
+    try:
+        value = json.loads(fs.cat_file(path))
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def list_json(fs: Any, directory: str) -> List[str]:
+    """Paths of the visible ``*.json`` files in ``directory`` (sorted by name), ``[]`` if none."""
+    try:
+        fs.invalidate_cache(directory)
+        names = fs.ls(directory, detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(p for p in names if p.endswith(".json")
+                  and not posixpath.basename(p).startswith("."))

@@ -1,0 +1,214 @@
+"""Value converters of sparktrain's Params: each checks one param's value and says what was
+expected (the ``typeConverter`` of a ``pyspark.ml.param.Param``, like ``TypeConverters``).
+
+Example::
+
+    to_shapes("input_shapes")([[-1, 1, 8, 8]])     # [[-1, 1, 8, 8]]
+    to_shapes("input_shapes")([-1, 8])             # TypeError: ... wrap it as [[-1, 8]]
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from pyspark.ml.param import TypeConverters
+
+MIXED_PRECISION = ("bf16", "fp16")
+READER_POOL_TYPES = ("thread", "process", "dummy")
+MP_START_METHODS = ("fork", "spawn", "forkserver")
+
+
+def to_strategy(value: Any) -> str:
+    """A registered torch strategy (see :mod:`sparktrain.strategies`)."""
+    from sparktrain.strategies import KERAS_STRATEGIES, TORCH_STRATEGIES
+
+    value = TypeConverters.toString(value)
+    if value not in TORCH_STRATEGIES:
+        hint = f" ({value!r} is a KerasEstimator strategy; TorchEstimator replicates the " \
+               f"model with 'ddp' or shards parameters and optimizer state across ranks " \
+               f"with 'fsdp')" if value in KERAS_STRATEGIES else ""
+        raise ValueError(f"strategy must be one of {sorted(TORCH_STRATEGIES)}, found "
+                         f"{value!r}{hint}; register your own with "
+                         f"sparktrain.strategies.register_torch_strategy")
+    return value
+
+
+def to_module_classes(name: str, allow: type) -> Callable[[Any], Any]:
+    """Converter for params taking module classes (or one ``allow``-typed value instead)."""
+    def convert(value: Any) -> Any:
+        if value is None or (isinstance(value, allow)
+                             and (allow is bool or not isinstance(value, bool))):
+            if allow is int and value < 1:
+                raise ValueError(f"{name}: a minimum parameter count must be >= 1, found "
+                                 f"{value}")
+            return value
+        items = list(value) if isinstance(value, (list, tuple, set)) else [value]
+        if not items or not all(isinstance(c, type) for c in items):
+            kinds = "True, " if allow is bool else "a minimum parameter count, "
+            raise TypeError(f"{name} takes {kinds}or a list of torch.nn.Module subclasses "
+                            f"(e.g. [TransformerBlock]); found {value!r}")
+        return items
+    return convert
+
+
+def to_validation(value: Any) -> Any:
+    """``validation`` is a fraction in [0, 1) or the name of a boolean column."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        raise TypeError("validation must be a fraction in [0, 1) or a boolean column name, not a bool")
+    return TypeConverters.toFloat(value)
+
+
+def to_optional_bool(value: Any) -> Optional[bool]:
+    """``None`` (the default decides) or a bool."""
+    return None if value is None else TypeConverters.toBoolean(value)
+
+
+def to_optional_int(value: Any) -> Optional[int]:
+    """``None`` (the default decides) or an int."""
+    return None if value is None else TypeConverters.toInt(value)
+
+
+def to_optional_float(value: Any) -> Optional[float]:
+    """``None`` (the default decides) or a float."""
+    return None if value is None else TypeConverters.toFloat(value)
+
+
+def to_resource_profile(value: Any) -> Any:
+    """``None`` or a ``pyspark.resource.ResourceProfile``."""
+    from pyspark.resource import ResourceProfile
+
+    if value is not None and not isinstance(value, ResourceProfile):
+        raise TypeError(f"resource_profile must be a pyspark.resource.ResourceProfile (from "
+                        f"ResourceProfileBuilder().require(...).build), found "
+                        f"{type(value).__name__}")
+    return value
+
+
+def to_mixed_precision(value: Any) -> Optional[str]:
+    """``None`` (off) or one of :data:`MIXED_PRECISION`."""
+    if value is None:
+        return None
+    if value not in MIXED_PRECISION:
+        raise ValueError(f"mixed_precision={value!r}; expected None, 'bf16' or 'fp16'")
+    return value
+
+
+def to_backend_name(value: Any) -> str:
+    """``backend`` names the engine; Horovod's ``Backend`` objects have no place here."""
+    if isinstance(value, str):
+        return value
+    ranks = getattr(value, "num_processes", None)
+    hint = ""
+    if callable(ranks):
+        try:
+            hint = f" (num_proc={int(ranks())} for this one)"
+        except Exception:  # noqa: BLE001 - only a hint
+            hint = ""
+    raise TypeError(f"backend={type(value).__name__} object; sparktrain's backend is the name "
+                    f"of the distributed engine: 'torch' or 'horovod' for TorchEstimator, "
+                    f"'tensorflow' or 'tfos' for KerasEstimator. Horovod's Backend objects are "
+                    f"not used: ranks are Spark barrier tasks, set their number with "
+                    f"num_proc=N{hint}")
+
+
+def to_shapes(name: str) -> Any:
+    """Converter for ``name`` (``input_shapes``, ``label_shapes``): one shape per column."""
+    def convert(value: Any) -> List[List[int]]:
+        example = "[[-1, 1, 8, 8]]" if name == "input_shapes" else "[[-1]]"
+        expected = (f"{name} must be a list with one shape per column, each a list of ints "
+                    f"(-1 for the batch dimension), e.g. {example}")
+        if not isinstance(value, (list, tuple)) or not value:
+            raise TypeError(f"{expected}; found {value!r}")
+        if all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+            raise TypeError(f"{expected}; found the single shape {list(value)!r}: wrap it as "
+                            f"[{list(value)!r}]")
+        shapes = []
+        for shape in value:
+            if not isinstance(shape, (list, tuple)) or not shape or \
+                    not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+                raise TypeError(f"{expected}; found {value!r}")
+            if any(d == 0 or d < -1 for d in shape) or list(shape).count(-1) > 1:
+                raise TypeError(f"{expected}; found {list(shape)!r} (dimensions are >= 1, and at "
+                                f"most one is -1)")
+            shapes.append([int(d) for d in shape])
+        return shapes
+    return convert
+
+
+def to_loss_weights(value: Any) -> List[float]:
+    """One number per label column."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        raise TypeError(f"loss_weights must be a list with one number per label column, e.g. "
+                        f"[1.0, 0.5]; found the single number {value!r}")
+    try:
+        weights = TypeConverters.toListFloat(value)
+    except TypeError:
+        raise TypeError(f"loss_weights must be a list with one number per label column, e.g. "
+                        f"[1.0, 0.5]; found {value!r}") from None
+    return weights
+
+
+class EnvVars(dict):
+    """``backend_env``'s value: a plain dict whose ``repr`` hides the values (they may be
+    tokens), so that param dumps (``explainParams``, MLflow's ``pyspark.ml`` autologging, which
+    logs ``str(value)`` of every param) never show them."""
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{k!r}: '***'" for k in self) + "}"
+
+    __str__ = __repr__
+
+
+def to_env(value: Any) -> Dict[str, str]:
+    """Environment variables (name -> str or number) as :class:`EnvVars`."""
+    if not isinstance(value, dict):
+        raise TypeError(f"backend_env must be a dict of environment variables (name -> value), "
+                        f"found {type(value).__name__}")
+    env = EnvVars()
+    for key, item in value.items():
+        if not isinstance(key, str) or not key or "=" in key or \
+                not isinstance(item, (str, int, float)) or isinstance(item, bool):
+            raise TypeError(f"backend_env must map variable names (str, no '=') to str or "
+                            f"number values; found {key!r}: {item!r}")
+        env[key] = str(item)
+    return env
+
+
+def to_choice(name: str, choices: Sequence[str]) -> Any:
+    """Converter for ``name``, whose value is one of ``choices``."""
+    def convert(value: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"{name}={value!r}; expected one of {list(choices)}")
+        return value
+    return convert
+
+
+def to_count(name: str) -> Any:
+    """Converter for ``name``, an integer >= 0."""
+    def convert(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TypeError(f"{name} must be an integer >= 0, found {value!r}")
+        return value
+    return convert
+
+
+def to_keras_strategy(value: Any) -> str:
+    """A registered Keras strategy (see :mod:`sparktrain.strategies`)."""
+    from sparktrain.strategies import KERAS_STRATEGIES, TORCH_STRATEGIES
+
+    value = TypeConverters.toString(value)
+    if value not in KERAS_STRATEGIES:
+        hint = " (TorchEstimator's strategies; Keras trains data parallel with " \
+               "'multi_worker_mirrored')" if value in TORCH_STRATEGIES else ""
+        raise ValueError(f"strategy must be one of {sorted(KERAS_STRATEGIES)}, found "
+                         f"{value!r}{hint}")
+    return value
+
+
+def to_num_ps(value: Any) -> int:
+    """At least one parameter server."""
+    value = TypeConverters.toInt(value)
+    if value < 1:
+        raise ValueError(f"num_ps must be at least 1 (parameter servers), found {value}")
+    return value
