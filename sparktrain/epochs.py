@@ -18,7 +18,7 @@ driver owns the rest, identical for every framework and strategy:
 
 Example (rank side)::
 
-    driver = EpochDriver(rank=0, world_size=2, epochs=5, run_path=run, log=print)
+    driver = EpochDriver.for_spec(spec, rank=0, world_size=2, log=print)   # spec: a LoopSpec
     state = driver.resume_bytes()             # None on a fresh run
     ...                                       # build the model from it
     driver.agree(training.all_reduce_sum)
@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 
 from sparktrain.checkpoint import Checkpoints
 from sparktrain.launch.faults import mark_user_error
+from sparktrain.loop_spec import LoopSpec
 
 Logs = Dict[str, float]
 
@@ -107,6 +108,15 @@ class EpochDriver:
         self.steps = 0  # training steps per epoch, set by start()
         self.stop_reason: Optional[str] = None
         self._make_board = board if rank == 0 and run_path else None
+
+    @classmethod
+    def for_spec(cls, spec: LoopSpec, *, rank: int, world_size: int, attempt: int = 0,
+                 **hooks: Any) -> "EpochDriver":
+        """The driver of ``spec``'s fit on this rank (its epochs, verbosity, run directory,
+        deadline and fit id); ``hooks``: the other keywords of ``__init__`` (``log``...)."""
+        return cls(rank=rank, world_size=world_size, epochs=spec.epochs, verbose=spec.verbose,
+                   run_path=spec.run_path, storage_options=spec.storage_options,
+                   deadline=spec.deadline, attempt=attempt, fit_id=spec.fit_id, **hooks)
 
     def resume_bytes(self) -> Optional[bytes]:
         """The checkpoint this attempt resumes from (the framework's bytes), or ``None``."""

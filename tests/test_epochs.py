@@ -9,6 +9,7 @@ import pytest
 from sparktrain.checkpoint import Checkpoints
 from sparktrain.epochs import EpochDriver, StepReporter
 from sparktrain.launch.faults import is_user_error
+from sparktrain.loop_spec import LoopSpec
 
 
 class Scripted:
@@ -137,6 +138,20 @@ def test_tensorboard_writer_is_made_on_rank_0_and_closed(tmp_path):
     other_rank, _, _ = driver(tmp_path / "r1", board=Board, rank=1)
     other_rank.run(Scripted())
     assert len(made) == 1
+
+
+def test_loop_spec_round_trips_and_makes_its_driver(tmp_path):
+    spec = LoopSpec(dataset_root="/d", layouts={"train": [["a.parquet", 10]]}, columns=[],
+                    feature_cols=["x"], label_cols=["y"], sample_weight_col="w", batch_size=8,
+                    val_batch_size=8, epochs=3, shuffle=False, seed=None, verbose=0,
+                    backend="torch", strategy="ddp", run_path=str(tmp_path / "run"),
+                    deadline=12.5, fit_id="f1")
+    assert LoopSpec.from_json(spec.to_json()) == spec
+    assert spec.model_columns() == ["x", "y", "w"]
+    made = EpochDriver.for_spec(spec, rank=1, world_size=2, attempt=3, log=print)
+    assert (made.epochs, made.verbose, made.deadline, made.fit_id, made.attempt) == \
+        (3, 0, 12.5, "f1", 3)
+    assert made.checkpoints is not None and made.rank == 1 and made.world_size == 2
 
 
 def test_without_a_run_directory_nothing_is_written(tmp_path):

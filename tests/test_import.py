@@ -27,7 +27,8 @@ import pathlib  # noqa: E402
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "sparktrain"
 #: the modules that run inside barrier tasks and their child processes
 RANK_SIDE = ("sparktrain.estimators.torch_worker", "sparktrain.estimators.keras_worker",
-             "sparktrain.strategies", "sparktrain.launch", "sparktrain.epochs")
+             "sparktrain.strategies", "sparktrain.launch", "sparktrain.epochs",
+             "sparktrain.loop_spec")
 ESTIMATOR_MODULES = {"sparktrain.estimators.torch", "sparktrain.estimators.keras",
                      "sparktrain.estimators.base", "sparktrain.estimators.preflight"}
 

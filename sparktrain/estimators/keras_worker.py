@@ -142,12 +142,10 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
     strategy = payload["strategy"](spec)
     distributed = strategy.distribute(tf)
     run_path = spec.run_path
-    driver = EpochDriver(rank=rank, world_size=world, epochs=spec.epochs, verbose=spec.verbose,
-                         run_path=run_path, storage_options=spec.storage_options,
-                         deadline=spec.deadline, attempt=spec.attempt, fit_id=spec.fit_id,
-                         log=_print,
-                         progress=_progress, meta={"framework": "keras"},
-                         board=lambda: _TensorBoard(tf, run_path, spec.storage_options))
+    driver = EpochDriver.for_spec(
+        spec, rank=rank, world_size=world, attempt=spec.attempt, log=_print, progress=_progress,
+        meta={"framework": "keras"},
+        board=lambda: _TensorBoard(tf, run_path, spec.storage_options))
     model_bytes, optimizer_state = payload["model"], None
     resumed = driver.resume_bytes()
     if resumed is not None:
@@ -176,7 +174,7 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
     val_reader = reader("val", spec.val_batch_size, False) if spec.layouts.get("val") else None
     train_steps = strategy.steps_per_epoch(spec.train_steps or len(train_reader))
     transform = payload.get("transformation_fn")
-    model_names = list(features) + list(labels) + ([weight_col] if weight_col else [])
+    model_names = spec.model_columns()
     feed = BatchFeed(transform, model_names, spec.reader_pool,
                      {"train": spec.train_decode_workers, "val": spec.val_decode_workers},
                      spec.seed, spec.mp_start_method)

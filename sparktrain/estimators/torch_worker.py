@@ -20,7 +20,7 @@ import contextlib
 import copy
 import io
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import cloudpickle
@@ -36,52 +36,19 @@ from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.faults import mark_user_error, user_code
 from sparktrain.launch.gpus import rank_gpu
+from sparktrain.loop_spec import LoopSpec
 from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
 from sparktrain.strategies.torch_blocks import blocks, checkpoint_activations
 from sparktrain.strategies.torch_strategy import StrategyConfig, TorchStrategy
 
 
-@dataclass
-class TorchTrainSpec:
-    """Plain-valued description of one fit, shipped to every rank."""
+@dataclass(kw_only=True)
+class TorchTrainSpec(LoopSpec):
+    """One torch fit's :class:`~sparktrain.loop_spec.LoopSpec`, plus the torch loop's own
+    fields; ``strategy`` names one of :data:`sparktrain.strategies.TORCH_STRATEGIES`."""
 
-    dataset_root: str
-    layouts: Dict[str, List]
-    columns: List[Dict]
-    feature_cols: List[str]
-    label_cols: List[str]
-    sample_weight_col: Optional[str]
-    batch_size: int
-    val_batch_size: int
-    epochs: int
-    shuffle: bool
-    seed: Optional[int]
-    backend: str
     use_gpu: bool
-    verbose: int
-    run_path: str = ""
-    storage_options: Dict[str, Any] = field(default_factory=dict, repr=False)
-    train_steps: Optional[int] = None
-    val_steps: Optional[int] = None
-    inmemory_cache_all: bool = False
-    backward_passes_per_step: int = 1
-    scale_learning_rate: bool = False
-    mixed_precision: Optional[str] = None
-    deadline: Optional[float] = None  # time.time() after which training stops at an epoch end
-    fit_id: str = ""  # the fit's attempts share it (see sparktrain.epochs)
-    # Horovod's params (see TorchEstimator)
-    input_shapes: Optional[List[List[int]]] = None
-    label_shapes: Optional[List[List[int]]] = None
-    loss_weights: Optional[List[float]] = None
-    gradient_compression: Optional[str] = None  # "fp16"
-    backend_env: Dict[str, str] = field(default_factory=dict, repr=False)
-    train_prefetch: int = 2  # row groups the readers decode ahead
-    val_prefetch: int = 2
-    reader_pool: str = "thread"  # "process": transformation_fn in decode worker processes
-    train_decode_workers: int = 2
-    val_decode_workers: int = 2
-    mp_start_method: Optional[str] = None
-    strategy: str = "ddp"  # a name in sparktrain.strategies.TORCH_STRATEGIES
+    gradient_compression: Optional[str] = None  # "fp16" (Horovod's param, see TorchEstimator)
 
 
 def select_device(ctx: RankContext, use_gpu: bool) -> torch.device:
@@ -253,12 +220,6 @@ class _Step:
             else:
                 self.optimizer.step()
             self.optimizer.zero_grad()  # set_to_none by default in torch 2; Horovod takes no args
-
-
-def model_columns(spec: TorchTrainSpec) -> List[str]:
-    """The batch columns the model, the loss and the sample weighting read."""
-    return list(spec.feature_cols) + list(spec.label_cols) + \
-        ([spec.sample_weight_col] if spec.sample_weight_col else [])
 
 
 def _run_epoch(model: torch.nn.Module, batches: Iterator[Dict], steps: int,
@@ -476,14 +437,10 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     del blob  # as large as the model: not kept through the fit
     extras: Dict[str, Any] = more[0] if more else {}  # Horovod's loss_constructors, minibatch fn
     callbacks = list(callbacks or [])
-    driver = EpochDriver(rank=ctx.rank, world_size=ctx.world_size, epochs=spec.epochs,
-                         verbose=spec.verbose, run_path=spec.run_path,
-                         storage_options=spec.storage_options, deadline=spec.deadline,
-                         attempt=ctx.attempt, fit_id=spec.fit_id, log=ctx.log,
-                         progress=ctx.progress,
-                         board=lambda: _TensorBoard(spec.run_path, spec.storage_options),
-                         require_finite=True,
-                         meta={"framework": "torch", "strategy": spec.strategy})
+    driver = EpochDriver.for_spec(
+        spec, rank=ctx.rank, world_size=ctx.world_size, attempt=ctx.attempt, log=ctx.log,
+        progress=ctx.progress, board=lambda: _TensorBoard(spec.run_path, spec.storage_options),
+        require_finite=True, meta={"framework": "torch", "strategy": spec.strategy})
     device = select_device(ctx, spec.use_gpu)
 
     columns = [ColumnSpec.from_json(c) for c in spec.columns]
@@ -496,7 +453,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         readers["val"] = make_reader("val", spec.val_batch_size, False)
     train_steps = spec.train_steps or len(readers["train"])
 
-    feed = BatchFeed(transform, model_columns(spec), spec.reader_pool,
+    feed = BatchFeed(transform, spec.model_columns(), spec.reader_pool,
                      {"train": spec.train_decode_workers, "val": spec.val_decode_workers},
                      spec.seed, spec.mp_start_method)
 
@@ -583,7 +540,7 @@ def check_batch(spec: TorchTrainSpec, blob: bytes, batch: Dict[str, np.ndarray])
                                 optimizer=optimizer, device=device, rank=0, world_size=1)
     compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col),
                                  spec.loss_weights)
-    batches = BatchFeed(transform, model_columns(spec))([batch])
+    batches = BatchFeed(transform, spec.model_columns())([batch])
     _run_epoch(model, batches, 1, _Batches(spec, device), compute_loss, named_metrics(metrics),
                spec.label_cols, autocast=_autocast_dtype(spec) if spec.mixed_precision == "bf16"
                else None)
