@@ -7,7 +7,7 @@ import time
 import pytest
 
 from sparktrain.checkpoint import Checkpoints
-from sparktrain.epochs import EpochDriver, StepReporter
+from sparktrain.epochs import EpochBoard, EpochDriver, StepReporter
 from sparktrain.launch.faults import is_user_error
 from sparktrain.loop_spec import LoopSpec
 
@@ -138,6 +138,34 @@ def test_tensorboard_writer_is_made_on_rank_0_and_closed(tmp_path):
     other_rank, _, _ = driver(tmp_path / "r1", board=Board, rank=1)
     other_rank.run(Scripted())
     assert len(made) == 1
+
+
+def test_epoch_board_splits_validation_metrics_and_flushes_every_epoch(tmp_path):
+    class Writer:
+        def __init__(self, directory):
+            self.directory, self.scalars, self.flushes, self.closed = directory, [], 0, False
+
+        def flush(self):
+            self.flushes += 1
+
+        def close(self):
+            self.closed = True
+
+    class Board(EpochBoard):
+        def _open(self, directory):
+            return Writer(directory)
+
+        def _scalar(self, writer, tag, value, step):
+            writer.scalars.append((tag, value, step))
+
+    board = Board(str(tmp_path / "run"), {})
+    board.write(0, {"loss": 1.0, "val_loss": 2.0})
+    board.close()
+    train, validation = board.writers["train"], board.writers["validation"]
+    assert board.remote is None and train.directory == f"{tmp_path}/run/tensorboard/train"
+    assert train.scalars == [("epoch/loss", 1.0, 1)]
+    assert validation.scalars == [("epoch/loss", 2.0, 1)]
+    assert train.flushes == validation.flushes == 1 and train.closed and validation.closed
 
 
 def test_loop_spec_round_trips_and_makes_its_driver(tmp_path):

@@ -29,7 +29,7 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from sparktrain.epochs import EpochDriver, StepReporter
+from sparktrain.epochs import EpochBoard, EpochDriver, StepReporter
 from sparktrain.estimators.keras_batch import batch_tensors, forward_stats, per_row_loss, \
     resolve_metrics
 from sparktrain.estimators.keras_saving import loading_objects
@@ -47,35 +47,19 @@ def _print(text: str) -> None:
 _resolve_metrics = resolve_metrics  # the names this module had before keras_batch
 
 
-class _TensorBoard:
-    """Rank 0's event files under ``<run>/tensorboard/{train,validation}`` (tf.summary), written
-    locally and copied to the store after every epoch when the store is remote."""
+class _TensorBoard(EpochBoard):
+    """:class:`~sparktrain.epochs.EpochBoard` written by ``tf.summary``."""
 
     def __init__(self, tf: Any, run_path: str, storage_options: Dict[str, Any]) -> None:
-        import tempfile
-
-        from sparktrain.data.store import filesystem
-
         self.tf = tf
-        self.fs, remote = filesystem(run_path + "/tensorboard", storage_options)
-        self.remote = remote if "://" in run_path else None
-        self.local = tempfile.mkdtemp(prefix="sparktrain-tb-") if self.remote else remote
-        self.writers = {s: tf.summary.create_file_writer(f"{self.local}/{s}")
-                        for s in ("train", "validation")}
+        super().__init__(run_path, storage_options)
 
-    def write(self, epoch: int, logs: Dict[str, float]) -> None:
-        for key, value in logs.items():
-            split, name = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
-            with self.writers[split].as_default():
-                self.tf.summary.scalar(f"epoch/{name}", value, step=epoch + 1)
-        for writer in self.writers.values():
-            writer.flush()
-        if self.remote:
-            self.fs.put(self.local + "/", self.remote, recursive=True)
+    def _open(self, directory: str) -> Any:
+        return self.tf.summary.create_file_writer(directory)
 
-    def close(self) -> None:
-        for writer in self.writers.values():
-            writer.close()
+    def _scalar(self, writer: Any, tag: str, value: float, step: int) -> None:
+        with writer.as_default():
+            self.tf.summary.scalar(tag, value, step=step)
 
 
 def _checkpoint_bytes(model_file: str, optimizer: Any) -> bytes:

@@ -30,7 +30,7 @@ import torch
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.reader import ShardReader, take_steps
 from sparktrain.data.columns import ColumnSpec
-from sparktrain.epochs import EpochDriver, Logs, StepReporter
+from sparktrain.epochs import EpochBoard, EpochDriver, Logs, StepReporter
 from sparktrain.estimators.torch_losses import build_losses, named_metrics
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
@@ -290,16 +290,11 @@ def _averaged(dist: Any, sums: torch.Tensor, names: List[str], prefix: str) -> D
     return result
 
 
-class _TensorBoard:
-    """Rank 0's TensorBoard event files under ``<run>/tensorboard/{train,validation}``.
+class _TensorBoard(EpochBoard):
+    """:class:`~sparktrain.epochs.EpochBoard` written by torch's ``SummaryWriter``."""
 
-    Written locally (straight into the store when it is a local directory, else into a temp
-    directory copied to the store after every epoch); ``tensorboard --logdir <run>/tensorboard``.
-    """
-
-    def __init__(self, run_path: str, storage_options: Dict[str, Any]) -> None:
+    def _open(self, directory: str) -> Any:
         import sys
-        import tempfile
         import types
 
         # tensorboard.compat imports all of TensorFlow when it is installed (8 s here) unless
@@ -307,26 +302,10 @@ class _TensorBoard:
         sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
         from torch.utils.tensorboard import SummaryWriter
 
-        from sparktrain.data.store import filesystem
+        return SummaryWriter(directory)
 
-        self.fs, remote = filesystem(run_path + "/tensorboard", storage_options)
-        self.remote = None if "://" not in run_path else remote
-        local = tempfile.mkdtemp(prefix="sparktrain-tb-") if self.remote else remote
-        self.local = local
-        self.writers = {split: SummaryWriter(f"{local}/{split}") for split in ("train", "validation")}
-
-    def write(self, epoch: int, logs: Dict[str, float]) -> None:
-        for key, value in logs.items():
-            split, name = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
-            self.writers[split].add_scalar(f"epoch/{name}", value, epoch + 1)
-        for writer in self.writers.values():
-            writer.flush()
-        if self.remote:
-            self.fs.put(self.local + "/", self.remote, recursive=True)
-
-    def close(self) -> None:
-        for writer in self.writers.values():
-            writer.close()
+    def _scalar(self, writer: Any, tag: str, value: float, step: int) -> None:
+        writer.add_scalar(tag, value, step)
 
 
 def _checkpoint_bytes(weights: Dict[str, torch.Tensor], optimizer_state: Any) -> bytes:
