@@ -26,7 +26,6 @@ from pyspark import keyword_only
 from pyspark.sql import SparkSession
 
 from sparktrain import compat
-from sparktrain.data.batch import raw_columns
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
@@ -213,15 +212,8 @@ class KerasEstimator(EstimatorBase, KerasParams):
     def _train(self, run: FitRun) -> Dict[str, Any]:
         from sparktrain.estimators.keras_checkpoint import checkpoint_settings
 
-        data = run.data
         input_shapes = self._input_shapes()
-        # a transformation_fn may change every column's shape: the first batch tells then
-        sizes = {c.name: None if self.getTransformationFn() is not None else c.size
-                 for c in data.columns}
-        for name, shapes, cols in (("the model's input shapes", input_shapes,
-                                    self.getFeatureCols()),
-                                   ("label_shapes", self.getLabelShapes(), self.getLabelCols())):
-            compat.check_shapes_fit(name, shapes, [(c, sizes.get(c)) for c in cols])
+        compat.check_data_shapes(self, run.data.columns, input_shapes, "the model's input shapes")
         ignored = []
         if compat.compression_name(self.getGradientCompression()) is not None:
             ignored.append("gradient_compression: tf.distribute.MultiWorkerMirroredStrategy's "
@@ -232,19 +224,9 @@ class KerasEstimator(EstimatorBase, KerasParams):
             ignored.append("checkpoint_callback.save_freq: the best model is chosen at epoch "
                            "ends")
         spec = KerasTrainSpec(
-            dataset_root=data.root, layouts=data.files, columns=[c.to_json() for c in data.columns],
-            feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),
-            sample_weight_col=self.getSampleWeightCol(), batch_size=self.getBatchSize(),
-            val_batch_size=self.getValBatchSize(), epochs=self.getEpochs(),
-            shuffle=self.getShuffle(), seed=self.getRandomSeed(), verbose=self.getVerbose(),
-            backend=self.getBackend(), strategy=self.getStrategy(),
-            storage_options=run.store.storage_options, input_shapes=input_shapes,
-            label_shapes=self.getLabelShapes(), loss_weights=self.getLossWeights(),
-            backend_env=self.getBackendEnv(),
+            **self._spec_fields(run), strategy=self.getStrategy(), input_shapes=input_shapes,
             best_model=checkpoint_settings(callback, self.getValidation()),
-            strategy_options=self._check_strategy(),
-            **compat.reader_options(self, raw=bool(raw_columns(data.columns))),
-            **self._loop_options(run))
+            strategy_options=self._check_strategy())
         compat.warn_ignored(self, ignored)
         launch = dict(description=f"sparktrain KerasEstimator {self.uid}",
                       echo_logs=self.getVerbose() >= 1, on_progress=run.progress.update,

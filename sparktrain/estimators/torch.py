@@ -28,7 +28,6 @@ import cloudpickle
 from pyspark import keyword_only
 
 from sparktrain import compat
-from sparktrain.data.batch import raw_columns
 from sparktrain.checkpoint import Checkpoints
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
@@ -278,24 +277,10 @@ class TorchEstimator(EstimatorBase, TorchParams):
         preflight's (no dataset, the CPU)."""
         from sparktrain.estimators.torch_worker import TorchTrainSpec
 
-        if run is None:
-            where: Dict[str, Any] = dict(dataset_root="", layouts={}, columns=[], use_gpu=False,
-                                         mixed_precision=self.getMixedPrecision())
-        else:
-            where = dict(dataset_root=run.data.root, layouts=run.data.files,
-                         columns=[c.to_json() for c in run.data.columns], use_gpu=run.use_gpu,
-                         storage_options=run.store.storage_options, **self._loop_options(run))
         return TorchTrainSpec(
-            feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),
-            sample_weight_col=self.getSampleWeightCol(), batch_size=self.getBatchSize(),
-            val_batch_size=self.getValBatchSize(), epochs=self.getEpochs(),
-            shuffle=self.getShuffle(), seed=self.getRandomSeed(), backend=self.getBackend(),
-            verbose=self.getVerbose(), input_shapes=self.getInputShapes(),
-            label_shapes=self.getLabelShapes(), loss_weights=self.getLossWeights(),
-            gradient_compression=compat.compression_name(self.getGradientCompression()),
-            backend_env=self.getBackendEnv(), strategy=self.getStrategy(),
-            **compat.reader_options(self, raw=run is not None and bool(raw_columns(run.data.columns))),
-            **where)
+            **self._spec_fields(run), strategy=self.getStrategy(),
+            input_shapes=self.getInputShapes(), use_gpu=run is not None and run.use_gpu,
+            gradient_compression=compat.compression_name(self.getGradientCompression()))
 
     def _check_on_batch(self, batch: Dict[str, Any]) -> None:
         """Preflight (see :mod:`.preflight`): one validation step on ``batch`` on the CPU."""
@@ -320,13 +305,7 @@ class TorchEstimator(EstimatorBase, TorchParams):
                 tensors, preflight.torch_expectation(self.getModel())) from exc
 
     def _train(self, run: FitRun) -> Dict[str, Any]:
-        data = run.data
-        # a transformation_fn may change every column's shape: the first batch tells then
-        sizes = {c.name: None if self.getTransformationFn() is not None else c.size
-                 for c in data.columns}
-        for name, shapes, cols in (("input_shapes", self.getInputShapes(), self.getFeatureCols()),
-                                   ("label_shapes", self.getLabelShapes(), self.getLabelCols())):
-            compat.check_shapes_fit(name, shapes, [(c, sizes.get(c)) for c in cols])
+        compat.check_data_shapes(self, run.data.columns, self.getInputShapes())
         compat.warn_ignored(self)  # once per fit: Horovod params without an equivalent
         if self.getFsdpCpuOffload() and not run.use_gpu:
             warnings.warn("fsdp_cpu_offload=True is ignored: the ranks train on CPUs, where "
