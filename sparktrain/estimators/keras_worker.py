@@ -115,9 +115,8 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
     import tensorflow as tf
     import keras
 
-    from sparktrain.data.columns import ColumnSpec
     from sparktrain.data.feed import BatchFeed
-    from sparktrain.data.reader import ShardReader, take_steps
+    from sparktrain.data.reader import ShardReader, shard_readers, take_steps
 
     rank, world = spec.rank, spec.world_size
     if spec.seed is not None:
@@ -146,22 +145,11 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
         metrics = resolve_metrics(keras, payload["metrics"], custom)
     features, labels = spec.feature_cols, spec.label_cols
     weight_col = spec.sample_weight_col
-    columns = [ColumnSpec.from_json(c) for c in spec.columns]
-
-    def reader(split: str, batch: int, shuffle: bool) -> ShardReader:
-        return ShardReader(spec.dataset_root, spec.layouts[split], columns, rank, world,
-                           batch, shuffle, spec.seed, spec.storage_options,
-                           inmemory_cache_all=bool(spec.inmemory_cache_all),
-                           prefetch=getattr(spec, f"{split}_prefetch"))
-
-    train_reader = reader("train", spec.batch_size, spec.shuffle)
-    val_reader = reader("val", spec.val_batch_size, False) if spec.layouts.get("val") else None
+    readers = shard_readers(spec, rank, world)
+    train_reader, val_reader = readers["train"], readers.get("val")
     train_steps = strategy.steps_per_epoch(spec.train_steps or len(train_reader))
     transform = payload.get("transformation_fn")
-    model_names = spec.model_columns()
-    feed = BatchFeed(transform, model_names, spec.reader_pool,
-                     {"train": spec.train_decode_workers, "val": spec.val_decode_workers},
-                     spec.seed, spec.mp_start_method)
+    feed = BatchFeed.for_spec(spec, transform)
     atexit.register(feed.close)  # this worker process ends with the fit, whichever way
     n_stats = 2 + len(metrics) * len(labels)
 
@@ -273,7 +261,7 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
             callback.on_train_end({k: v[-1] for k, v in history.items()})
     feed.close()
     sample = next(iter(train_reader.epoch(0)))
-    sample = next(BatchFeed(transform, model_names)([{k: v[:1] for k, v in sample.items()}]))
+    sample = next(BatchFeed(transform, spec.model_columns())([{k: v[:1] for k, v in sample.items()}]))
     x, _, _ = tensors(sample)
     outputs = model(x if len(features) > 1 else x[0])
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]

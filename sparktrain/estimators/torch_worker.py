@@ -28,8 +28,7 @@ import numpy as np
 import torch
 
 from sparktrain.data.feed import BatchFeed
-from sparktrain.data.reader import ShardReader, take_steps
-from sparktrain.data.columns import ColumnSpec
+from sparktrain.data.reader import ShardReader, shard_readers, take_steps
 from sparktrain.epochs import EpochBoard, EpochDriver, Logs, StepReporter
 from sparktrain.estimators.torch_losses import build_losses, named_metrics
 from sparktrain.launch import TORCH_BACKENDS, load_backend
@@ -422,19 +421,9 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         require_finite=True, meta={"framework": "torch", "strategy": spec.strategy})
     device = select_device(ctx, spec.use_gpu)
 
-    columns = [ColumnSpec.from_json(c) for c in spec.columns]
-    make_reader = lambda split, batch, shuffle: ShardReader(  # noqa: E731
-        spec.dataset_root, spec.layouts[split], columns, ctx.rank, ctx.world_size, batch,
-        shuffle, spec.seed, spec.storage_options, inmemory_cache_all=spec.inmemory_cache_all,
-        prefetch=spec.train_prefetch if split == "train" else spec.val_prefetch)
-    readers = {"train": make_reader("train", spec.batch_size, spec.shuffle)}
-    if spec.layouts.get("val"):
-        readers["val"] = make_reader("val", spec.val_batch_size, False)
+    readers = shard_readers(spec, ctx.rank, ctx.world_size)
     train_steps = spec.train_steps or len(readers["train"])
-
-    feed = BatchFeed(transform, spec.model_columns(), spec.reader_pool,
-                     {"train": spec.train_decode_workers, "val": spec.val_decode_workers},
-                     spec.seed, spec.mp_start_method)
+    feed = BatchFeed.for_spec(spec, transform)
 
     def batches(split: str, epoch: int, steps: Optional[int]) -> Iterator[Dict]:
         return feed(take_steps(readers[split], epoch, steps), split, epoch)
