@@ -13,7 +13,7 @@ keyword-only, so a framework's spec can add required fields after defaulted ones
 
 Example::
 
-    spec = TorchTrainSpec(**estimator._spec_fields(run), use_gpu=True)
+    spec = TorchTrainSpec(**estimator._spec_fields(run), strategy="ddp", use_gpu=True)
     spec = KerasTrainSpec.from_json(spec_text)       # in the Keras child process
 """
 from __future__ import annotations

@@ -38,11 +38,11 @@ from sparktrain.launch.environment import rank_environment
 from sparktrain.launch.tf_protocol import KerasTrainSpec
 from sparktrain.params import KerasParams
 from sparktrain.pickling import dumps
+from sparktrain.spark_api import classic_only
+from sparktrain.strategies import KERAS_STRATEGIES, load_strategy
 
 if TYPE_CHECKING:  # PEP 692: typing.Unpack from Python 3.11, typing_extensions before
     from typing_extensions import Unpack
-from sparktrain.spark_api import classic_only
-from sparktrain.strategies import KERAS_STRATEGIES, load_strategy
 
 __all__ = ["KerasEstimator", "KerasModel", "loading_objects", "model_shapes", "predict_device"]
 

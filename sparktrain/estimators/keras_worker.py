@@ -261,7 +261,8 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
             callback.on_train_end({k: v[-1] for k, v in history.items()})
     feed.close()
     sample = next(iter(train_reader.epoch(0)))
-    sample = next(BatchFeed(transform, spec.model_columns())([{k: v[:1] for k, v in sample.items()}]))
+    first_row = {k: v[:1] for k, v in sample.items()}
+    sample = next(BatchFeed(transform, spec.model_columns())([first_row]))
     x, _, _ = tensors(sample)
     outputs = model(x if len(features) > 1 else x[0])
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]

@@ -2,8 +2,9 @@
 
 A leaf module (no TensorFlow; of sparktrain only the leaf :mod:`sparktrain.loop_spec`): the
 estimator builds a :class:`KerasTrainSpec`, the launchers (:mod:`.tf_multiworker`,
-:mod:`.tf_parameter_server`, :mod:`.tfos`) write it with the pickled payload into a directory, and the child
-(``python -m sparktrain.estimators.keras_worker DIR``) answers through the files named here.
+:mod:`.tf_parameter_server`, :mod:`.tfos`) write it with the pickled payload into a directory,
+and the child (``python -m sparktrain.estimators.keras_worker DIR``) answers through the files
+named here.
 
 Example::
 
