@@ -63,6 +63,19 @@ def check_shapes_fit(name: str, shapes: Optional[Sequence[Sequence[int]]],
                                  f"{name} or the column")
 
 
+def check_data_shapes(est: Any, columns: Sequence[Any], input_shapes: Optional[Sequence],
+                      input_name: str = "input_shapes") -> None:
+    """``input_shapes`` (``input_name`` in errors) and ``label_shapes`` fit the materialized
+    ``columns`` (their ``ColumnSpec``); not checked with a ``transformation_fn``: it may change
+    every column's shape (the first batch tells then)."""
+    if est.getTransformationFn() is not None:
+        return
+    sizes = {c.name: c.size for c in columns}
+    for name, shapes, cols in ((input_name, input_shapes, est.getFeatureCols()),
+                               ("label_shapes", est.getLabelShapes(), est.getLabelCols())):
+        check_shapes_fit(name, shapes, [(c, sizes.get(c)) for c in cols])
+
+
 def check_loss_weights(weights: Optional[Sequence[float]], label_cols: Sequence[str]) -> None:
     if weights is not None and len(weights) != len(label_cols):
         raise ValueError(f"loss_weights has {len(weights)} weight(s) for {len(label_cols)} "

@@ -18,7 +18,7 @@ driver owns the rest, identical for every framework and strategy:
 
 Example (rank side)::
 
-    driver = EpochDriver(rank=0, world_size=2, epochs=5, run_path=run, log=print)
+    driver = EpochDriver.for_spec(spec, rank=0, world_size=2, log=print)   # spec: a LoopSpec
     state = driver.resume_bytes()             # None on a fresh run
     ...                                       # build the model from it
     driver.agree(training.all_reduce_sum)
@@ -32,7 +32,9 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from sparktrain.checkpoint import Checkpoints
+from sparktrain.fs import filesystem
 from sparktrain.launch.faults import mark_user_error
+from sparktrain.loop_spec import LoopSpec
 
 Logs = Dict[str, float]
 
@@ -52,6 +54,46 @@ class StepReporter:
     def send(self, step: int, loss: float) -> None:
         self.last = time.monotonic()
         self.progress(event="step", epoch=self.epoch, step=step + 1, loss=float(loss))
+
+
+class EpochBoard:
+    """Rank 0's TensorBoard event files under ``<run>/tensorboard/{train,validation}``: every
+    metric of an epoch as the scalar ``epoch/<name>`` (``val_`` keys under ``validation``).
+
+    Written locally (straight into the store when it is a local directory, else into a temp
+    directory copied to the store after every epoch); ``tensorboard --logdir <run>/tensorboard``.
+    A framework's subclass supplies the event writer: :meth:`_open` and :meth:`_scalar`.
+    """
+
+    def __init__(self, run_path: str, storage_options: Dict[str, Any]) -> None:
+        import tempfile
+
+        self.fs, remote = filesystem(run_path + "/tensorboard", storage_options)
+        self.remote = remote if "://" in run_path else None
+        self.local = tempfile.mkdtemp(prefix="sparktrain-tb-") if self.remote else remote
+        self.writers = {split: self._open(f"{self.local}/{split}")
+                        for split in ("train", "validation")}
+
+    def _open(self, directory: str) -> Any:
+        """The framework's event writer into ``directory`` (it has ``flush()``, ``close()``)."""
+        raise NotImplementedError
+
+    def _scalar(self, writer: Any, tag: str, value: float, step: int) -> None:
+        """Write one scalar with ``writer``."""
+        raise NotImplementedError
+
+    def write(self, epoch: int, logs: Logs) -> None:
+        for key, value in logs.items():
+            split, name = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
+            self._scalar(self.writers[split], f"epoch/{name}", value, epoch + 1)
+        for writer in self.writers.values():
+            writer.flush()
+        if self.remote:
+            self.fs.put(self.local + "/", self.remote, recursive=True)
+
+    def close(self) -> None:
+        for writer in self.writers.values():
+            writer.close()
 
 
 class EpochTraining(Protocol):
@@ -107,6 +149,15 @@ class EpochDriver:
         self.steps = 0  # training steps per epoch, set by start()
         self.stop_reason: Optional[str] = None
         self._make_board = board if rank == 0 and run_path else None
+
+    @classmethod
+    def for_spec(cls, spec: LoopSpec, *, rank: int, world_size: int, attempt: int = 0,
+                 **hooks: Any) -> "EpochDriver":
+        """The driver of ``spec``'s fit on this rank (its epochs, verbosity, run directory,
+        deadline and fit id); ``hooks``: the other keywords of ``__init__`` (``log``...)."""
+        return cls(rank=rank, world_size=world_size, epochs=spec.epochs, verbose=spec.verbose,
+                   run_path=spec.run_path, storage_options=spec.storage_options,
+                   deadline=spec.deadline, attempt=attempt, fit_id=spec.fit_id, **hooks)
 
     def resume_bytes(self) -> Optional[bytes]:
         """The checkpoint this attempt resumes from (the framework's bytes), or ``None``."""

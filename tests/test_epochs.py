@@ -7,8 +7,9 @@ import time
 import pytest
 
 from sparktrain.checkpoint import Checkpoints
-from sparktrain.epochs import EpochDriver, StepReporter
+from sparktrain.epochs import EpochBoard, EpochDriver, StepReporter
 from sparktrain.launch.faults import is_user_error
+from sparktrain.loop_spec import LoopSpec
 
 
 class Scripted:
@@ -137,6 +138,48 @@ def test_tensorboard_writer_is_made_on_rank_0_and_closed(tmp_path):
     other_rank, _, _ = driver(tmp_path / "r1", board=Board, rank=1)
     other_rank.run(Scripted())
     assert len(made) == 1
+
+
+def test_epoch_board_splits_validation_metrics_and_flushes_every_epoch(tmp_path):
+    class Writer:
+        def __init__(self, directory):
+            self.directory, self.scalars, self.flushes, self.closed = directory, [], 0, False
+
+        def flush(self):
+            self.flushes += 1
+
+        def close(self):
+            self.closed = True
+
+    class Board(EpochBoard):
+        def _open(self, directory):
+            return Writer(directory)
+
+        def _scalar(self, writer, tag, value, step):
+            writer.scalars.append((tag, value, step))
+
+    board = Board(str(tmp_path / "run"), {})
+    board.write(0, {"loss": 1.0, "val_loss": 2.0})
+    board.close()
+    train, validation = board.writers["train"], board.writers["validation"]
+    assert board.remote is None and train.directory == f"{tmp_path}/run/tensorboard/train"
+    assert train.scalars == [("epoch/loss", 1.0, 1)]
+    assert validation.scalars == [("epoch/loss", 2.0, 1)]
+    assert train.flushes == validation.flushes == 1 and train.closed and validation.closed
+
+
+def test_loop_spec_round_trips_and_makes_its_driver(tmp_path):
+    spec = LoopSpec(dataset_root="/d", layouts={"train": [["a.parquet", 10]]}, columns=[],
+                    feature_cols=["x"], label_cols=["y"], sample_weight_col="w", batch_size=8,
+                    val_batch_size=8, epochs=3, shuffle=False, seed=None, verbose=0,
+                    backend="torch", strategy="ddp", run_path=str(tmp_path / "run"),
+                    deadline=12.5, fit_id="f1")
+    assert LoopSpec.from_json(spec.to_json()) == spec
+    assert spec.model_columns() == ["x", "y", "w"]
+    made = EpochDriver.for_spec(spec, rank=1, world_size=2, attempt=3, log=print)
+    assert (made.epochs, made.verbose, made.deadline, made.fit_id, made.attempt) == \
+        (3, 0, 12.5, "f1", 3)
+    assert made.checkpoints is not None and made.rank == 1 and made.world_size == 2
 
 
 def test_without_a_run_directory_nothing_is_written(tmp_path):

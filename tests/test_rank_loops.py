@@ -103,7 +103,7 @@ def torch_threads():
 def torch_spec(dataset: Dict[str, Any], **changes: Any):
     """The spec ``TorchEstimator._train_spec`` builds for a fit of ``Linear(4, 1)`` with the
     params' defaults (reader options of ``compat.reader_options``, loop options of
-    ``EstimatorBase._loop_options``), plus ``changes``."""
+    ``EstimatorBase._spec_fields``), plus ``changes``."""
     from sparktrain.estimators.torch_worker import TorchTrainSpec
 
     fields = dict(

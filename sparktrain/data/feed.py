@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence
 
 from sparktrain.data.batch import Batch, model_ready
 from sparktrain.launch.faults import mark_user_error, user_code
+from sparktrain.loop_spec import LoopSpec
 
 #: decoded bytes the queue between decode workers and the training loop may hold, per split
 DECODE_QUEUE_BYTES = 256 << 20
@@ -43,6 +44,14 @@ class BatchFeed:
         self.start_method = start_method
         self.queue_bytes = queue_bytes
         self._pools: Dict[str, Any] = {}
+
+    @classmethod
+    def for_spec(cls, spec: LoopSpec, transform: Optional[Callable[[Batch], Batch]]
+                 ) -> "BatchFeed":
+        """The feed of ``spec``'s fit: its model columns, reader pool and decode workers."""
+        return cls(transform, spec.model_columns(), spec.reader_pool,
+                   {"train": spec.train_decode_workers, "val": spec.val_decode_workers},
+                   spec.seed, spec.mp_start_method)
 
     def __call__(self, batches: Iterable[Batch], split: str = "train",
                  epoch: int = 0) -> Iterator[Batch]:

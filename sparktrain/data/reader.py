@@ -38,6 +38,7 @@ import numpy as np
 from sparktrain.data.batch import arrow_to_numpy
 from sparktrain.data.columns import ColumnSpec
 from sparktrain.fs import filesystem
+from sparktrain.loop_spec import LoopSpec
 
 Batch = Dict[str, np.ndarray]
 
@@ -351,6 +352,19 @@ def take_steps(reader: "ShardReader", epoch: int, steps: Optional[int]) -> Itera
         finally:
             batches.close()
         extra += 1
+
+
+def shard_readers(spec: LoopSpec, rank: int, world_size: int) -> Dict[str, ShardReader]:
+    """This rank's shard of each split of ``spec``'s dataset, as every rank loop reads it:
+    ``"train"``, and ``"val"`` when the fit has validation data (never shuffled)."""
+    columns = [ColumnSpec.from_json(c) for c in spec.columns]
+    splits = [("train", spec.batch_size, spec.shuffle, spec.train_prefetch)]
+    if spec.layouts.get("val"):
+        splits.append(("val", spec.val_batch_size, False, spec.val_prefetch))
+    return {split: ShardReader(spec.dataset_root, spec.layouts[split], columns, rank, world_size,
+                               batch_size, shuffle, spec.seed, spec.storage_options,
+                               prefetch=prefetch, inmemory_cache_all=spec.inmemory_cache_all)
+            for split, batch_size, shuffle, prefetch in splits}
 
 
 def column_to_numpy(column: Any, spec: ColumnSpec) -> np.ndarray:

@@ -27,7 +27,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from sparktrain import compat
 from sparktrain.checkpoint import Checkpoints
+from sparktrain.data.batch import raw_columns
 from sparktrain.data.materialize import MaterializedDataset, lease_seconds, materialize
 from sparktrain.data.run_lock import run_lock
 from sparktrain.data.schema import ARRAY, BINARY, IMAGE, RAW_KINDS, STRING, VARLEN, \
@@ -154,18 +156,32 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         return list(RANK_MODULES) + [requirement] + (["keras"] if self.framework == "keras"
                                                      else [])
 
-    def _loop_options(self, run: FitRun) -> Dict[str, Any]:
-        """The training-loop settings every framework's worker understands (plain values)."""
+    def _spec_fields(self, run: Optional[FitRun] = None) -> Dict[str, Any]:
+        """The :class:`~sparktrain.loop_spec.LoopSpec` fields the shared params and ``run``
+        decide (plain values; the framework adds ``strategy``, ``input_shapes`` and its own).
+        Without ``run``: the preflight's, with no dataset and no run directory."""
+        fields = dict(feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),
+                      sample_weight_col=self.getSampleWeightCol(),
+                      label_shapes=self.getLabelShapes(), loss_weights=self.getLossWeights(),
+                      batch_size=self.getBatchSize(), val_batch_size=self.getValBatchSize(),
+                      epochs=self.getEpochs(), shuffle=self.getShuffle(),
+                      seed=self.getRandomSeed(), verbose=self.getVerbose(),
+                      backend=self.getBackend(), backend_env=self.getBackendEnv(),
+                      train_steps=self.getTrainStepsPerEpoch(),
+                      val_steps=self.getValidationStepsPerEpoch(),
+                      inmemory_cache_all=self.getInmemoryCacheAll(),
+                      backward_passes_per_step=self.getBackwardPassesPerStep(),
+                      scale_learning_rate=self.getScaleLearningRate(),
+                      mixed_precision=self.getMixedPrecision())
+        if run is None:
+            return dict(fields, dataset_root="", layouts={}, columns=[],
+                        **compat.reader_options(self))
         max_time = self.getMaxTime()
-        return {"train_steps": self.getTrainStepsPerEpoch(),
-                "val_steps": self.getValidationStepsPerEpoch(),
-                "inmemory_cache_all": self.getInmemoryCacheAll(),
-                "backward_passes_per_step": self.getBackwardPassesPerStep(),
-                "scale_learning_rate": self.getScaleLearningRate(),
-                "mixed_precision": self.getMixedPrecision(),
-                "deadline": run.started + max_time if max_time else None,
-                "run_path": run.run_path,
-                "fit_id": run.fit_id}
+        return dict(fields, dataset_root=run.data.root, layouts=run.data.files,
+                    columns=[c.to_json() for c in run.data.columns],
+                    storage_options=run.store.storage_options, run_path=run.run_path,
+                    fit_id=run.fit_id, deadline=run.started + max_time if max_time else None,
+                    **compat.reader_options(self, raw=bool(raw_columns(run.data.columns))))
 
     def _create_model(self, result: Dict[str, Any], dataset: MaterializedDataset) -> "ModelBase":
         raise NotImplementedError

@@ -19,17 +19,17 @@ hvd``); see "Coming from Horovod" in the README.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
 from pyspark import keyword_only
 from pyspark.sql import SparkSession
 
 from sparktrain import compat
-from sparktrain.data.batch import raw_columns
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
+from sparktrain.estimators.keywords import EstimatorKeywords, keyword_params
 from sparktrain.estimators.keras_saving import keras_module as _keras, load_model as _load_model, \
     loading_objects, model_bytes as _model_bytes, model_shapes
 from sparktrain.launch import KERAS_BACKENDS, load_backend
@@ -41,10 +41,21 @@ from sparktrain.pickling import dumps
 from sparktrain.spark_api import classic_only
 from sparktrain.strategies import KERAS_STRATEGIES, load_strategy
 
+if TYPE_CHECKING:  # PEP 692: typing.Unpack from Python 3.11, typing_extensions before
+    from typing_extensions import Unpack
+
 __all__ = ["KerasEstimator", "KerasModel", "loading_objects", "model_shapes", "predict_device"]
 
 #: KerasEstimator params that belong to a strategy (KerasStrategy.params says which takes them)
 STRATEGY_PARAMS = ("num_ps",)
+
+
+class KerasKeywords(EstimatorKeywords, total=False):
+    """``KerasEstimator``'s own constructor keywords (see its docstring)."""
+
+    custom_objects: Optional[Dict]
+    checkpoint_callback: Any
+    num_ps: Optional[int]
 
 
 class KerasEstimator(EstimatorBase, KerasParams):
@@ -78,42 +89,8 @@ class KerasEstimator(EstimatorBase, KerasParams):
     backends = KERAS_BACKENDS
     framework = "keras"
 
-    @keyword_only
-    def __init__(self, *, num_proc: Optional[int] = None, model: Any = None,
-                 optimizer: Any = None, loss: Any = None, metrics: Optional[List[Any]] = None,
-                 feature_cols: Optional[List[str]] = None, label_cols: Optional[List[str]] = None,
-                 sample_weight_col: Optional[str] = None, validation: Any = None,
-                 batch_size: Optional[int] = None, val_batch_size: Optional[int] = None,
-                 epochs: Optional[int] = None, shuffle: Optional[bool] = None,
-                 random_seed: Optional[int] = None, store: Any = None,
-                 run_id: Optional[str] = None, verbose: Optional[int] = None,
-                 callbacks: Optional[List[Any]] = None, custom_objects: Optional[Dict] = None,
-                 backend: Optional[str] = None, use_gpu: Optional[bool] = None,
-                 train_steps_per_epoch: Optional[int] = None,
-                 validation_steps_per_epoch: Optional[int] = None,
-                 transformation_fn: Optional[Callable] = None,
-                 predict_transformation_fn: Optional[Callable] = None,
-                 inmemory_cache_all: Optional[bool] = None,
-                 backward_passes_per_step: Optional[int] = None,
-                 scale_learning_rate: Optional[bool] = None,
-                 mixed_precision: Optional[str] = None, max_time: Optional[float] = None,
-                 max_attempts: Optional[int] = None,
-                 label_shapes: Optional[List[List[int]]] = None,
-                 loss_weights: Optional[List[float]] = None,
-                 checkpoint_callback: Any = None, backend_env: Optional[Dict[str, str]] = None,
-                 gradient_compression: Any = None,
-                 train_reader_num_workers: Optional[int] = None,
-                 val_reader_num_workers: Optional[int] = None,
-                 reader_pool_type: Optional[str] = None, shuffle_buffer_size: Optional[int] = None,
-                 partitions_per_process: Optional[int] = None,
-                 mp_start_method: Optional[str] = None, data_module: Any = None,
-                 continuous_cols: Optional[List[str]] = None,
-                 categorical_cols: Optional[List[str]] = None,
-                 compress_sparse_cols: Optional[bool] = None,
-                 transformation_edit_fields: Any = None,
-                 transformation_removed_fields: Any = None, strategy: Optional[str] = None,
-                 num_ps: Optional[int] = None,
-                 mlflow_logging: Optional[bool] = None) -> None:
+    @keyword_params(KerasKeywords)
+    def __init__(self, **params: Unpack[KerasKeywords]) -> None:
         super().__init__()
         self._setDefault(backend="tensorflow")
         self._set(**{k: v for k, v in self._input_kwargs.items() if v is not None})
@@ -213,15 +190,8 @@ class KerasEstimator(EstimatorBase, KerasParams):
     def _train(self, run: FitRun) -> Dict[str, Any]:
         from sparktrain.estimators.keras_checkpoint import checkpoint_settings
 
-        data = run.data
         input_shapes = self._input_shapes()
-        # a transformation_fn may change every column's shape: the first batch tells then
-        sizes = {c.name: None if self.getTransformationFn() is not None else c.size
-                 for c in data.columns}
-        for name, shapes, cols in (("the model's input shapes", input_shapes,
-                                    self.getFeatureCols()),
-                                   ("label_shapes", self.getLabelShapes(), self.getLabelCols())):
-            compat.check_shapes_fit(name, shapes, [(c, sizes.get(c)) for c in cols])
+        compat.check_data_shapes(self, run.data.columns, input_shapes, "the model's input shapes")
         ignored = []
         if compat.compression_name(self.getGradientCompression()) is not None:
             ignored.append("gradient_compression: tf.distribute.MultiWorkerMirroredStrategy's "
@@ -232,19 +202,9 @@ class KerasEstimator(EstimatorBase, KerasParams):
             ignored.append("checkpoint_callback.save_freq: the best model is chosen at epoch "
                            "ends")
         spec = KerasTrainSpec(
-            dataset_root=data.root, layouts=data.files, columns=[c.to_json() for c in data.columns],
-            feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),
-            sample_weight_col=self.getSampleWeightCol(), batch_size=self.getBatchSize(),
-            val_batch_size=self.getValBatchSize(), epochs=self.getEpochs(),
-            shuffle=self.getShuffle(), seed=self.getRandomSeed(), verbose=self.getVerbose(),
-            backend=self.getBackend(), strategy=self.getStrategy(),
-            storage_options=run.store.storage_options, input_shapes=input_shapes,
-            label_shapes=self.getLabelShapes(), loss_weights=self.getLossWeights(),
-            backend_env=self.getBackendEnv(),
+            **self._spec_fields(run), strategy=self.getStrategy(), input_shapes=input_shapes,
             best_model=checkpoint_settings(callback, self.getValidation()),
-            strategy_options=self._check_strategy(),
-            **compat.reader_options(self, raw=bool(raw_columns(data.columns))),
-            **self._loop_options(run))
+            strategy_options=self._check_strategy())
         compat.warn_ignored(self, ignored)
         launch = dict(description=f"sparktrain KerasEstimator {self.uid}",
                       echo_logs=self.getVerbose() >= 1, on_progress=run.progress.update,

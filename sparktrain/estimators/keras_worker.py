@@ -29,7 +29,7 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from sparktrain.epochs import EpochDriver, StepReporter
+from sparktrain.epochs import EpochBoard, EpochDriver, StepReporter
 from sparktrain.estimators.keras_batch import batch_tensors, forward_stats, per_row_loss, \
     resolve_metrics
 from sparktrain.estimators.keras_saving import loading_objects
@@ -47,35 +47,19 @@ def _print(text: str) -> None:
 _resolve_metrics = resolve_metrics  # the names this module had before keras_batch
 
 
-class _TensorBoard:
-    """Rank 0's event files under ``<run>/tensorboard/{train,validation}`` (tf.summary), written
-    locally and copied to the store after every epoch when the store is remote."""
+class _TensorBoard(EpochBoard):
+    """:class:`~sparktrain.epochs.EpochBoard` written by ``tf.summary``."""
 
     def __init__(self, tf: Any, run_path: str, storage_options: Dict[str, Any]) -> None:
-        import tempfile
-
-        from sparktrain.data.store import filesystem
-
         self.tf = tf
-        self.fs, remote = filesystem(run_path + "/tensorboard", storage_options)
-        self.remote = remote if "://" in run_path else None
-        self.local = tempfile.mkdtemp(prefix="sparktrain-tb-") if self.remote else remote
-        self.writers = {s: tf.summary.create_file_writer(f"{self.local}/{s}")
-                        for s in ("train", "validation")}
+        super().__init__(run_path, storage_options)
 
-    def write(self, epoch: int, logs: Dict[str, float]) -> None:
-        for key, value in logs.items():
-            split, name = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
-            with self.writers[split].as_default():
-                self.tf.summary.scalar(f"epoch/{name}", value, step=epoch + 1)
-        for writer in self.writers.values():
-            writer.flush()
-        if self.remote:
-            self.fs.put(self.local + "/", self.remote, recursive=True)
+    def _open(self, directory: str) -> Any:
+        return self.tf.summary.create_file_writer(directory)
 
-    def close(self) -> None:
-        for writer in self.writers.values():
-            writer.close()
+    def _scalar(self, writer: Any, tag: str, value: float, step: int) -> None:
+        with writer.as_default():
+            self.tf.summary.scalar(tag, value, step=step)
 
 
 def _checkpoint_bytes(model_file: str, optimizer: Any) -> bytes:
@@ -131,9 +115,8 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
     import tensorflow as tf
     import keras
 
-    from sparktrain.data.columns import ColumnSpec
     from sparktrain.data.feed import BatchFeed
-    from sparktrain.data.reader import ShardReader, take_steps
+    from sparktrain.data.reader import ShardReader, shard_readers, take_steps
 
     rank, world = spec.rank, spec.world_size
     if spec.seed is not None:
@@ -142,12 +125,10 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
     strategy = payload["strategy"](spec)
     distributed = strategy.distribute(tf)
     run_path = spec.run_path
-    driver = EpochDriver(rank=rank, world_size=world, epochs=spec.epochs, verbose=spec.verbose,
-                         run_path=run_path, storage_options=spec.storage_options,
-                         deadline=spec.deadline, attempt=spec.attempt, fit_id=spec.fit_id,
-                         log=_print,
-                         progress=_progress, meta={"framework": "keras"},
-                         board=lambda: _TensorBoard(tf, run_path, spec.storage_options))
+    driver = EpochDriver.for_spec(
+        spec, rank=rank, world_size=world, attempt=spec.attempt, log=_print, progress=_progress,
+        meta={"framework": "keras"},
+        board=lambda: _TensorBoard(tf, run_path, spec.storage_options))
     model_bytes, optimizer_state = payload["model"], None
     resumed = driver.resume_bytes()
     if resumed is not None:
@@ -164,22 +145,11 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
         metrics = resolve_metrics(keras, payload["metrics"], custom)
     features, labels = spec.feature_cols, spec.label_cols
     weight_col = spec.sample_weight_col
-    columns = [ColumnSpec.from_json(c) for c in spec.columns]
-
-    def reader(split: str, batch: int, shuffle: bool) -> ShardReader:
-        return ShardReader(spec.dataset_root, spec.layouts[split], columns, rank, world,
-                           batch, shuffle, spec.seed, spec.storage_options,
-                           inmemory_cache_all=bool(spec.inmemory_cache_all),
-                           prefetch=getattr(spec, f"{split}_prefetch"))
-
-    train_reader = reader("train", spec.batch_size, spec.shuffle)
-    val_reader = reader("val", spec.val_batch_size, False) if spec.layouts.get("val") else None
+    readers = shard_readers(spec, rank, world)
+    train_reader, val_reader = readers["train"], readers.get("val")
     train_steps = strategy.steps_per_epoch(spec.train_steps or len(train_reader))
     transform = payload.get("transformation_fn")
-    model_names = list(features) + list(labels) + ([weight_col] if weight_col else [])
-    feed = BatchFeed(transform, model_names, spec.reader_pool,
-                     {"train": spec.train_decode_workers, "val": spec.val_decode_workers},
-                     spec.seed, spec.mp_start_method)
+    feed = BatchFeed.for_spec(spec, transform)
     atexit.register(feed.close)  # this worker process ends with the fit, whichever way
     n_stats = 2 + len(metrics) * len(labels)
 
@@ -291,7 +261,8 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
             callback.on_train_end({k: v[-1] for k, v in history.items()})
     feed.close()
     sample = next(iter(train_reader.epoch(0)))
-    sample = next(BatchFeed(transform, model_names)([{k: v[:1] for k, v in sample.items()}]))
+    first_row = {k: v[:1] for k, v in sample.items()}
+    sample = next(BatchFeed(transform, spec.model_columns())([first_row]))
     x, _, _ = tensors(sample)
     outputs = model(x if len(features) > 1 else x[0])
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]

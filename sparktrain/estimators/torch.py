@@ -22,16 +22,16 @@ import copy
 import functools
 import io
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
 from pyspark import keyword_only
 
 from sparktrain import compat
-from sparktrain.data.batch import raw_columns
 from sparktrain.checkpoint import Checkpoints
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
+from sparktrain.estimators.keywords import EstimatorKeywords, keyword_params
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext, run_barrier
 from sparktrain.launch.environment import rank_environment
@@ -39,6 +39,9 @@ from sparktrain.params import EstimatorParams, TorchParams, with_accessors
 # build_losses: importable from here as before (rank code imports it from torch_losses)
 from sparktrain.estimators.torch_losses import build_losses, named_metrics  # noqa: F401
 from sparktrain.pickling import dumps
+
+if TYPE_CHECKING:  # PEP 692: typing.Unpack from Python 3.11, typing_extensions before
+    from typing_extensions import Unpack
 
 
 def flat_metrics(metrics: Any) -> Any:
@@ -56,6 +59,17 @@ def flat_metrics(metrics: Any) -> Any:
             item = item[0]
         flat.append(item)
     return flat
+
+
+class TorchKeywords(EstimatorKeywords, total=False):
+    """``TorchEstimator``'s own constructor keywords (see its docstring)."""
+
+    input_shapes: Optional[List[List[int]]]
+    loss_constructors: Any
+    train_minibatch_fn: Optional[Callable]
+    fsdp_wrap: Any
+    fsdp_cpu_offload: Optional[bool]
+    activation_checkpointing: Any
 
 
 class TorchEstimator(EstimatorBase, TorchParams):
@@ -106,43 +120,8 @@ class TorchEstimator(EstimatorBase, TorchParams):
     backends = TORCH_BACKENDS
     framework = "torch"
 
-    @keyword_only
-    def __init__(self, *, num_proc: Optional[int] = None, model: Any = None,
-                 optimizer: Any = None, loss: Any = None, metrics: Optional[List[Any]] = None,
-                 feature_cols: Optional[List[str]] = None, label_cols: Optional[List[str]] = None,
-                 sample_weight_col: Optional[str] = None, validation: Any = None,
-                 batch_size: Optional[int] = None, val_batch_size: Optional[int] = None,
-                 epochs: Optional[int] = None, shuffle: Optional[bool] = None,
-                 random_seed: Optional[int] = None, store: Any = None,
-                 run_id: Optional[str] = None, verbose: Optional[int] = None,
-                 callbacks: Optional[List[Any]] = None, backend: Optional[str] = None,
-                 use_gpu: Optional[bool] = None, train_steps_per_epoch: Optional[int] = None,
-                 validation_steps_per_epoch: Optional[int] = None,
-                 transformation_fn: Optional[Callable] = None,
-                 predict_transformation_fn: Optional[Callable] = None,
-                 inmemory_cache_all: Optional[bool] = None,
-                 backward_passes_per_step: Optional[int] = None,
-                 scale_learning_rate: Optional[bool] = None,
-                 mixed_precision: Optional[str] = None, max_time: Optional[float] = None,
-                 max_attempts: Optional[int] = None,
-                 input_shapes: Optional[List[List[int]]] = None,
-                 label_shapes: Optional[List[List[int]]] = None,
-                 loss_weights: Optional[List[float]] = None,
-                 loss_constructors: Any = None, train_minibatch_fn: Optional[Callable] = None,
-                 gradient_compression: Any = None, backend_env: Optional[Dict[str, str]] = None,
-                 train_reader_num_workers: Optional[int] = None,
-                 val_reader_num_workers: Optional[int] = None,
-                 reader_pool_type: Optional[str] = None, shuffle_buffer_size: Optional[int] = None,
-                 partitions_per_process: Optional[int] = None,
-                 mp_start_method: Optional[str] = None, data_module: Any = None,
-                 continuous_cols: Optional[List[str]] = None,
-                 categorical_cols: Optional[List[str]] = None,
-                 compress_sparse_cols: Optional[bool] = None,
-                 transformation_edit_fields: Any = None,
-                 transformation_removed_fields: Any = None, strategy: Optional[str] = None,
-                 fsdp_wrap: Any = None, fsdp_cpu_offload: Optional[bool] = None,
-                 activation_checkpointing: Any = None,
-                 mlflow_logging: Optional[bool] = None) -> None:
+    @keyword_params(TorchKeywords)
+    def __init__(self, **params: Unpack[TorchKeywords]) -> None:
         super().__init__()
         self._setDefault(backend="torch", loss=None)  # None: loss_constructors may build it
         kwargs = self._input_kwargs
@@ -278,24 +257,10 @@ class TorchEstimator(EstimatorBase, TorchParams):
         preflight's (no dataset, the CPU)."""
         from sparktrain.estimators.torch_worker import TorchTrainSpec
 
-        if run is None:
-            where: Dict[str, Any] = dict(dataset_root="", layouts={}, columns=[], use_gpu=False,
-                                         mixed_precision=self.getMixedPrecision())
-        else:
-            where = dict(dataset_root=run.data.root, layouts=run.data.files,
-                         columns=[c.to_json() for c in run.data.columns], use_gpu=run.use_gpu,
-                         storage_options=run.store.storage_options, **self._loop_options(run))
         return TorchTrainSpec(
-            feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),
-            sample_weight_col=self.getSampleWeightCol(), batch_size=self.getBatchSize(),
-            val_batch_size=self.getValBatchSize(), epochs=self.getEpochs(),
-            shuffle=self.getShuffle(), seed=self.getRandomSeed(), backend=self.getBackend(),
-            verbose=self.getVerbose(), input_shapes=self.getInputShapes(),
-            label_shapes=self.getLabelShapes(), loss_weights=self.getLossWeights(),
-            gradient_compression=compat.compression_name(self.getGradientCompression()),
-            backend_env=self.getBackendEnv(), strategy=self.getStrategy(),
-            **compat.reader_options(self, raw=run is not None and bool(raw_columns(run.data.columns))),
-            **where)
+            **self._spec_fields(run), strategy=self.getStrategy(),
+            input_shapes=self.getInputShapes(), use_gpu=run is not None and run.use_gpu,
+            gradient_compression=compat.compression_name(self.getGradientCompression()))
 
     def _check_on_batch(self, batch: Dict[str, Any]) -> None:
         """Preflight (see :mod:`.preflight`): one validation step on ``batch`` on the CPU."""
@@ -320,13 +285,7 @@ class TorchEstimator(EstimatorBase, TorchParams):
                 tensors, preflight.torch_expectation(self.getModel())) from exc
 
     def _train(self, run: FitRun) -> Dict[str, Any]:
-        data = run.data
-        # a transformation_fn may change every column's shape: the first batch tells then
-        sizes = {c.name: None if self.getTransformationFn() is not None else c.size
-                 for c in data.columns}
-        for name, shapes, cols in (("input_shapes", self.getInputShapes(), self.getFeatureCols()),
-                                   ("label_shapes", self.getLabelShapes(), self.getLabelCols())):
-            compat.check_shapes_fit(name, shapes, [(c, sizes.get(c)) for c in cols])
+        compat.check_data_shapes(self, run.data.columns, self.getInputShapes())
         compat.warn_ignored(self)  # once per fit: Horovod params without an equivalent
         if self.getFsdpCpuOffload() and not run.use_gpu:
             warnings.warn("fsdp_cpu_offload=True is ignored: the ranks train on CPUs, where "

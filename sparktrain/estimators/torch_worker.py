@@ -20,7 +20,7 @@ import contextlib
 import copy
 import io
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import cloudpickle
@@ -28,60 +28,26 @@ import numpy as np
 import torch
 
 from sparktrain.data.feed import BatchFeed
-from sparktrain.data.reader import ShardReader, take_steps
-from sparktrain.data.columns import ColumnSpec
-from sparktrain.epochs import EpochDriver, Logs, StepReporter
+from sparktrain.data.reader import ShardReader, shard_readers, take_steps
+from sparktrain.epochs import EpochBoard, EpochDriver, Logs, StepReporter
 from sparktrain.estimators.torch_losses import build_losses, named_metrics
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.faults import mark_user_error, user_code
 from sparktrain.launch.gpus import rank_gpu
+from sparktrain.loop_spec import LoopSpec
 from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
 from sparktrain.strategies.torch_blocks import blocks, checkpoint_activations
 from sparktrain.strategies.torch_strategy import StrategyConfig, TorchStrategy
 
 
-@dataclass
-class TorchTrainSpec:
-    """Plain-valued description of one fit, shipped to every rank."""
+@dataclass(kw_only=True)
+class TorchTrainSpec(LoopSpec):
+    """One torch fit's :class:`~sparktrain.loop_spec.LoopSpec`, plus the torch loop's own
+    fields; ``strategy`` names one of :data:`sparktrain.strategies.TORCH_STRATEGIES`."""
 
-    dataset_root: str
-    layouts: Dict[str, List]
-    columns: List[Dict]
-    feature_cols: List[str]
-    label_cols: List[str]
-    sample_weight_col: Optional[str]
-    batch_size: int
-    val_batch_size: int
-    epochs: int
-    shuffle: bool
-    seed: Optional[int]
-    backend: str
     use_gpu: bool
-    verbose: int
-    run_path: str = ""
-    storage_options: Dict[str, Any] = field(default_factory=dict, repr=False)
-    train_steps: Optional[int] = None
-    val_steps: Optional[int] = None
-    inmemory_cache_all: bool = False
-    backward_passes_per_step: int = 1
-    scale_learning_rate: bool = False
-    mixed_precision: Optional[str] = None
-    deadline: Optional[float] = None  # time.time() after which training stops at an epoch end
-    fit_id: str = ""  # the fit's attempts share it (see sparktrain.epochs)
-    # Horovod's params (see TorchEstimator)
-    input_shapes: Optional[List[List[int]]] = None
-    label_shapes: Optional[List[List[int]]] = None
-    loss_weights: Optional[List[float]] = None
-    gradient_compression: Optional[str] = None  # "fp16"
-    backend_env: Dict[str, str] = field(default_factory=dict, repr=False)
-    train_prefetch: int = 2  # row groups the readers decode ahead
-    val_prefetch: int = 2
-    reader_pool: str = "thread"  # "process": transformation_fn in decode worker processes
-    train_decode_workers: int = 2
-    val_decode_workers: int = 2
-    mp_start_method: Optional[str] = None
-    strategy: str = "ddp"  # a name in sparktrain.strategies.TORCH_STRATEGIES
+    gradient_compression: Optional[str] = None  # "fp16" (Horovod's param, see TorchEstimator)
 
 
 def select_device(ctx: RankContext, use_gpu: bool) -> torch.device:
@@ -255,12 +221,6 @@ class _Step:
             self.optimizer.zero_grad()  # set_to_none by default in torch 2; Horovod takes no args
 
 
-def model_columns(spec: TorchTrainSpec) -> List[str]:
-    """The batch columns the model, the loss and the sample weighting read."""
-    return list(spec.feature_cols) + list(spec.label_cols) + \
-        ([spec.sample_weight_col] if spec.sample_weight_col else [])
-
-
 def _run_epoch(model: torch.nn.Module, batches: Iterator[Dict], steps: int,
                to_tensors: _Batches, compute_loss: _LossComputer,
                metrics: List[Tuple[str, Callable]], label_cols: List[str],
@@ -329,16 +289,11 @@ def _averaged(dist: Any, sums: torch.Tensor, names: List[str], prefix: str) -> D
     return result
 
 
-class _TensorBoard:
-    """Rank 0's TensorBoard event files under ``<run>/tensorboard/{train,validation}``.
+class _TensorBoard(EpochBoard):
+    """:class:`~sparktrain.epochs.EpochBoard` written by torch's ``SummaryWriter``."""
 
-    Written locally (straight into the store when it is a local directory, else into a temp
-    directory copied to the store after every epoch); ``tensorboard --logdir <run>/tensorboard``.
-    """
-
-    def __init__(self, run_path: str, storage_options: Dict[str, Any]) -> None:
+    def _open(self, directory: str) -> Any:
         import sys
-        import tempfile
         import types
 
         # tensorboard.compat imports all of TensorFlow when it is installed (8 s here) unless
@@ -346,26 +301,10 @@ class _TensorBoard:
         sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
         from torch.utils.tensorboard import SummaryWriter
 
-        from sparktrain.data.store import filesystem
+        return SummaryWriter(directory)
 
-        self.fs, remote = filesystem(run_path + "/tensorboard", storage_options)
-        self.remote = None if "://" not in run_path else remote
-        local = tempfile.mkdtemp(prefix="sparktrain-tb-") if self.remote else remote
-        self.local = local
-        self.writers = {split: SummaryWriter(f"{local}/{split}") for split in ("train", "validation")}
-
-    def write(self, epoch: int, logs: Dict[str, float]) -> None:
-        for key, value in logs.items():
-            split, name = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
-            self.writers[split].add_scalar(f"epoch/{name}", value, epoch + 1)
-        for writer in self.writers.values():
-            writer.flush()
-        if self.remote:
-            self.fs.put(self.local + "/", self.remote, recursive=True)
-
-    def close(self) -> None:
-        for writer in self.writers.values():
-            writer.close()
+    def _scalar(self, writer: Any, tag: str, value: float, step: int) -> None:
+        writer.add_scalar(tag, value, step)
 
 
 def _checkpoint_bytes(weights: Dict[str, torch.Tensor], optimizer_state: Any) -> bytes:
@@ -476,29 +415,15 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     del blob  # as large as the model: not kept through the fit
     extras: Dict[str, Any] = more[0] if more else {}  # Horovod's loss_constructors, minibatch fn
     callbacks = list(callbacks or [])
-    driver = EpochDriver(rank=ctx.rank, world_size=ctx.world_size, epochs=spec.epochs,
-                         verbose=spec.verbose, run_path=spec.run_path,
-                         storage_options=spec.storage_options, deadline=spec.deadline,
-                         attempt=ctx.attempt, fit_id=spec.fit_id, log=ctx.log,
-                         progress=ctx.progress,
-                         board=lambda: _TensorBoard(spec.run_path, spec.storage_options),
-                         require_finite=True,
-                         meta={"framework": "torch", "strategy": spec.strategy})
+    driver = EpochDriver.for_spec(
+        spec, rank=ctx.rank, world_size=ctx.world_size, attempt=ctx.attempt, log=ctx.log,
+        progress=ctx.progress, board=lambda: _TensorBoard(spec.run_path, spec.storage_options),
+        require_finite=True, meta={"framework": "torch", "strategy": spec.strategy})
     device = select_device(ctx, spec.use_gpu)
 
-    columns = [ColumnSpec.from_json(c) for c in spec.columns]
-    make_reader = lambda split, batch, shuffle: ShardReader(  # noqa: E731
-        spec.dataset_root, spec.layouts[split], columns, ctx.rank, ctx.world_size, batch,
-        shuffle, spec.seed, spec.storage_options, inmemory_cache_all=spec.inmemory_cache_all,
-        prefetch=spec.train_prefetch if split == "train" else spec.val_prefetch)
-    readers = {"train": make_reader("train", spec.batch_size, spec.shuffle)}
-    if spec.layouts.get("val"):
-        readers["val"] = make_reader("val", spec.val_batch_size, False)
+    readers = shard_readers(spec, ctx.rank, ctx.world_size)
     train_steps = spec.train_steps or len(readers["train"])
-
-    feed = BatchFeed(transform, model_columns(spec), spec.reader_pool,
-                     {"train": spec.train_decode_workers, "val": spec.val_decode_workers},
-                     spec.seed, spec.mp_start_method)
+    feed = BatchFeed.for_spec(spec, transform)
 
     def batches(split: str, epoch: int, steps: Optional[int]) -> Iterator[Dict]:
         return feed(take_steps(readers[split], epoch, steps), split, epoch)
@@ -583,7 +508,7 @@ def check_batch(spec: TorchTrainSpec, blob: bytes, batch: Dict[str, np.ndarray])
                                 optimizer=optimizer, device=device, rank=0, world_size=1)
     compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col),
                                  spec.loss_weights)
-    batches = BatchFeed(transform, model_columns(spec))([batch])
+    batches = BatchFeed(transform, spec.model_columns())([batch])
     _run_epoch(model, batches, 1, _Batches(spec, device), compute_loss, named_metrics(metrics),
                spec.label_cols, autocast=_autocast_dtype(spec) if spec.mixed_precision == "bf16"
                else None)

@@ -1,9 +1,10 @@
 """What a Spark task and its TensorFlow child process exchange: the spec and the workdir files.
 
-A leaf module (no sparktrain imports, no TensorFlow): the estimator builds a
-:class:`KerasTrainSpec`, the launchers (:mod:`.tf_multiworker`, :mod:`.tf_parameter_server`,
-:mod:`.tfos`) write it with the pickled payload into a directory, and the child
-(``python -m sparktrain.estimators.keras_worker DIR``) answers through the files named here.
+A leaf module (no TensorFlow; of sparktrain only the leaf :mod:`sparktrain.loop_spec`): the
+estimator builds a :class:`KerasTrainSpec`, the launchers (:mod:`.tf_multiworker`,
+:mod:`.tf_parameter_server`, :mod:`.tfos`) write it with the pickled payload into a directory,
+and the child (``python -m sparktrain.estimators.keras_worker DIR``) answers through the files
+named here.
 
 Example::
 
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from sparktrain.loop_spec import LoopSpec
 
 WORKER_MODULE = "sparktrain.estimators.keras_worker"  # the child: python -m WORKER_MODULE DIR
 SPEC_FILE = "spec.json"
@@ -28,63 +31,19 @@ SHARD_INFO = "shard.json"  # written by a serving process that prepared data for
 PROGRESS_PREFIX = "\x1esparktrain-progress "  # a stdout line carrying a progress event
 
 
-@dataclass
-class KerasTrainSpec:
-    """Plain-valued description of one Keras fit, shipped to every rank (as JSON); the pickled
-    objects (model, optimizer, loss, metrics, callbacks, transformation_fn, the strategy
-    class) travel separately as the payload."""
+@dataclass(kw_only=True)
+class KerasTrainSpec(LoopSpec):
+    """One Keras fit's :class:`~sparktrain.loop_spec.LoopSpec`, plus what the Keras loop and
+    the launchers add; written to the child process as JSON (``spec.json``)."""
 
-    dataset_root: str
-    layouts: Dict[str, Any]
-    columns: List[Dict[str, Any]]
-    feature_cols: List[str]
-    label_cols: List[str]
-    sample_weight_col: Optional[str]
-    batch_size: int
-    val_batch_size: int
-    epochs: int
-    shuffle: bool
-    seed: Optional[int]
-    verbose: int
-    backend: str
-    strategy: str  # the registered name (messages); the class travels in the payload
-    storage_options: Dict[str, Any] = field(default_factory=dict, repr=False)
-    input_shapes: Optional[List[List[int]]] = None
-    label_shapes: Optional[List[List[int]]] = None
-    loss_weights: Optional[List[float]] = None
-    backend_env: Optional[Dict[str, str]] = field(default=None, repr=False)
     best_model: Optional[Dict[str, Any]] = None  # checkpoint_callback's settings, see keras_checkpoint
     strategy_options: Dict[str, Any] = field(default_factory=dict)  # KerasStrategy.check's
-    # the training loop's settings (EstimatorBase._loop_options)
-    train_steps: Optional[int] = None
-    val_steps: Optional[int] = None
-    inmemory_cache_all: bool = False
-    backward_passes_per_step: int = 1
-    scale_learning_rate: bool = False
-    mixed_precision: Optional[str] = None
-    deadline: Optional[float] = None  # time.time() after which training stops at an epoch end
-    fit_id: str = ""  # the fit's attempts share it (see sparktrain.epochs)
-    run_path: Optional[str] = None
-    # how the ranks read and decode (compat.reader_options)
-    train_prefetch: int = 2
-    val_prefetch: int = 2
-    reader_pool: str = "thread"
-    train_decode_workers: int = 2
-    val_decode_workers: int = 2
-    mp_start_method: Optional[str] = None
     # set by the launcher for each process
     rank: int = 0
     world_size: int = 1
     attempt: int = 0
     role: str = ""  # "": the training loop; else a serving role of the strategy's cluster
     launch_info: Dict[str, Any] = field(default_factory=dict)  # what the launch gathered
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "KerasTrainSpec":
-        return cls(**json.loads(text))
 
 
 def write_inputs(workdir: str, spec: KerasTrainSpec, payload: bytes) -> None:
