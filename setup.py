@@ -45,7 +45,7 @@ PLOT = ["matplotlib>=3.7"]
 MLFLOW = ["mlflow-skinny>=3.1,<4"] + PLOT
 # The demos' data (scikit-learn's bundled digits: no download) and images (Pillow).
 EXAMPLES = ["scikit-learn>=1.4", "pillow>=10"]
-TEST = ["pytest>=8", "pytest-timeout>=2.3", "packaging", "psutil",
+TEST = ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "packaging", "psutil",
         "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25", "ipywidgets>=8"] + EXAMPLES + PLOT
 
 setup(

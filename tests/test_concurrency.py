@@ -131,8 +131,9 @@ def _driver(store, counts, before_fit=""):
     os.makedirs(counts, exist_ok=True)
     code = DRIVER_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"),
                                 store=store, counts=counts, before_fit=before_fit)
+    # its own process group: "the driver dies" kills its JVM and Python workers with it
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def _ready(process):
@@ -175,7 +176,9 @@ def test_driver_killed_mid_write_leaves_nothing_reused(spark, tmp_path):
     while not _attempts(store) and time.monotonic() < deadline and driver.poll() is None:
         time.sleep(0.02)
     assert _attempts(store), "the driver never started writing"
-    os.kill(driver.pid, signal.SIGKILL)
+    # the whole driver at once (Python, its JVM, its tasks): a JVM left behind alone would go
+    # on writing into its attempt for a moment, after the new writer collected it
+    os.killpg(driver.pid, signal.SIGKILL)
     driver.wait()
     assert _commits(store) == [], "the write finished before the driver was killed"
     crashed = _attempts(store)

@@ -22,7 +22,7 @@ SERVER = os.path.join(ROOT, ".venv-mlflow", "bin", "mlflow")
 mlflow = pytest.importorskip("mlflow", reason="needs the mlflow extra (mlflow-skinny): the "
                              "primary stack's setup installs it, the classic spark35 stack's does not")
 if not os.path.exists(SERVER):
-    pytest.skip("needs .venv-mlflow (scripts/setup.sh creates it on the primary stack)",
+    pytest.skip("needs .venv-mlflow (scripts/setup.sh --tests creates it on the primary stack)",
                 allow_module_level=True)
 
 from helpers import linear_estimator  # noqa: E402
