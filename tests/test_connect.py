@@ -35,6 +35,7 @@ def run_client(scenario: str, url: str, workdir, timeout: int = 900):
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
 
 
+@pytest.mark.slow
 def test_readme_flow_over_connect(connect_url, tmp_path):
     found, stderr = run_client("readme", connect_url, tmp_path)
     print(found)
@@ -53,6 +54,7 @@ def test_readme_flow_over_connect(connect_url, tmp_path):
     assert "\r" not in stderr  # stderr is a pipe: progress is lines, not a redrawn bar
 
 
+@pytest.mark.slow
 def test_faults_over_connect_without_executors_reaching_the_client(connect_url, tmp_path):
     found, stderr = run_client("faults", connect_url, tmp_path)
     print(found)

@@ -93,6 +93,7 @@ def _example_args(module, work_dir, **overrides):
 
 
 # -- the examples ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_pytorch_example_runs_with_only_its_imports_changed(spark, tmp_path):
     from horovod_examples import pytorch_spark_digits
 

@@ -201,6 +201,7 @@ def test_cross_validator_gives_nested_runs(autologged, regression_df, store):
     assert all(c.info.status == "FINISHED" for c in children)
 
 
+@pytest.mark.slow
 def test_pipeline_model_round_trips_through_mlflow_spark(tracking_uri, regression_df, store,
                                                         tmp_path):
     from pyspark.ml import Pipeline
@@ -256,6 +257,7 @@ def test_nothing_is_logged_unless_asked(tracking_uri, regression_df, store):
     assert _runs(client, "tags.`sparktrain.run_id` = 'logged-by-param'")
 
 
+@pytest.mark.slow
 def test_the_same_over_spark_connect(tracking_uri, tmp_path):
     pytest.importorskip("pyspark.sql.connect.client", reason="needs pyspark[connect] (Spark 4)")
     from sparktrain import ConnectServer

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from sparktrain.progress import FitProgress, draws_bar, interval_from_conf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,6 +96,7 @@ print("done")
 """
 
 
+@pytest.mark.slow
 def test_fit_logging_to_a_file_has_lines_and_no_bar(tmp_path):
     """A real 2-rank fit with verbose=1 and stderr sent to a file, as spark-submit on YARN."""
     script = tmp_path / "fit.py"

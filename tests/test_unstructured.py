@@ -289,6 +289,7 @@ def decode_png_hwc(batch):
     return dict(batch, content=np.stack(images)[..., None])
 
 
+@pytest.mark.slow
 def test_keras_png_cnn_fit_transform_save_load(spark, png_df, store, tmp_path):
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     keras = pytest.importorskip("keras")
