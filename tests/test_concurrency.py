@@ -136,6 +136,27 @@ def _driver(store, counts, before_fit=""):
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+def _wait_until_group_is_gone(group: int, seconds: float = 60.0) -> None:
+    """Wait until no live process is left in process group ``group``: a SIGKILLed JVM of
+    several GiB can take a moment to go, on a loaded machine, and a write it had under way
+    could land after the next writer cleaned up."""
+    import psutil
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = []
+        for proc in psutil.process_iter(["pid", "status"]):
+            try:
+                if os.getpgid(proc.pid) == group and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    alive.append(proc.pid)
+            except (ProcessLookupError, psutil.Error):
+                continue
+        if not alive:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes {alive} of the killed driver are still running")
+
+
 def _ready(process):
     line = process.stdout.readline()
     if not line.startswith("READY"):
@@ -180,6 +201,7 @@ def test_driver_killed_mid_write_leaves_nothing_reused(spark, tmp_path):
     # on writing into its attempt for a moment, after the new writer collected it
     os.killpg(driver.pid, signal.SIGKILL)
     driver.wait()
+    _wait_until_group_is_gone(driver.pid)
     assert _commits(store) == [], "the write finished before the driver was killed"
     crashed = _attempts(store)
 
@@ -191,7 +213,8 @@ def test_driver_killed_mid_write_leaves_nothing_reused(spark, tmp_path):
     est.fit(df)
     assert rows_seen(counts) == ROWS
     assert len(_commits(store)) == 1
-    assert not any(os.path.exists(path) for path in crashed)  # collected by the new writer
+    left = [path for path in crashed if os.path.exists(path)]
+    assert not left, (left, _commits(store))  # collected by the new writer
 
 
 def test_one_run_id_in_two_fits_at_once_is_a_clear_error(spark, regression_df, tmp_path):
