@@ -145,11 +145,12 @@ say "installing sparktrain[$extras] on the $stack stack ($constraints) with ${uv
 install_into "$venv" -c "$constraints" pip "setuptools>=77.0.3,<81" wheel -e ".[$extras]"
 
 # --- Horovod, compiled against this torch ------------------------------------------------------
-if [ -n "$want_horovod" ] && ! "$venv/bin/python" -c "import horovod.torch" 2>/dev/null; then
+if [ -n "$want_horovod" ]; then
   mkdir -p "$wheel_cache"
   torch_version="$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
   wheel_dir="$wheel_cache/horovod-0.28.1-torch$torch_version"
-  if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
+  if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1 \
+      && ! "$venv/bin/python" -c "import horovod.torch" 2>/dev/null; then
     say "compiling Horovod 0.28.1 for torch $torch_version with Gloo (about 3 minutes on 2 cores, once)"
     command -v cmake >/dev/null 2>&1 || install_into "$venv" "cmake>=3.13,<4"
     # Horovod's CMakeLists pins C++14, but torch >= 2.1 headers need C++17: a compiler wrapper
@@ -178,8 +179,11 @@ WRAP
         "horovod==0.28.1" 2> >(filter_pip_noise)
     mv "$wheel_dir.tmp" "$wheel_dir"
   fi
-  say "installing Horovod from $wheel_dir"
-  install_into "$venv" --no-deps "$wheel_dir"/horovod-*.whl
+  if ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
+    # with its dependencies (pyyaml, cloudpickle, psutil): Horovod imports them at run time
+    say "installing Horovod from $wheel_dir"
+    install_into "$venv" -c "$constraints" "$wheel_dir"/horovod-*.whl
+  fi
   "$venv/bin/python" -c "import horovod.torch" || die "Horovod was installed but 'import horovod.torch' fails"
 fi
 
