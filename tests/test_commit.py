@@ -124,3 +124,126 @@ def test_run_lock_refuses_a_second_holder_until_released(tmp_path):
     holder.join()
     with run_lock(store, "nightly", ttl=30):  # free again: a later fit resumes the run
         pass
+
+
+def _delay_first_lease_write(monkeypatch, thread_name):
+    """Hold up ``thread_name``'s first lease write (after its Lease took its creation time and
+    name, before the file can be seen) until the returned ``go`` is set; ``blocked`` is set
+    while it waits."""
+    import sparktrain.data.lease as lease_module
+
+    real_put, done = lease_module.put_file, set()
+    blocked, go = threading.Event(), threading.Event()
+
+    def put_file(fs, path, data):
+        if threading.current_thread().name == thread_name and not done:
+            done.add(path)
+            blocked.set()
+            assert go.wait(10)
+        return real_put(fs, path, data)
+
+    monkeypatch.setattr(lease_module, "put_file", put_file)
+    return blocked, go
+
+
+def test_a_lease_written_late_under_an_earlier_name_does_not_come_first_too(fs_base, monkeypatch):
+    # a loaded machine: "late" names its lease, then stalls before the file lands; "early"
+    # takes its lease meanwhile, finds itself first and starts writing the dataset
+    fs, base = fs_base
+    directory = f"{base}/_leases"
+    blocked, go = _delay_first_lease_write(monkeypatch, "late")
+    taken = {}
+    late_thread = threading.Thread(
+        target=lambda: taken.setdefault("late", Lease.acquire(fs, directory, ttl=30)),
+        name="late")
+    late_thread.start()
+    assert blocked.wait(10)
+    early = Lease.acquire(fs, directory, ttl=30)
+    try:
+        assert early.first()
+        go.set()
+        late_thread.join(10)
+        late = taken["late"]
+        try:
+            assert late.path < early.path  # its name sorts first: it was created first
+            # ... yet the holder that already went ahead stays the only first one
+            assert not late.first() and early.first()
+            assert [lease.owner for lease in late.others()] == [early.owner]
+        finally:
+            late.release()
+    finally:
+        go.set()
+        early.release()
+
+
+def test_two_threads_materializing_one_key_commit_once(tmp_path, monkeypatch):
+    # materialize()'s own lease/commit loop, with the Spark parts faked: thread A stalls inside
+    # its first lease write while B takes its lease and writes; A must wait and reuse B's commit
+    import sparktrain.data.materialize as materialize_module
+
+    store = Store.create(str(tmp_path / "store"))
+    blocked, go = _delay_first_lease_write(monkeypatch, "A")
+    writers = []
+
+    def fake_write(df, store, columns, validation, seed, variable_length, key, directory,
+                   lease, start):
+        writers.append(threading.current_thread().name)
+        directory.fs.makedirs(f"{directory.attempt_path(lease.owner)}/split=train",
+                              exist_ok=True)
+        go.set()  # A's lease lands while B writes
+        time.sleep(0.3)
+        directory.commit(lease.owner, {"columns": [], "rows": {"train": 1, "val": 0}})
+        return materialize_module.MaterializedDataset("root", [], {"train": 1}, key)
+
+    monkeypatch.setattr(materialize_module, "plan_key", lambda *args, **kwargs: "k")
+    monkeypatch.setattr(materialize_module, "lease_seconds", lambda spark: 30.0)
+    monkeypatch.setattr(materialize_module, "_write", fake_write)
+    monkeypatch.setattr(materialize_module, "_WAIT_POLL_SECONDS", 0.01)
+    results, errors = {}, []
+
+    def fit():
+        try:
+            frame = type("FakeFrame", (), {"sparkSession": None})()
+            results[threading.current_thread().name] = materialize_module.materialize(
+                frame, store, [])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    a = threading.Thread(target=fit, name="A")
+    a.start()
+    assert blocked.wait(10)
+    b = threading.Thread(target=fit, name="B")
+    b.start()
+    for thread in (a, b):
+        thread.join(20)
+    go.set()
+    assert not errors, errors
+    assert writers == ["B"] and results["A"].reused and not results["B"].reused
+    commits = store.fs.ls(f"{store.dataset_path('k')}/_commits", detail=False)
+    assert len([c for c in commits if c.endswith(".json")]) == 1, commits
+
+
+def test_removing_dead_leases_keeps_a_lease_taken_meanwhile(fs_base, monkeypatch):
+    import sparktrain.data.lease as lease_module
+
+    fs, base = fs_base
+    directory = DatasetDirectory(fs, base)
+    dead = f"{directory.leases}/00000000000000001-dead.json"
+    put_file(fs, dead, json.dumps({"owner": "dead", "host": "elsewhere", "pid": 1,
+                                   "created": 1.0, "expires": 2.0}).encode())
+    real_read, taken = lease_module.read_json, []
+
+    def read_json(fs_, path):  # another writer takes its lease while the dead one is read
+        if not taken:
+            taken.append(None)
+            taken[0] = Lease.acquire(fs, directory.leases, ttl=30)
+        return real_read(fs_, path)
+
+    monkeypatch.setattr(lease_module, "read_json", read_json)
+    directory._remove_dead_leases()
+    monkeypatch.undo()
+    try:
+        assert not fs.exists(dead) and fs.exists(taken[0].path)
+        assert [lease.owner for lease in live_leases(fs, directory.leases)] == [taken[0].owner]
+    finally:
+        taken[0].release()

@@ -19,8 +19,10 @@ the same key (``CrossValidator(parallelism=2)`` fitting one fold twice, two note
 for the first and reuse its commit instead of writing the data again. The lease expires
 when its writer dies (``ttl`` seconds without renewal, or at once when the writer was a
 process on this host that no longer exists), and the waiter then writes its own attempt.
-Correctness does not rest on the lease: if two writers both believe they hold it (clocks
-that disagree across drivers), both commit complete attempts and readers agree on the
+Two writers taking their leases at the same moment agree on which one is first (tickets,
+see :mod:`sparktrain.data.lease`). Correctness does not rest on the lease: if two writers
+both believe they hold it (a writer stalled for longer than ``ttl``, clocks that disagree by
+more than that across drivers), both commit complete attempts and readers agree on the
 earliest commit; a committed attempt is never deleted (a reader may be using it).
 
 Garbage: attempts with neither a commit nor a live lease (a killed driver's, a failed
@@ -35,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set
 
-from sparktrain.data.lease import live_leases
+from sparktrain.data.lease import live_leases, remove_dead_leases
 from sparktrain.fs import list_json, put_file, read_json
 
 log = logging.getLogger(__name__)
@@ -137,10 +139,5 @@ class DatasetDirectory:
                 pass
 
     def _remove_dead_leases(self) -> None:
-        live = {lease.path for lease in live_leases(self.fs, self.leases)}
-        for path in list_json(self.fs, self.leases):
-            if path not in live:
-                try:
-                    self.fs.rm(path)
-                except (FileNotFoundError, OSError):
-                    pass
+        # what one listing showed dead: not a lease some writer took after a first listing
+        remove_dead_leases(self.fs, self.leases)

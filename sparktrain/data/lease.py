@@ -7,10 +7,23 @@ not expired and, when its holder runs on this host, while the holder's process e
 killed driver on this machine frees its leases at once instead of after ``ttl`` seconds).
 
 Writes go through :func:`sparktrain.fs.put_file` (a hidden temporary name, then moved into
-place): readers never see half a file. Names sort by creation time, so "the earliest live
-lease" is one well-defined holder; on stores whose clocks disagree two holders may both think
-they are first, which is why every user of a lease (dataset commits, run locks) is also safe
-without it (see :mod:`sparktrain.data.commit`).
+place): readers never see half a file.
+
+"The earliest live lease" (:meth:`Lease.first`) is one well-defined holder even when two fits
+take their leases at the same moment. A lease is ordered by a *ticket*, not by the time in its
+name: a file's name is chosen before the file can be seen, and a writer delayed between the
+two (a loaded machine, a slow store) would show up late with an earlier name than a lease
+whose holder already checked that it was first and started work (two writers of one dataset).
+So a lease is taken the way Lamport's bakery algorithm takes a number: its file is written
+first *choosing* (no ticket), then the holder lists the directory and takes a ticket later
+than every ticket it saw (and not earlier than its clock), and writes it. :meth:`Lease.first`
+waits while another live lease is still choosing, then compares tickets (ties by owner).
+Whoever checks first therefore either sees the other's file (choosing: it waits; ticketed:
+it compares) or the other has not written it yet and will see this ticket when it takes its
+own. That needs no agreement between clocks; a lease still counts as dead once its
+``expires`` has passed on the reader's clock, so a holder stalled for longer than ``ttl`` (or
+clocks that disagree by that much) can leave two holders, which is why every user of a lease
+(dataset commits, run locks) is also safe without it (see :mod:`sparktrain.data.commit`).
 
 Example::
 
@@ -30,7 +43,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from sparktrain.fs import list_json, put_file, read_json
 
@@ -38,6 +51,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TTL_SECONDS = 120.0
 _HOST = socket.gethostname()
+_CHOOSING_POLL_SECONDS = 0.02  # how often first() looks again while another lease is choosing
 
 
 def process_alive(pid: int) -> bool:
@@ -61,6 +75,17 @@ class LeaseInfo:
     created: float
     expires: float
     note: str = ""
+    ticket: Optional[int] = None  # None while its holder is still choosing one
+
+    @property
+    def choosing(self) -> bool:
+        return self.ticket is None
+
+    def order(self) -> Tuple[int, int, str]:
+        """Sort key: ticketed leases by (ticket, owner), then the choosing ones."""
+        if self.ticket is None:
+            return (1, 0, self.owner)
+        return (0, self.ticket, self.owner)
 
     def live(self, now: Optional[float] = None) -> bool:
         if (now or time.time()) >= self.expires:
@@ -74,23 +99,50 @@ class LeaseInfo:
         return f"{self.note or 'a fit'} on host {self.host}, pid {self.pid}, since {since}"
 
 
+def _parse(path: str, data: Optional[Dict[str, Any]]) -> Optional[LeaseInfo]:
+    if data is None:
+        return None
+    try:
+        created = float(data["created"])
+        if data.get("choosing"):
+            ticket: Optional[int] = None
+        else:  # a lease written before tickets existed is ordered by its creation time
+            ticket = int(data.get("ticket", int(created * 1e6)))
+        return LeaseInfo(path, str(data["owner"]), str(data["host"]), int(data["pid"]),
+                         created, float(data["expires"]), str(data.get("note", "")), ticket)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _read_leases(fs: Any, directory: str) -> List[Tuple[str, Optional[LeaseInfo]]]:
+    """Every lease file of one listing of ``directory`` with what it says (``None``: gone
+    since the listing, or not a lease)."""
+    return [(path, _parse(path, read_json(fs, path))) for path in list_json(fs, directory)]
+
+
 def live_leases(fs: Any, directory: str) -> List[LeaseInfo]:
-    """The live leases in ``directory``, earliest first."""
-    found = []
+    """The live leases in ``directory``, earliest first (those still choosing a ticket last)."""
     now = time.time()
-    for path in list_json(fs, directory):
-        data = read_json(fs, path)
-        if data is None:
+    found = [info for _, info in _read_leases(fs, directory)
+             if info is not None and info.live(now)]
+    return sorted(found, key=LeaseInfo.order)
+
+
+def remove_dead_leases(fs: Any, directory: str) -> List[str]:
+    """Remove the lease files of ``directory`` that are dead (expired, their local process
+    gone) or not leases at all; returns their paths. Only files this call read and found
+    dead are removed: a lease written meanwhile is not touched."""
+    now = time.time()
+    removed = []
+    for path, info in _read_leases(fs, directory):
+        if info is not None and info.live(now):
             continue
         try:
-            info = LeaseInfo(path, str(data["owner"]), str(data["host"]), int(data["pid"]),
-                             float(data["created"]), float(data["expires"]),
-                             str(data.get("note", "")))
-        except (KeyError, TypeError, ValueError):
-            continue
-        if info.live(now):
-            found.append(info)
-    return found
+            fs.rm(path)
+            removed.append(path)
+        except (FileNotFoundError, OSError):
+            pass
+    return removed
 
 
 class Lease:
@@ -104,26 +156,41 @@ class Lease:
         self.note = note
         self.created = time.time()
         self.owner = uuid.uuid4().hex[:12]
-        # the creation time first: names sort in the order leases were taken
+        # the creation time first, for people reading the directory; the order is the ticket's
         self.path = f"{self.directory}/{int(self.created * 1e6):017d}-{self.owner}.json"
+        self.ticket: Optional[int] = None  # taken by acquire()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     @classmethod
     def acquire(cls, fs: Any, directory: str, ttl: float = DEFAULT_TTL_SECONDS,
                 note: str = "") -> "Lease":
-        """Write a new lease and start renewing it (every ``ttl / 4`` seconds)."""
+        """Write a new lease, take its ticket (see the module's docstring) and start renewing
+        it (every ``ttl / 4`` seconds)."""
         lease = cls(fs, directory, ttl, note)
-        lease._write()
+        lease._write()  # choosing: visible before the ticket is chosen
+        try:
+            seen = [info.ticket for info in live_leases(fs, lease.directory)
+                    if info.ticket is not None and info.owner != lease.owner]
+            lease.ticket = max([int(time.time() * 1e6)] + [t + 1 for t in seen])
+            lease._write()
+        except BaseException:
+            lease._remove()  # a lease left choosing would hold up others' first() for ttl
+            raise
         lease._thread = threading.Thread(target=lease._renew_loop, daemon=True,
                                          name="sparktrain-lease")
         lease._thread.start()
         return lease
 
     def _write(self) -> None:
-        put_file(self.fs, self.path, json.dumps({
-            "owner": self.owner, "host": _HOST, "pid": os.getpid(), "created": self.created,
-            "expires": time.time() + self.ttl, "note": self.note}).encode())
+        data: Dict[str, Any] = {"owner": self.owner, "host": _HOST, "pid": os.getpid(),
+                                "created": self.created, "expires": time.time() + self.ttl,
+                                "note": self.note}
+        if self.ticket is None:
+            data["choosing"] = True
+        else:
+            data["ticket"] = self.ticket
+        put_file(self.fs, self.path, json.dumps(data).encode())
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl / 4):
@@ -140,9 +207,17 @@ class Lease:
             return False
 
     def first(self) -> bool:
-        """True when this is the earliest live lease of its directory."""
-        leases = live_leases(self.fs, self.directory)
-        return bool(leases) and leases[0].owner == self.owner
+        """True when this is the earliest live lease of its directory (by ticket, once no
+        other live lease is still choosing one: that takes a moment, or ends when it
+        expires)."""
+        while True:
+            leases = live_leases(self.fs, self.directory)
+            if not any(info.owner == self.owner for info in leases):
+                return False  # removed (as expired) by someone else
+            if any(info.choosing and info.owner != self.owner for info in leases):
+                time.sleep(_CHOOSING_POLL_SECONDS)
+                continue
+            return leases[0].owner == self.owner
 
     def others(self) -> List[LeaseInfo]:
         """The other live leases of this lease's directory, earliest first."""
@@ -153,6 +228,9 @@ class Lease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._remove()
+
+    def _remove(self) -> None:
         try:
             self.fs.rm(self.path)
         except (FileNotFoundError, OSError):
