@@ -72,7 +72,9 @@ def plan_key(df: DataFrame, columns: Sequence[ColumnSpec], validation: Union[Non
     """A key that is equal for the same DataFrame plan, columns and split.
 
     The analyzed plan's semantic hash covers local data (``LocalRelation``) and RDD identity;
-    the plan text without expression ids and the input file list cover file sources.
+    the plan text without expression ids and the input file list cover file sources. The hash
+    is per JVM for some plans (local data; a chain of three or more additions, whose operands
+    canonicalization reorders): those datasets are reused within one driver only.
     """
     parts = [str(FORMAT_VERSION), plan_fingerprint(df), "\n".join(sorted(df.inputFiles())),
              json.dumps([c.to_json() for c in columns]), repr(validation), repr(seed)]
