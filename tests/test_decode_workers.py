@@ -266,8 +266,8 @@ SCRIPT = textwrap.dedent("""
         it = pool.map(batches[:5])
         next(it)
         it.close()
-        try:
-            list(pool.map(batches))
+        try:  # not past batch 6: a worker killed at 7 could be noticed before 5's error
+            list(pool.map(batches[:7]))
         except TransformationFailed:
             pass
         pool = DecodePool(fn, workers=2)
