@@ -43,6 +43,9 @@ PLOT = ["matplotlib>=3.7"]
 # pytorch/keras/spark/pyfunc flavors without that pin. A tracking server is the user's own
 # (scripts/setup.sh puts one in .venv-mlflow for the tests). docs/mlflow.md
 MLFLOW = ["mlflow-skinny>=3.1,<4"] + PLOT
+# Hugging Face fine-tuning (docs/huggingface.md): models, tokenizers and LoRA adapters; the
+# estimators take their models as they are, nothing in sparktrain imports these unless used.
+HF = ["transformers>=4.40", "tokenizers>=0.15", "peft>=0.10", "safetensors>=0.4"]
 # The demos' data (scikit-learn's bundled digits: no download) and images (Pillow).
 EXAMPLES = ["scikit-learn>=1.4", "pillow>=10"]
 TEST = ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "packaging", "psutil",
@@ -67,6 +70,7 @@ setup(
         "connect": CONNECT,
         "plot": PLOT,
         "mlflow": MLFLOW,
+        "hf": HF,
         "examples": EXAMPLES,
         "test": TEST,
     },

@@ -41,7 +41,7 @@ done
 
 stack="${SPARKTRAIN_STACK:-spark4}"
 case "$stack" in
-  spark4) default_venv="$root/.venv"; extras="torch,tf-cpu,tfos,connect,mlflow,examples" ;;
+  spark4) default_venv="$root/.venv"; extras="torch,tf-cpu,tfos,connect,mlflow,hf,examples" ;;
   spark35) default_venv="$root/.venv-spark35"; extras="torch,tf-cpu,tfos,petastorm,examples" ;;
   *) die "SPARKTRAIN_STACK=$stack is not a stack; use spark4 (default) or spark35" ;;
 esac
