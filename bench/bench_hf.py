@@ -1,0 +1,687 @@
+#!/usr/bin/env python
+"""Benchmark Hugging Face fine-tuning from a Spark DataFrame: sparktrain's TorchEstimator
+against the path Databricks documents (``datasets.Dataset.from_spark`` + ``transformers.Trainer``
+inside ``TorchDistributor``), and a plain in-memory loop as the per-rank speed reference.
+
+    .venv/bin/python bench/bench_hf.py                  # 20,000 rows, 2 epochs, every contender
+    .venv/bin/python bench/bench_hf.py --quick          # smoke run (4,000 rows, 1 epoch, 1 repeat)
+    .venv/bin/python bench/bench_hf.py --skip sparktrain
+
+Every contender gets the same data (synthetic sentiment sentences, generated with --seed), the
+same tokenizer (WordPiece trained in memory, padded/truncated to --max-length), the same tiny
+BERT (built from a BertConfig, seeded), AdamW with the same learning rate and linear
+warm-up/decay, --batch-size rows per rank per step, --epochs, 2 processes.
+
+Figures (see bench/README.md, "bench_hf.py", for what each one compares and why):
+
+  e2e       wall s from the training DataFrame to a trained model: TorchEstimator.fit vs
+            Dataset.from_spark + .map(tokenize) + TorchDistributor(local_mode=True).run(Trainer)
+            (ratio = baseline s / sparktrain s: the speed-up)
+  accuracy  held-out accuracy of the two trained models (sparktrain's from transform's
+            label__output; the Trainer model's predicted in the driver)
+  steps/s   one rank's steady-state optimizer steps/s in sparktrain's fit vs the same model's
+            steps/s in a single-process loop over pre-tokenized in-memory tensors
+            (extra: Trainer's steps/s per rank)
+
+Prints progress to stderr, then a table and one JSON line per figure to stdout, and writes
+everything to --json-out (default bench/results/bench_hf.json). Needs the `hf` and `bench`
+extras (transformers, tokenizers; datasets for the baseline).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from bench_backends import RankLog
+from common import (add_common_args, cached, figure, guarded, hang_extras, parse_common,
+                    print_json_lines, print_table, progress, timed, versions, write_results)
+
+FIGURES = ("sparktrain", "trainer", "reference")
+CONTENDERS = FIGURES
+NUM_PROC = 2
+WARMUP_ROWS = 1024  # each distributed contender's untimed warm-up run (1 epoch)
+
+# The model: a 2-layer BERT small enough for 2 CPU cores (~0.2M parameters with the vocab below).
+BERT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+            max_position_embeddings=64, num_labels=2)
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # [PAD] = id 0, BERT's pad id
+
+# -- data: short sentiment sentences from word lists ---------------------------------------------
+POSITIVE = ("good great excellent wonderful lovely superb pleasant brilliant happy delightful "
+            "fantastic enjoyable charming terrific marvelous splendid amazing perfect nice "
+            "beautiful fun friendly helpful impressive solid stunning cheerful tasty clean "
+            "comfortable").split()
+NEGATIVE = ("bad awful terrible horrible poor dreadful boring ugly sad nasty dull annoying lousy "
+            "mediocre disappointing unpleasant miserable weak broken rude noisy dirty bland slow "
+            "messy painful clumsy gloomy stale cold").split()
+NEUTRAL = ("the a this that our my their movie film food service room book story plot music "
+           "staff place hotel show game phone car trip day evening menu screen ending actor "
+           "waiter price view city garden train flight was is it and but really quite very "
+           "overall experience seemed felt looked with for of in on at we they i you after "
+           "before during then also still just rather somewhat mostly again today yesterday "
+           "week visit table window seat chair door kitchen").split()
+# (positive, negative) word counts of a sentence, by label: the majority decides the label
+NEGATED = 0.05  # share of sentiment words written as "not <opposite word>"
+PAIRS = {1: [(1, 0), (2, 0), (3, 0), (2, 1), (3, 1), (3, 2)],
+         0: [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]}
+
+
+def make_sentences(rows: int, seed: int) -> Tuple[List[str], np.ndarray]:
+    """``rows`` sentences of 6-14 neutral words with 1-5 sentiment words mixed in, a quarter of
+    them negated ("not good" counts as negative); label 1 when positive ones outnumber negative
+    ones (balanced labels). Deterministic for a seed."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 2, rows)
+    texts = []
+    for label in labels:
+        n_pos, n_neg = PAIRS[int(label)][rng.integers(len(PAIRS[int(label)]))]
+        words = list(rng.choice(NEUTRAL, rng.integers(6, 15)))
+        for pool, opposite, count in ((POSITIVE, NEGATIVE, n_pos), (NEGATIVE, POSITIVE, n_neg)):
+            for _ in range(count):
+                negated = rng.random() < NEGATED
+                phrase = f"not {rng.choice(opposite)}" if negated else str(rng.choice(pool))
+                words.insert(int(rng.integers(len(words) + 1)), phrase)
+        texts.append(" ".join(words))
+    return texts, labels.astype(np.int32)
+
+
+def make_frames(spark, rows: int, test_rows: int, seed: int):
+    """The training and held-out DataFrames (``text`` string, ``label`` int; 2 partitions
+    each), cached and counted, and the training texts (to train the tokenizer on)."""
+    import pandas as pd
+
+    texts, labels = make_sentences(rows + test_rows, seed)
+    frames = []
+    for lo, hi in ((0, rows), (rows, rows + test_rows)):
+        pdf = pd.DataFrame({"text": texts[lo:hi], "label": labels[lo:hi]})
+        frames.append(cached(spark.createDataFrame(pdf, "text string, label int")
+                             .repartition(NUM_PROC)))
+    return frames[0], frames[1], texts[:rows], texts[rows:], labels[:rows], labels[rows:]
+
+
+# -- tokenizer, tokenization, model: the same for every contender ---------------------------------
+def train_tokenizer(texts: List[str], vocab_size: int, max_length: int):
+    """A WordPiece tokenizer trained in memory on ``texts`` (no download), wrapped as a
+    ``transformers.PreTrainedTokenizerFast`` that adds ``[CLS] ... [SEP]``."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    # show_progress=False: the trainer's progress bars leave blank lines on stdout
+    tok.train_from_iterator(texts, trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[(t, tok.token_to_id(t)) for t in ("[CLS]",
+                                                                                     "[SEP]")])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                   model_max_length=max_length)
+
+
+class Tokenize:
+    """The tokenization every contender runs: a batch ``{"text": strings, "label": ints}`` (a
+    dict of numpy arrays in sparktrain's transformation_fn, of lists in ``datasets.map``) to
+    ``input_ids`` and ``attention_mask`` (int64, ``(rows, max_length)``) and ``label``."""
+
+    def __init__(self, tokenizer, max_length: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+
+    def __call__(self, batch: Dict[str, Any]) -> Dict[str, np.ndarray]:
+        enc = self.tokenizer([str(t) for t in batch["text"]], padding="max_length",
+                             truncation=True, max_length=self.max_length,
+                             return_attention_mask=True, return_token_type_ids=False,
+                             return_tensors="np")
+        return {"input_ids": enc["input_ids"].astype(np.int64),
+                "attention_mask": enc["attention_mask"].astype(np.int64),
+                "label": np.asarray(batch["label"])}
+
+
+def make_model(vocab_size: int, seed: int):
+    """The tiny BERT classifier, from a config (never from the hub), same weights for a seed."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(BertConfig(vocab_size=vocab_size, **BERT))
+
+
+class LinearSchedule:
+    """Linear warm-up over ``warmup`` steps, then linear decay to 0 at ``total`` steps (the
+    factor ``transformers.get_linear_schedule_with_warmup`` uses, i.e. Trainer's
+    ``lr_scheduler_type="linear"``). Called with an optimizer, returns its ``LambdaLR``."""
+
+    def __init__(self, warmup: int, total: int) -> None:
+        self.warmup, self.total = warmup, total
+
+    def factor(self, step: int) -> float:
+        if step < self.warmup:
+            return step / max(1, self.warmup)
+        return max(0.0, (self.total - step) / max(1, self.total - self.warmup))
+
+    def __call__(self, optimizer):
+        import torch
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, self.factor)
+
+
+def evaluate(model, input_ids, attention_mask, labels, batch: int = 512) -> float:
+    """Held-out accuracy of ``model`` on pre-tokenized tensors, in this process."""
+    import torch
+
+    model.eval()
+    correct = 0
+    with torch.inference_mode():
+        for lo in range(0, len(labels), batch):
+            logits = model(input_ids=input_ids[lo:lo + batch],
+                           attention_mask=attention_mask[lo:lo + batch]).logits
+            correct += int((logits.argmax(-1) == labels[lo:lo + batch]).sum())
+    return correct / len(labels)
+
+
+def schedule(rows: int, batch_size: int, epochs: int, warmup_ratio: float) -> Dict[str, int]:
+    """Steps per rank per epoch (both distributed contenders: ceil(ceil(rows / 2) / batch)),
+    total optimizer steps and warm-up steps."""
+    per_epoch = max(1, math.ceil(math.ceil(rows / NUM_PROC) / batch_size))
+    total = per_epoch * epochs
+    return {"per_epoch": per_epoch, "total": total,
+            "warmup": max(1, round(warmup_ratio * total))}
+
+
+# -- contender 3: the per-rank speed reference ----------------------------------------------------
+def run_reference(args, vocab_size: int, train: Dict[str, Any], test: Dict[str, Any],
+                  steps: Dict[str, int]) -> Dict[str, Any]:
+    """One process, one thread (what a rank gets: torchrun and sparktrain both run 1 thread per
+    rank here), the model trained for exactly one rank's steps (``steps["total"]``) on random
+    batches of pre-tokenized in-memory tensors. Steps/s leaves out the first 10 steps."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = make_model(vocab_size, args.seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        scheduler = LinearSchedule(steps["warmup"], steps["total"])(optimizer)
+        generator = torch.Generator().manual_seed(args.seed)
+        n, batch, skip = len(train["label"]), args.batch_size, 10
+        order = torch.randperm(n, generator=generator)
+        model.train()
+        position, started, losses = 0, None, []
+        for step in range(steps["total"]):
+            if step == skip:
+                started = time.perf_counter()
+            if position + batch > n:
+                order, position = torch.randperm(n, generator=generator), 0
+            idx = order[position:position + batch]
+            position += batch
+            out = model(input_ids=train["input_ids"][idx],
+                        attention_mask=train["attention_mask"][idx], labels=train["label"][idx])
+            out.loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(out.loss))
+        seconds = time.perf_counter() - started
+    finally:
+        torch.set_num_threads(threads)
+    return {"steps_per_s": (steps["total"] - skip) / seconds, "seconds": seconds,
+            "steps": steps["total"], "final_loss": statistics.mean(losses[-20:]),
+            "accuracy": evaluate(model, test["input_ids"], test["attention_mask"],
+                                 test["label"])}
+
+
+# -- contender 2: Dataset.from_spark + Trainer in TorchDistributor --------------------------------
+def trainer_fn(dataset, vocab_size: int, settings: Dict[str, Any], result_path: str):
+    """Runs in every torchrun process TorchDistributor starts: Trainer on the tokenized
+    ``datasets.Dataset``. Rank 0 saves the trained weights and its statistics to
+    ``result_path``: TorchDistributor's return value cannot be used for that (in local mode every
+    rank pickles its return value to the same file, and the last rank to finish wins)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from transformers import Trainer, TrainingArguments
+
+    entered = time.time()
+    model = make_model(vocab_size, settings["seed"])
+    targs = TrainingArguments(
+        output_dir=settings["output_dir"], per_device_train_batch_size=settings["batch_size"],
+        num_train_epochs=settings["epochs"], learning_rate=settings["lr"],
+        lr_scheduler_type="linear", warmup_steps=settings["warmup"], optim="adamw_torch",
+        weight_decay=0.0, max_grad_norm=0.0, eval_strategy="no", save_strategy="no",
+        logging_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
+        use_cpu=True, seed=settings["seed"], ddp_find_unused_parameters=False)
+    trainer = Trainer(model=model, args=targs, train_dataset=dataset)
+    output = trainer.train()
+    info = {"rank": targs.process_index, "world_size": targs.world_size,
+            "backend": dist.get_backend() if dist.is_initialized() else None,
+            "threads": torch.get_num_threads(), "global_step": trainer.state.global_step,
+            "train_runtime": output.metrics["train_runtime"],
+            "train_steps_per_second": output.metrics["train_steps_per_second"],
+            "train_loss": output.training_loss, "entered": entered, "trained": time.time()}
+    if targs.process_index == 0:
+        state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        torch.save({"state_dict": state, "info": info}, result_path)
+    return info
+
+
+def run_trainer(args, spark, train_df, vocab_size: int, tokenize: Tokenize,
+                steps: Dict[str, int], workdir: str, epochs: int) -> Dict[str, Any]:
+    """DataFrame -> trained model the documented way; every phase timed."""
+    import torch
+    from datasets import Dataset
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    os.makedirs(workdir)
+    started = time.perf_counter()
+    dataset = Dataset.from_spark(train_df, cache_dir=os.path.join(workdir, "hf-cache"))
+    converted = time.perf_counter()
+    tokenized = dataset.map(tokenize, batched=True, remove_columns=["text"])
+    mapped = time.perf_counter()
+    settings = {"seed": args.seed, "batch_size": args.batch_size, "epochs": epochs,
+                "lr": args.lr, "warmup": steps["warmup"],
+                "output_dir": os.path.join(workdir, "trainer-out")}
+    result_path = os.path.join(workdir, "rank0.pt")
+    distributor = TorchDistributor(num_processes=NUM_PROC, local_mode=True, use_gpu=False)
+    # TorchDistributor copies the torchrun output to sys.stdout: keep stdout for the results
+    with contextlib.redirect_stdout(sys.stderr):
+        returned = distributor.run(trainer_fn, tokenized, vocab_size, settings, result_path)
+    ran = time.perf_counter()
+    saved = torch.load(result_path, weights_only=False)
+    model = make_model(vocab_size, args.seed)
+    model.load_state_dict(saved["state_dict"])
+    done = time.perf_counter()
+    return {"model": model, "seconds": done - started, "from_spark_s": converted - started,
+            "map_s": mapped - converted, "distributor_s": ran - mapped, "load_s": done - ran,
+            "rank0": saved["info"], "returned_rank": (returned or {}).get("rank"),
+            "rows": len(tokenized)}
+
+
+# -- contender 1: sparktrain ---------------------------------------------------------------------
+def make_estimator(args, vocab_size: int, tokenize: Tokenize, steps: Dict[str, int],
+                   store: str, epochs: int):
+    """TorchEstimator for the same job. The process pool's keyword is ``reader_pool_type``
+    today; ``reader_pool`` is used instead where the estimator takes that."""
+    import inspect
+
+    import torch
+    from sparktrain import TorchEstimator
+
+    model = make_model(vocab_size, args.seed)
+    keywords = inspect.signature(TorchEstimator.__init__).parameters
+    pool = "reader_pool" if "reader_pool" in keywords else "reader_pool_type"
+    return TorchEstimator(
+        num_proc=NUM_PROC, store=store, model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0),
+        loss=None, transformation_fn=tokenize, feature_cols=["input_ids", "attention_mask"],
+        label_cols=["label"], batch_size=args.batch_size, epochs=epochs,
+        lr_scheduler=LinearSchedule(steps["warmup"], steps["total"]), shuffle=True,
+        random_seed=args.seed, verbose=1, **{pool: "process"})
+
+
+def sparktrain_missing() -> Optional[str]:
+    """Why sparktrain cannot run this job yet (None when it can): the keywords it needs."""
+    import inspect
+
+    from sparktrain import TorchEstimator
+
+    keywords = inspect.signature(TorchEstimator.__init__).parameters
+    missing = [k for k in ("lr_scheduler",) if k not in keywords]
+    return (f"TorchEstimator has no {', '.join(missing)} keyword yet (keyword forward, "
+            f"loss=None and lr_scheduler are being added on main)") if missing else None
+
+
+class _FitLog(logging.Handler):
+    """Catches sparktrain's 'fit done in N s (materialize M s...)' line."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.materialize_s: List[float] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("fit done in ") and len(record.args) >= 2:
+            self.materialize_s.append(float(record.args[1]))
+
+
+def run_sparktrain(args, spark, train_df, test_df, vocab_size: int, tokenize: Tokenize,
+                   steps: Dict[str, int], store: str, epochs: int, state: Dict[str, Any],
+                   label: str, evaluate_model: bool) -> Dict[str, Any]:
+    rank_log: RankLog = state["rank_log"]
+    fit_log: _FitLog = state["fit_log"]
+    estimator = make_estimator(args, vocab_size, tokenize, steps, store, epochs)
+    rank_log.take()
+    seconds, model = guarded(spark, lambda: estimator.fit(train_df), args.fit_timeout, label,
+                             state["hangs"])
+    lines = rank_log.take()
+    logged_steps = RankLog.steps(lines)
+    if logged_steps is not None and logged_steps != steps["per_epoch"]:
+        raise AssertionError(f"{label}: rank 0 ran {logged_steps} steps/epoch, expected "
+                             f"{steps['per_epoch']}")
+    epoch_s = rank0_epoch_seconds(lines)
+    out = {"seconds": seconds, "epoch_gaps_s": RankLog.epoch_durations(lines),
+           "epoch_s": epoch_s, "history": model.getHistory(),
+           "materialize_s": fit_log.materialize_s[-1] if fit_log.materialize_s else None}
+    if evaluate_model:
+        out["model"] = model
+    return out
+
+
+def rank0_epoch_seconds(lines: List[Tuple[float, str]]) -> List[float]:
+    """The '(X.Xs)' rank 0 puts at the end of each epoch line (its own clock, 0.1 s steps)."""
+    import re
+
+    found = []
+    for _, text in lines:
+        if RankLog.EPOCH.match(text):
+            m = re.search(r"\((\d+(?:\.\d+)?)s\)\s*$", text)
+            if m:
+                found.append(float(m.group(1)))
+    return found
+
+
+def sparktrain_accuracy(model, test_df) -> float:
+    """Held-out accuracy from ``transform``'s ``label__output`` (2 logits per row)."""
+    pdf = model.transform(test_df).select("label", "label__output").toPandas()
+    predicted = np.stack(pdf["label__output"].to_numpy()).argmax(axis=1)
+    return float((predicted == pdf["label"].to_numpy()).mean())
+
+
+# -- the benchmark --------------------------------------------------------------------------------
+def main_run(args, spark, tmp: str) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
+    import torch
+
+    progress(f"generating {args.rows:,} + {args.test_rows:,} sentences (seed {args.seed}), "
+             f"cached and counted")
+    train_df, test_df, train_texts, test_texts, train_labels, test_labels = make_frames(
+        spark, args.rows, args.test_rows, args.seed)
+    tokenizer = train_tokenizer(train_texts, args.vocab_size, args.max_length)
+    vocab_size = len(tokenizer)
+    tokenize = Tokenize(tokenizer, args.max_length)
+    lengths = [len(ids) for ids in tokenizer(train_texts[:2000], truncation=False)["input_ids"]]
+    progress(f"tokenizer: {vocab_size} tokens; {max(lengths)} tokens in the longest of 2,000 "
+             f"sentences (max_length {args.max_length}); e.g. {train_texts[0]!r}")
+
+    def tensors(texts, labels) -> Dict[str, Any]:
+        enc = tokenize({"text": texts, "label": labels})
+        return {k: torch.from_numpy(np.ascontiguousarray(v)).long() for k, v in enc.items()}
+
+    train_t, test_t = tensors(train_texts, train_labels), tensors(test_texts, test_labels)
+    steps = schedule(args.rows, args.batch_size, args.epochs, args.warmup_ratio)
+    warm_steps = schedule(WARMUP_ROWS, args.batch_size, 1, args.warmup_ratio)
+    progress(f"{steps['per_epoch']} steps/epoch per rank, {steps['total']} in all, "
+             f"{steps['warmup']} warm-up steps")
+    state: Dict[str, Any] = {"rank_log": args.rank_log, "fit_log": args.fit_log, "hangs": []}
+    meta = {"vocab_size": vocab_size, "steps": steps,
+            "parameters": sum(p.numel() for p in make_model(vocab_size, 0).parameters()),
+            "longest_sentence_tokens": max(lengths)}
+    found: Dict[str, Any] = {}
+
+    # 3. the reference loop first: cheap, and it says whether the data is learnable
+    if "reference" not in args.skip:
+        progress("== reference: single-process loop over in-memory tensors ==")
+        ref = run_reference(args, vocab_size, train_t, test_t, steps)
+        progress(f"reference: {ref['steps_per_s']:.1f} steps/s, accuracy {ref['accuracy']:.4f} "
+                 f"after {ref['steps']} steps (loss {ref['final_loss']:.3f})")
+        found["reference"] = ref
+
+    # 1. sparktrain (each side in its own block: a TorchDistributor run leaves Spark's Python
+    # workers cold for the next sparktrain fit, see bench_torch.py's fit figure)
+    missing = None if "sparktrain" in args.skip else sparktrain_missing()
+    if "sparktrain" not in args.skip and missing:
+        progress(f"sparktrain: not run: {missing}")
+        found["sparktrain_missing"] = missing
+    elif "sparktrain" not in args.skip:
+        progress("== sparktrain: TorchEstimator.fit ==")
+        small = cached(train_df.limit(WARMUP_ROWS).repartition(NUM_PROC))
+        progress(f"sparktrain: warm-up fit ({WARMUP_ROWS} rows, 1 epoch)")
+        warm = run_sparktrain(args, spark, small, test_df, vocab_size, tokenize, warm_steps,
+                              os.path.join(tmp, "store-warmup"), 1, state,
+                              "sparktrain: warm-up fit", False)
+        progress(f"sparktrain: warm-up fit {warm['seconds']:.2f}s")
+        small.unpersist()
+        runs = []
+        for i in range(args.repeats):
+            run = run_sparktrain(args, spark, train_df, test_df, vocab_size, tokenize, steps,
+                                 os.path.join(tmp, f"store-{i}"), args.epochs, state,
+                                 f"sparktrain: fit {i + 1}", True)
+            module = run.pop("model")
+            run["accuracy"] = sparktrain_accuracy(module, test_df)
+            run["accuracy_driver"] = evaluate(module.getModel(), test_t["input_ids"],
+                                              test_t["attention_mask"], test_t["label"])
+            progress(f"sparktrain: fit {i + 1}/{args.repeats}: {run['seconds']:.2f}s "
+                     f"(materialize {run['materialize_s']}s, epochs {run['epoch_s']}), "
+                     f"accuracy {run['accuracy']:.4f}")
+            runs.append(run)
+        found["sparktrain"] = runs
+
+    # 2. from_spark + Trainer in TorchDistributor
+    if "trainer" not in args.skip:
+        progress("== trainer: Dataset.from_spark + Trainer in TorchDistributor(local_mode) ==")
+        small = cached(train_df.limit(WARMUP_ROWS).repartition(NUM_PROC))
+        progress(f"trainer: warm-up run ({WARMUP_ROWS} rows, 1 epoch)")
+        warm = run_trainer(args, spark, small, vocab_size, tokenize, warm_steps,
+                           os.path.join(tmp, "trainer-warmup"), 1)
+        progress(f"trainer: warm-up run {warm['seconds']:.2f}s")
+        small.unpersist()
+        runs = []
+        for i in range(args.repeats):
+            run = run_trainer(args, spark, train_df, vocab_size, tokenize, steps,
+                              os.path.join(tmp, f"trainer-{i}"), args.epochs)
+            if run["rank0"]["world_size"] != NUM_PROC or run["rows"] != args.rows:
+                raise AssertionError(f"trainer: world size {run['rank0']['world_size']}, "
+                                     f"{run['rows']} rows")
+            if run["rank0"]["global_step"] != steps["total"]:
+                raise AssertionError(f"trainer: {run['rank0']['global_step']} steps, expected "
+                                     f"{steps['total']}")
+            run["accuracy"] = evaluate(run.pop("model"), test_t["input_ids"],
+                                       test_t["attention_mask"], test_t["label"])
+            r0 = run["rank0"]
+            progress(f"trainer: run {i + 1}/{args.repeats}: {run['seconds']:.2f}s (from_spark "
+                     f"{run['from_spark_s']:.2f}s, map {run['map_s']:.2f}s, TorchDistributor "
+                     f"{run['distributor_s']:.2f}s of which Trainer.train {r0['train_runtime']:.2f}s"
+                     f"; backend {r0['backend']}, {r0['threads']} thread(s)/rank, "
+                     f"{r0['train_steps_per_second']:.1f} steps/s), accuracy "
+                     f"{run['accuracy']:.4f}; run() returned rank {run['returned_rank']}'s value")
+            runs.append(run)
+        found["trainer"] = runs
+    found["hangs"] = state["hangs"]
+    return make_figures(args, found, steps), {**meta, "hangs": state["hangs"]}
+
+
+def make_figures(args, found: Dict[str, Any], steps: Dict[str, int]) -> List[Dict[str, Any]]:
+    med = statistics.median
+    st, tr, ref = found.get("sparktrain"), found.get("trainer"), found.get("reference")
+    status = found.get("sparktrain_missing") or ("skipped" if "sparktrain" in args.skip else None)
+    hangs = found.get("hangs", [])  # filled in by main_run
+    results = []
+
+    # e2e
+    extras: Dict[str, Any] = {}
+    st_s = med([r["seconds"] for r in st]) if st else None
+    tr_s = med([r["seconds"] for r in tr]) if tr else None
+    if st:
+        mat = [r["materialize_s"] for r in st if r["materialize_s"] is not None]
+        if mat:
+            extras["sparktrain: materialize (inside the fit)"] = {"value": med(mat), "unit": "s"}
+    if tr:
+        for key, name in (("from_spark_s", "Dataset.from_spark(train_df)"),
+                          ("map_s", ".map(tokenize, batched=True)"),
+                          ("distributor_s", "TorchDistributor(local_mode=True).run(Trainer)")):
+            extras[f"trainer: {name}"] = {"value": med([r[key] for r in tr]), "unit": "s"}
+        extras["trainer: Trainer.train inside it (rank 0's train_runtime)"] = {
+            "value": med([r["rank0"]["train_runtime"] for r in tr]), "unit": "s"}
+    extras["runs"] = {"sparktrain": st or [], "trainer": tr or []}
+    extras.update(hang_extras(hangs, "sparktrain:"))
+    e2e = figure("e2e", f"wall s from the {args.rows:,}-row training DataFrame to a trained "
+                 f"model, {args.epochs} epoch(s), batch {args.batch_size}/rank, 2 ranks, median "
+                 f"of {args.repeats}", "s", st_s, tr_s,
+                 "Dataset.from_spark + map + TorchDistributor(local_mode=True).run(Trainer)",
+                 (tr_s / st_s) if st_s and tr_s else None, 2.0, ">=", extras)
+    results.append(e2e)
+
+    # accuracy
+    extras = {}
+    st_a = med([r["accuracy"] for r in st]) if st else None
+    tr_a = med([r["accuracy"] for r in tr]) if tr else None
+    if st:
+        extras["sparktrain: getModel() evaluated in the driver (cross-check)"] = {
+            "value": med([r["accuracy_driver"] for r in st]), "unit": "accuracy"}
+    if ref:
+        extras[f"reference loop ({ref['steps']} steps of batch {args.batch_size}, 1 process)"] = {
+            "value": ref["accuracy"], "unit": "accuracy"}
+    for name, value in (("sparktrain", st_a), ("trainer", tr_a)):
+        if value is not None and value < 0.9:
+            extras[f"{name} below 0.9"] = {"value": value, "unit": "accuracy",
+                                           "note": "more --epochs or --rows"}
+    results.append(figure("accuracy", f"held-out accuracy on {args.test_rows:,} rows (argmax of "
+                          f"2 logits), median of {args.repeats}", "accuracy", st_a, tr_a,
+                          "Trainer model, predicted in the driver",
+                          (st_a / tr_a) if st_a is not None and tr_a else None, 0.99, ">=",
+                          extras))
+
+    # steps/s per rank
+    extras = {}
+    st_rate = None
+    if st:
+        gaps = [g for r in st for g in r["epoch_gaps_s"]]
+        own = [e for r in st for e in r["epoch_s"]]
+        if gaps:  # epochs 2..E, driver clock: no launch, reader start or teardown in them
+            st_rate = steps["per_epoch"] / med(gaps)
+            how = f"{steps['per_epoch']} steps / median epoch (epochs 2..{args.epochs})"
+        elif own:  # 1 epoch: rank 0's own epoch seconds (includes its reader's start)
+            st_rate = steps["per_epoch"] / med(own)
+            how = f"{steps['per_epoch']} steps / rank 0's epoch seconds (1 epoch: with start-up)"
+        if own:
+            extras["sparktrain: steps / rank 0's epoch seconds, all epochs"] = {
+                "value": steps["total"] / med([sum(r["epoch_s"]) for r in st if r["epoch_s"]]),
+                "unit": "steps/s"}
+    else:
+        how = "sparktrain not run"
+    ref_rate = ref["steps_per_s"] if ref else None
+    if tr:
+        tr_rate = med([r["rank0"]["train_steps_per_second"] for r in tr])
+        extras["trainer: steps/s per rank (global_step / train_runtime)"] = {
+            "value": tr_rate, "unit": "steps/s",
+            "note": f"{tr_rate / ref_rate:.2f}x the reference" if ref_rate else ""}
+    results.append(figure("steps/s", f"optimizer steps/s of one rank ({how}) vs one process on "
+                          f"in-memory tensors, 1 thread, batch {args.batch_size}", "steps/s",
+                          st_rate, ref_rate, "single-process loop over in-memory tensors",
+                          (st_rate / ref_rate) if st_rate and ref_rate else None, 0.8, ">=",
+                          extras))
+    if status:
+        for r in results:
+            if r["sparktrain"] is None:
+                r["status"] = f"sparktrain side not run: {status}"
+    return results
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=None, help="training rows (default 20,000)")
+    parser.add_argument("--test-rows", type=int, default=None,
+                        help="held-out rows (default 2,000)")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs (default 2)")
+    parser.add_argument("--batch-size", type=int, default=32, help="rows per rank per step")
+    parser.add_argument("--max-length", type=int, default=32, help="tokens per row (padded)")
+    parser.add_argument("--vocab-size", type=int, default=512, help="WordPiece vocabulary")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--warmup-ratio", type=float, default=0.1,
+                        help="share of the steps with a linear warm-up")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 4,000 + 1,000 rows, 1 epoch, 1 repeat")
+    add_common_args(parser, list(FIGURES), "bench_hf.json", fit_timeout=600.0)
+    args = parse_common(parser, argv, list(FIGURES))
+    quick = args.quick
+    args.rows = args.rows or (4000 if quick else 20000)
+    args.test_rows = args.test_rows or (1000 if quick else 2000)
+    args.epochs = args.epochs or (1 if quick else 2)
+    if quick and "--repeats" not in " ".join(argv if argv is not None else sys.argv):
+        args.repeats = 1
+    if args.rows < WARMUP_ROWS:
+        parser.error(f"--rows must be at least {WARMUP_ROWS}")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    for category in (FutureWarning, DeprecationWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category)
+    # no network here: nothing may try the hub (inherited by TorchDistributor's processes)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    logging.getLogger("datasets").setLevel(logging.ERROR)
+
+    from sparktrain import local_spark
+
+    # sparktrain's INFO lines to stderr; rank lines captured (epoch timing), not printed
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[sparktrain] %(message)s"))
+    st_logger = logging.getLogger("sparktrain")
+    st_logger.addHandler(handler)
+    args.fit_log = _FitLog()
+    st_logger.addHandler(args.fit_log)
+    st_logger.setLevel(logging.INFO)
+    st_logger.propagate = False
+    args.rank_log = RankLog()
+    rank_logger = logging.getLogger("sparktrain.rank")
+    rank_logger.addHandler(args.rank_log)
+    rank_logger.setLevel(logging.INFO)
+    rank_logger.propagate = False
+
+    tmp = tempfile.mkdtemp(prefix="sparktrain-bench-hf-")
+    progress(f"temp dir {tmp}; starting Spark {args.master}")
+    spark = local_spark(args.master, "sparktrain-bench-hf", conf={
+        "spark.driver.memory": "4g", "spark.ui.enabled": "false",
+        "spark.local.dir": os.path.join(tmp, "spark-local")})
+    load_before = os.getloadavg()
+    try:
+        results, meta = main_run(args, spark, tmp)
+    finally:
+        spark.stop()
+        if args.keep_tmp:
+            progress(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    print()
+    print(f"sparktrain Hugging Face benchmark: {args.rows:,} + {args.test_rows:,} rows, "
+          f"{args.epochs} epoch(s), batch {args.batch_size}/rank, {args.master}, "
+          f"{os.cpu_count()} CPUs, load avg {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}")
+    print_table(results)
+    print_json_lines(results)
+    if args.json_out:
+        import datasets
+        import tokenizers
+        import transformers
+
+        meta.update({"rows": args.rows, "test_rows": args.test_rows, "epochs": args.epochs,
+                     "batch_size": args.batch_size, "max_length": args.max_length,
+                     "lr": args.lr, "warmup_ratio": args.warmup_ratio, "repeats": args.repeats,
+                     "master": args.master, "skipped": sorted(args.skip), "quick": args.quick,
+                     "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+                     "transformers": transformers.__version__,
+                     "tokenizers": tokenizers.__version__, "datasets": datasets.__version__,
+                     **versions()})
+        write_results(args.json_out, meta, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
