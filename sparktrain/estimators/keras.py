@@ -265,7 +265,7 @@ class KerasEstimator(EstimatorBase, KerasParams):
     def _create_model(self, result: Dict[str, Any], data: MaterializedDataset) -> "KerasModel":
         model = KerasModel(result["model"], loading_objects(_keras(), self.getCustomObjects()))
         model._history = result["history"]
-        model._columns = [c for c in data.columns if c.name in self.getFeatureCols()]
+        model._columns = self._prediction_columns(data)
         model._output_shapes = result["output_shapes"]
         return model
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pyspark.sql import DataFrame
 
 from sparktrain.data.materialize import sample_batch
 from sparktrain.data.schema import ColumnSpec
+from sparktrain.data.transform_inputs import learn_inputs
 from sparktrain.errors import PreflightError
 from sparktrain.launch.faults import is_fault, user_error_source
 from sparktrain.spark_api import conf_value
@@ -67,6 +68,50 @@ def run_preflight(estimator: Any, df: DataFrame, specs: Sequence[ColumnSpec]) ->
     log.info("preflight: the model, loss and metrics ran on %d rows (sampled in %.2fs, run in "
              "%.2fs)", len(next(iter(batch.values()))), sampled - started,
              time.perf_counter() - sampled)
+
+
+def transformation_columns(df: DataFrame, fn: Callable, wanted: Sequence[str],
+                           keep: Sequence[str]) -> Optional[List[ColumnSpec]]:
+    """Specs of the DataFrame columns ``fn`` needs to produce ``wanted`` (see the module),
+    learned on :data:`PREFLIGHT_ROWS` rows (even with the preflight off: training needs it); ``None`` when it cannot be learned here (no rows, or
+    ``fn`` needs a training task): then every column a model could read is materialized.
+
+    Raises ``ValueError`` when ``fn`` fails on the rows or does not produce a wanted column.
+    """
+    from sparktrain.data.schema import column_spec
+
+    specs: Dict[str, ColumnSpec] = {}
+    for name in df.columns:
+        try:
+            specs[name] = column_spec(df, name, "input")
+        except ValueError:
+            continue  # a type no model reads (maps, structs): the transformation cannot get it
+    sample = sample_batch(df, list(specs.values()), PREFLIGHT_ROWS, partial=True)
+    if sample is None:
+        log.warning("transformation_fn: the DataFrame has no rows to learn which columns it "
+                    "reads from; all %d readable columns are materialized", len(specs))
+        return list(specs.values())
+    try:
+        inputs, _ = learn_inputs(detached(fn), sample, wanted, keep)
+    except ValueError as exc:
+        if "neither in the DataFrame" in str(exc):
+            raise
+        raise _failed(exc, sample) from exc
+    except Exception as exc:  # noqa: BLE001 - the user's function: reported with the rows
+        if _needs_a_rank(exc):
+            log.warning("transformation_fn needs a training task (%s: %s): all %d readable "
+                        "columns are materialized", type(exc).__name__, exc, len(specs))
+            return list(specs.values())
+        raise _failed(exc, sample) from exc
+    log.info("transformation_fn reads %s to make %s", inputs, list(wanted))
+    return [specs[name] for name in inputs]
+
+
+def _failed(exc: BaseException, sample: Dict[str, Any]) -> ValueError:
+    rows = len(next(iter(sample.values()), []))
+    return ValueError(f"transformation_fn failed on {rows} rows of the DataFrame (columns "
+                      f"{list(sample)}), run on the driver to learn which columns it reads "
+                      f"before any training job: {type(exc).__name__}: {exc}")
 
 
 def _needs_a_rank(exc: BaseException) -> bool:
