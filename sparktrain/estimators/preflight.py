@@ -30,6 +30,7 @@ from sparktrain.data.materialize import sample_batch
 from sparktrain.data.schema import ColumnSpec
 from sparktrain.data.transform_inputs import learn_inputs
 from sparktrain.errors import PreflightError
+from sparktrain.estimators.keras_inputs import input_names
 from sparktrain.launch.faults import is_fault, user_error_source
 from sparktrain.spark_api import conf_value
 
@@ -190,7 +191,8 @@ def tensor_shapes(tensors: List[Any]) -> str:
 
 # -- keras ----------------------------------------------------------------------------------------
 def keras_expectation(model: Any) -> Optional[str]:
-    """The model's declared input shapes, when it has them."""
+    """The model's declared input shapes, when it has them, and for several inputs their names
+    (fed by name when they are the feature columns, :mod:`.keras_inputs`)."""
     try:
         inputs = model.inputs
     except (AttributeError, ValueError):
@@ -198,4 +200,9 @@ def keras_expectation(model: Any) -> Optional[str]:
     if not inputs:
         return None
     shapes = ", ".join(str(tuple(i.shape)) for i in inputs)
-    return f"inputs of shape {shapes}"
+    names = input_names(model)
+    if names is None or len(names) < 2:
+        return f"inputs of shape {shapes}"
+    named = ", ".join(f"{n!r} {tuple(i.shape)}" for n, i in zip(names, inputs))
+    return (f"inputs {named} (fed by name when feature_cols are these names, else in this "
+            f"order)")
