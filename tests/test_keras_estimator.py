@@ -133,3 +133,47 @@ def test_sample_weights_weight_the_loss(spark, store):
                          batch_size=32, epochs=30, store=store, verbose=0)
     bias = float(est.fit(df).getModel().layers[0].bias.numpy()[0])
     assert abs(bias - 2.0) < 0.05, bias
+
+
+def _named_inputs_model():
+    """A functional model taking a dict of two named inputs: token ids (int32, 6 per row, into an
+    embedding) and numbers (3 per row). The dict's order and the order of ``model.inputs``
+    (sorted by name) differ from the feature_cols the tests give."""
+    numbers = keras.Input((3,), name="numbers")
+    tokens = keras.Input((6,), name="tokens", dtype="int32")
+    embedded = keras.layers.Flatten()(keras.layers.Embedding(10, 2)(tokens))
+    hidden = keras.layers.Concatenate()([embedded, numbers])
+    return keras.Model(inputs={"numbers": numbers, "tokens": tokens},
+                       outputs=keras.layers.Dense(1)(hidden))
+
+
+def test_keras_inputs_rule():
+    """Fed by name when the inputs' names are the feature columns, by position otherwise."""
+    from sparktrain.estimators.keras_inputs import in_feature_order, keras_inputs
+
+    net = _named_inputs_model()
+    assert keras_inputs(net, ["tokens", "numbers"], ["t", "n"]) == {"tokens": "t", "numbers": "n"}
+    assert in_feature_order(net, ["tokens", "numbers"], ["n_shape", "t_shape"]) == \
+        ["t_shape", "n_shape"]
+    assert keras_inputs(net, ["ids", "numbers"], ["t", "n"]) == ["t", "n"]
+    listed = keras.Model(inputs=[net.inputs[1], net.inputs[0]], outputs=net.outputs)
+    assert keras_inputs(listed, ["numbers", "tokens"], ["n", "t"]) == \
+        {"numbers": "n", "tokens": "t"}
+    single = keras.Sequential([keras.Input((4,), name="features"), keras.layers.Dense(1)])
+    assert keras_inputs(single, ["features"], ["f"]) == "f"
+
+
+def test_dict_of_named_inputs_fits_and_transforms(spark, store):
+    rng = np.random.default_rng(4)
+    rows = [(rng.integers(0, 10, size=6).tolist(), rng.normal(size=3).tolist(),
+             float(rng.normal())) for _ in range(64)]
+    df = spark.createDataFrame(rows, "tokens array<int>, numbers array<double>, y double")
+    keras.utils.set_random_seed(4)
+    est = KerasEstimator(num_proc=2, model=_named_inputs_model(), optimizer="adam", loss="mse",
+                         feature_cols=["tokens", "numbers"], label_cols=["y"], batch_size=16,
+                         epochs=2, store=store, verbose=0)
+    model = est.fit(df)
+    assert all(np.isfinite(model.getHistory()["loss"]))
+    # one partition: one Python worker starts TensorFlow to predict, not two side by side
+    out = model.transform(df.coalesce(1)).select("y__output").toPandas()["y__output"]
+    assert len(out) == 64 and np.isfinite(out.to_numpy()).all()

@@ -47,8 +47,9 @@ def column_spec(df: DataFrame, name: str, role: str) -> ColumnSpec:
     """
     fields = {f.name: f for f in df.schema.fields}
     if name not in fields:
-        raise ValueError(f"{role} column {name!r} is not in the DataFrame; "
-                         f"its columns are {sorted(fields)}")
+        raise ValueError(f"{role} column {name!r} is not in the DataFrame; its columns are "
+                         f"{sorted(fields)} (a column that transformation_fn creates needs "
+                         f"the transformation_fn)")
     dtype = fields[name].dataType
     if isinstance(dtype, VectorUDT):
         return ColumnSpec(name, VECTOR, "float32")
@@ -87,8 +88,10 @@ def check_validation_column(df: DataFrame, name: str) -> None:
 
 
 def training_columns(df: DataFrame, feature_cols: Sequence[str], label_cols: Sequence[str],
-                     sample_weight_col: Optional[str] = None) -> List[ColumnSpec]:
-    """Specs of every column training reads, in order: features, labels, sample weight."""
+                     sample_weight_col: Optional[str] = None,
+                     created: Sequence[str] = ()) -> List[ColumnSpec]:
+    """Specs of every column training reads, in order: features, labels, sample weight; the
+    ``created`` ones (made by ``transformation_fn``) are not in the DataFrame and have none."""
     if not feature_cols:
         raise ValueError("feature_cols is empty; name at least one feature column")
     if not label_cols:
@@ -98,9 +101,9 @@ def training_columns(df: DataFrame, feature_cols: Sequence[str], label_cols: Seq
     if duplicates:
         raise ValueError(f"columns {duplicates} appear more than once in "
                          f"feature_cols/label_cols/sample_weight_col")
-    specs = [column_spec(df, c, "feature") for c in feature_cols]
-    specs += [column_spec(df, c, "label") for c in label_cols]
-    if sample_weight_col:
+    specs = [column_spec(df, c, "feature") for c in feature_cols if c not in created]
+    specs += [column_spec(df, c, "label") for c in label_cols if c not in created]
+    if sample_weight_col and sample_weight_col not in created:
         spec = column_spec(df, sample_weight_col, "sample weight")
         if spec.kind != SCALAR:
             raise ValueError(f"sample weight column {sample_weight_col!r} must be a numeric "

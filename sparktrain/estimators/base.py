@@ -37,7 +37,7 @@ from sparktrain.data.schema import ARRAY, BINARY, IMAGE, RAW_KINDS, STRING, VARL
 from sparktrain.data.store import Store, StoredBytes
 from sparktrain.estimators.prediction import as_model_input, feature_expr as _feature_expr, \
     output_series, predict_columns, series_to_numpy, series_values  # noqa: F401 - re-exported
-from sparktrain.estimators.preflight import run_preflight
+from sparktrain.estimators.preflight import run_preflight, transformation_columns
 from sparktrain.fit_hooks import FitListener, fit_hooks
 from sparktrain.launch import check_backend
 from sparktrain.launch.barrier import check_slots
@@ -216,8 +216,11 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
             if (not self.isDefined(name) or self.getOrDefault(name) is None) \
                     and not self._built_elsewhere(name):
                 raise ValueError(f"{name} is not set; pass {name}=... to {type(self).__name__}")
+        wanted = self.getFeatureCols() + self.getLabelCols() + \
+            ([self.getSampleWeightCol()] if self.getSampleWeightCol() else [])
+        created = [name for name in wanted if name not in df.columns] if fn is not None else []
         specs = training_columns(df, self.getFeatureCols(), self.getLabelCols(),
-                                 self.getSampleWeightCol())
+                                 self.getSampleWeightCol(), created)
         validation = self.getValidation()
         if isinstance(validation, str):
             check_validation_column(df, validation)
@@ -236,6 +239,10 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                     f"shape (it gets {_KIND_FORM[spec.kind]}; docs/data.md, 'Images, "
                     f"text and sequences')")
         self._check_framework()
+        if created:  # and the DataFrame columns the transformation reads to make them
+            present = [spec.name for spec in specs]
+            inputs = transformation_columns(df, fn, wanted, keep=present)
+            specs += [spec for spec in inputs if spec.name not in present]
         return specs
 
     def _fit(self, dataset: DataFrame) -> "ModelBase":
@@ -306,9 +313,19 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         if given is not None:
             return given
         features = set(self.getFeatureCols())
-        if any(c.kind in RAW_KINDS for c in data.columns if c.name in features):
+        stored = {c.name for c in data.columns}
+        if any(c.kind in RAW_KINDS for c in data.columns if c.name in features) or \
+                not features <= stored:  # raw, or made by the transformation
             return self.getTransformationFn()
         return None
+
+    def _prediction_columns(self, data: MaterializedDataset) -> List[ColumnSpec]:
+        """The DataFrame columns the model reads to predict: the feature columns, or (when
+        ``transformation_fn`` creates them) the columns it reads, labels and weights left out
+        (docs/data.md, 'Columns a transformation creates')."""
+        features = set(self.getFeatureCols())
+        targets = set(self.getLabelCols()) | {self.getSampleWeightCol()}
+        return [c for c in data.columns if c.name in features or c.name not in targets]
 
     # -- persistence ----------------------------------------------------------------------------
     def write(self) -> EstimatorWriter:
@@ -423,15 +440,14 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
 
     def _transform(self, dataset: DataFrame) -> DataFrame:
         self._complete(dataset)
-        columns = {c.name: c for c in self._columns}
-        specs = []
-        for name in self.getFeatureCols():
-            found = column_spec(dataset, name, "feature")
-            trained = columns[name]
+        specs = self._input_specs()
+        for trained in specs:
+            role = "feature" if trained.name in self.getFeatureCols() else \
+                "input (read by transformation_fn to make the features)"
+            found = column_spec(dataset, trained.name, role)
             if _family(found.kind) != _family(trained.kind):
-                raise ValueError(f"feature column {name!r} is a {found.kind} here but was a "
-                                 f"{trained.kind} in training")
-            specs.append(trained)
+                raise ValueError(f"{role} column {trained.name!r} is a {found.kind} here but "
+                                 f"was a {trained.kind} in training")
         outputs = self.getOutputCols()
         if len(outputs) != len(self._output_shapes):
             raise ValueError(f"output_cols has {len(outputs)} names but the model has "
@@ -450,7 +466,8 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
         # pickling of the UDF would send a function from an importable user module by
         # reference, and the executors cannot import it
         udf = _prediction_udf(key, factory, specs, types, self.getBatchSize(),
-                              dumps(transform) if transform is not None else None)
+                              dumps(transform) if transform is not None else None,
+                              self.getFeatureCols())
         prediction = udf(*[_feature_expr(s) for s in specs])
         if len(outputs) == 1:
             return _with_profile(dataset.withColumn(outputs[0], prediction),
@@ -460,6 +477,14 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
         for i, name in enumerate(outputs):
             result = result.withColumn(name, F.col(f"`{tmp}`.`_{i}`"))
         return _with_profile(result.drop(tmp), self.getOrDefault("resource_profile"))
+
+    def _input_specs(self) -> List[ColumnSpec]:
+        """The DataFrame columns ``transform`` reads: the feature columns in their order, then
+        the ones ``transformation_fn`` reads to make features it creates."""
+        features = self.getFeatureCols()
+        first = {c.name: c for c in self._columns if c.name in features}
+        return [first[name] for name in features if name in first] + \
+            [c for c in self._columns if c.name not in first]
 
     # -- persistence ----------------------------------------------------------------------------
     def _extra_metadata(self) -> Dict[str, Any]:
@@ -518,7 +543,8 @@ _PREDICTORS: Dict[str, Callable] = {}
 
 def _prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
                     types: Sequence[T.DataType], batch_size: int,
-                    transform_bytes: Optional[bytes] = None):
+                    transform_bytes: Optional[bytes] = None,
+                    feature_names: Optional[Sequence[str]] = None):
     multi = len(types) > 1
     return_type = (T.StructType([T.StructField(f"_{i}", t, False) for i, t in enumerate(types)])
                    if multi else types[0])
@@ -536,7 +562,8 @@ def _prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
         for columns in batches:
             columns = columns if isinstance(columns, tuple) else (columns,)
             rows = len(columns[0])
-            outputs = predict_columns(predict, columns, specs, transform, batch_size, len(types))
+            outputs = predict_columns(predict, columns, specs, transform, batch_size, len(types),
+                                      feature_names)
             series = output_series(outputs, scalar_out, rows)
             yield pd.DataFrame({f"_{i}": s for i, s in enumerate(series)}) if multi else series[0]
 

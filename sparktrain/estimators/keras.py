@@ -29,6 +29,7 @@ from sparktrain import compat
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
+from sparktrain.estimators.keras_inputs import in_feature_order, keras_inputs
 from sparktrain.estimators.keywords import EstimatorKeywords, keyword_params
 from sparktrain.estimators.keras_saving import keras_module as _keras, load_model as _load_model, \
     loading_objects, model_bytes as _model_bytes, model_shapes
@@ -112,9 +113,12 @@ class KerasEstimator(EstimatorBase, KerasParams):
         return name == "optimizer" and getattr(self.getModel(), "optimizer", None) is not None
 
     def _input_shapes(self) -> Optional[List[List[int]]]:
-        """The shapes features are fed in: the model's input shapes (as Horovod feeds them),
-        ``None`` when the model's inputs are unknown or of variable size."""
+        """The shapes features are fed in, one per feature column: the model's input shapes (as
+        Horovod feeds them; matched by name for inputs named as the columns,
+        :mod:`.keras_inputs`), ``None`` when the model's inputs are unknown or of variable size."""
         input_shapes, _ = self.get_model_shapes()
+        if input_shapes is not None:
+            input_shapes = in_feature_order(self.getModel(), self.getFeatureCols(), input_shapes)
         if input_shapes is not None and len(input_shapes) != len(self.getFeatureCols()):
             raise ValueError(f"the model has {len(input_shapes)} input(s) for "
                              f"{len(self.getFeatureCols())} feature column(s) "
@@ -257,7 +261,7 @@ class KerasEstimator(EstimatorBase, KerasParams):
             tensors = ", ".join(str(tuple(t.shape)) for t in x)
             with user_code("the model, the loss or the metrics"):
                 forward_stats(tf, model, loss_fn, metrics, x, y, w, False, self.getLossWeights(),
-                              bool(self.getLabelShapes()))
+                              bool(self.getLabelShapes()), features)
         except Exception as exc:
             raise preflight.failure(exc, "the model (inference mode), the loss and the metrics",
                                     columns, tensors, preflight.keras_expectation(model)) from exc
@@ -265,7 +269,7 @@ class KerasEstimator(EstimatorBase, KerasParams):
     def _create_model(self, result: Dict[str, Any], data: MaterializedDataset) -> "KerasModel":
         model = KerasModel(result["model"], loading_objects(_keras(), self.getCustomObjects()))
         model._history = result["history"]
-        model._columns = [c for c in data.columns if c.name in self.getFeatureCols()]
+        model._columns = self._prediction_columns(data)
         model._output_shapes = result["output_shapes"]
         return model
 
@@ -337,7 +341,9 @@ class KerasModel(ModelBase):
         return cls(files["model.keras"], cloudpickle.loads(files["custom_objects.pkl"]))
 
     def _predict_fn_factory(self) -> Callable[[], Callable]:
-        return functools.partial(_make_predictor, self._framework_files(), self.getUseGpu())
+        features = self.getFeatureCols() if self.isDefined(self.feature_cols) else []
+        return functools.partial(_make_predictor, self._framework_files(), self.getUseGpu(),
+                                 list(features))
 
 
 def predict_device(tf: Any, address: Optional[str]) -> str:
@@ -374,10 +380,13 @@ def _grow_gpu_memory(tf: Any) -> None:
             pass
 
 
-def _make_predictor(files: Dict[str, bytes], use_gpu: Optional[bool] = None) -> Callable:
+def _make_predictor(files: Dict[str, bytes], use_gpu: Optional[bool] = None,
+                    feature_cols: Optional[List[str]] = None) -> Callable:
     """Executor side, once per Python worker: return ``predict``, which runs the model on the
     GPU Spark gave the task (see ``use_gpu``), chosen per call (a reused worker's later task
-    may hold another GPU); the model is loaded once per device, its weights placed there."""
+    may hold another GPU); the model is loaded once per device, its weights placed there.
+    ``feature_cols``: the columns of the features ``predict`` gets, fed by name to a model whose
+    inputs bear their names (:mod:`.keras_inputs`), as in training."""
     import numpy as np
 
     from sparktrain.launch.gpus import task_gpu
@@ -395,7 +404,11 @@ def _make_predictor(files: Dict[str, bytes], use_gpu: Optional[bool] = None) -> 
                 loaded[device] = _load_model(files["model.keras"], custom_objects)
         return loaded[device]
 
-    shapes, _ = model_shapes(model_on(predict_device(tf, task_gpu(use_gpu))))
+    first = model_on(predict_device(tf, task_gpu(use_gpu)))
+    columns = list(feature_cols or [])
+    shapes, _ = model_shapes(first)
+    if shapes is not None:
+        shapes = in_feature_order(first, columns, shapes)
     if shapes is not None and any(-1 in shape[1:] for shape in shapes):
         shapes = None  # inputs of variable size: fed as they come
 
@@ -404,8 +417,8 @@ def _make_predictor(files: Dict[str, bytes], use_gpu: Optional[bool] = None) -> 
         if shapes is not None:  # as in training: each feature in its input's shape
             features = [f.reshape([-1] + s[1:]) for f, s in zip(features, shapes)]
         with tf.device(device):
-            result = model_on(device)(features if len(features) > 1 else features[0],
-                                      training=False)
+            model = model_on(device)
+            result = model(keras_inputs(model, columns, features), training=False)
         outputs = list(result) if isinstance(result, (list, tuple)) else [result]
         return [np.asarray(o, dtype=np.float32) for o in outputs]
 

@@ -4,7 +4,8 @@ Shared by the rank loop (:mod:`.keras_worker`), the parameter-server workers' sh
 (:mod:`sparktrain.strategies.keras_ps`) and the driver's preflight (``KerasEstimator``): a leaf
 module that imports TensorFlow and Keras only through its callers' arguments.
 
-Conventions as for torch: one input per feature column (``(batch, 1)`` for scalars), labels
+Conventions as for torch: one input per feature column (``(batch, 1)`` for scalars; a dict
+keyed by column for a model whose inputs are named as the columns, :mod:`.keras_inputs`), labels
 reshaped to the output when they hold as many values, class indices for ``(batch, classes)``
 outputs; sample weights multiply per-row losses (Keras' own convention).
 
@@ -12,11 +13,13 @@ Example::
 
     x, y, w = batch_tensors(tf, batch, ["features"], ["label"], None)
     per_row, stats, outputs = forward_stats(tf, model, per_row_loss(keras, "mse"), [], x, y, w,
-                                            training=False)
+                                            training=False, feature_cols=["features"])
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
+
+from sparktrain.estimators.keras_inputs import keras_inputs
 
 
 def resolve_metrics(keras: Any, metrics: List[Any], custom_objects: Dict[str, Any]
@@ -119,11 +122,14 @@ def batch_tensors(tf: Any, batch: Dict[str, Any], features: List[str], labels: L
 
 def forward_stats(tf: Any, model: Any, loss_fn: Any, metrics: List[Tuple[str, Any]], x: List[Any],
                   y: List[Any], w: Any, training: bool, loss_weights: Any = None,
-                  keep_label_shapes: bool = False) -> Tuple[Any, Any, List[Any]]:
+                  keep_label_shapes: bool = False,
+                  feature_cols: Sequence[str] = ()) -> Tuple[Any, Any, List[Any]]:
     """The model on one batch: per-row losses, ``[rows, loss sum, metric sums...]`` and the
     outputs (what the train and eval steps and the driver's preflight compute).
-    ``loss_weights``: one factor per output's loss (Horovod's param)."""
-    outputs = model(x if len(x) > 1 else x[0], training=training)
+    ``loss_weights``: one factor per output's loss (Horovod's param); ``feature_cols``: the
+    columns of ``x``, fed by name to a model whose inputs bear their names
+    (:func:`~.keras_inputs.keras_inputs`), by position otherwise."""
+    outputs = model(keras_inputs(model, feature_cols, x), training=training)
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     y = [_match_label(tf, o, l, not keep_label_shapes) for o, l in zip(outputs, y)]
     per_row = 0.0

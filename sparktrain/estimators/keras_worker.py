@@ -16,9 +16,10 @@ is. A process whose spec names a ``role`` serves the strategy's cluster
 (``KerasStrategy.serve``) instead of training.
 
 Conventions (the batch math, :mod:`.keras_batch`): one input per feature column (``(batch, 1)``
-for scalars), labels reshaped to the output when they hold as many values, class indices for
-``(batch, classes)`` outputs; per-row losses summed and divided by the global batch size; sample
-weights multiply per-row losses (Keras' own convention).
+for scalars; a dict keyed by column for a model whose inputs bear the columns' names,
+:mod:`.keras_inputs`), labels reshaped to the output when they hold as many values, class
+indices for ``(batch, classes)`` outputs; per-row losses summed and divided by the global batch
+size; sample weights multiply per-row losses (Keras' own convention).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from sparktrain.epochs import EpochBoard, EpochDriver, StepReporter
 from sparktrain.estimators.keras_batch import batch_tensors, forward_stats, per_row_loss, \
     resolve_metrics
+from sparktrain.estimators.keras_inputs import keras_inputs
 from sparktrain.estimators.keras_saving import loading_objects
 from sparktrain.launch.faults import user_code, user_error_source
 from sparktrain.launch.tf_protocol import ERROR_FILE, PAYLOAD_FILE, \
@@ -155,7 +157,7 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
 
     def forward(x: Any, y: Any, w: Any, training: bool) -> Tuple[Any, Any, List[Any]]:
         return forward_stats(tf, model, loss_fn, metrics, x, y, w, training,
-                             spec.loss_weights, bool(spec.label_shapes))
+                             spec.loss_weights, bool(spec.label_shapes), features)
 
     strategy.compile(tf, forward, model, optimizer)
 
@@ -264,7 +266,7 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
     first_row = {k: v[:1] for k, v in sample.items()}
     sample = next(BatchFeed(transform, spec.model_columns())([first_row]))
     x, _, _ = tensors(sample)
-    outputs = model(x if len(features) > 1 else x[0])
+    outputs = model(keras_inputs(model, features, x))
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     if rank != 0:
         return {}

@@ -47,14 +47,16 @@ def series_to_numpy(series: pd.Series, spec: ColumnSpec):
 
 def predict_columns(predict: Callable[[List[Any]], List[Any]], columns: Sequence[Any],
                     specs: Sequence[ColumnSpec], transform: Optional[Callable],
-                    batch_size: int, n_outputs: int) -> List[Any]:
-    """The model's outputs (numpy, one row per input row) for pandas feature ``columns`` (one
+                    batch_size: int, n_outputs: int,
+                    feature_names: Optional[Sequence[str]] = None) -> List[Any]:
+    """The model's outputs (numpy, one row per input row) for pandas input ``columns`` (one
     per spec, as Arrow hands them to the prediction UDF): ``transform`` first (the model's
-    ``predict_transformation_fn``), then ``predict`` in slices of ``batch_size`` rows. Shared
-    by ``transform``'s UDF and the MLflow pyfunc (:mod:`sparktrain.mlflow.models`)."""
+    ``predict_transformation_fn``), then ``predict`` on the ``feature_names`` columns (default:
+    the specs' names) in slices of ``batch_size`` rows. Shared by ``transform``'s UDF and the
+    MLflow pyfunc (:mod:`sparktrain.mlflow.models`)."""
     import numpy as np
 
-    names = [spec.name for spec in specs]
+    names = list(feature_names) if feature_names else [spec.name for spec in specs]
     batch = {spec.name: series_values(s, spec) for s, spec in zip(columns, specs)}
     if transform is not None:  # decoding, as in training (vectorized per Arrow batch)
         batch = transform(batch)

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pyspark.sql import DataFrame
 
 from sparktrain.data.materialize import sample_batch
 from sparktrain.data.schema import ColumnSpec
+from sparktrain.data.transform_inputs import learn_inputs
 from sparktrain.errors import PreflightError
+from sparktrain.estimators.keras_inputs import input_names
 from sparktrain.launch.faults import is_fault, user_error_source
 from sparktrain.spark_api import conf_value
 
@@ -67,6 +69,50 @@ def run_preflight(estimator: Any, df: DataFrame, specs: Sequence[ColumnSpec]) ->
     log.info("preflight: the model, loss and metrics ran on %d rows (sampled in %.2fs, run in "
              "%.2fs)", len(next(iter(batch.values()))), sampled - started,
              time.perf_counter() - sampled)
+
+
+def transformation_columns(df: DataFrame, fn: Callable, wanted: Sequence[str],
+                           keep: Sequence[str]) -> Optional[List[ColumnSpec]]:
+    """Specs of the DataFrame columns ``fn`` needs to produce ``wanted`` (see the module),
+    learned on :data:`PREFLIGHT_ROWS` rows (even with the preflight off: training needs it); ``None`` when it cannot be learned here (no rows, or
+    ``fn`` needs a training task): then every column a model could read is materialized.
+
+    Raises ``ValueError`` when ``fn`` fails on the rows or does not produce a wanted column.
+    """
+    from sparktrain.data.schema import column_spec
+
+    specs: Dict[str, ColumnSpec] = {}
+    for name in df.columns:
+        try:
+            specs[name] = column_spec(df, name, "input")
+        except ValueError:
+            continue  # a type no model reads (maps, structs): the transformation cannot get it
+    sample = sample_batch(df, list(specs.values()), PREFLIGHT_ROWS, partial=True)
+    if sample is None:
+        log.warning("transformation_fn: the DataFrame has no rows to learn which columns it "
+                    "reads from; all %d readable columns are materialized", len(specs))
+        return list(specs.values())
+    try:
+        inputs, _ = learn_inputs(detached(fn), sample, wanted, keep)
+    except ValueError as exc:
+        if "neither in the DataFrame" in str(exc):
+            raise
+        raise _failed(exc, sample) from exc
+    except Exception as exc:  # noqa: BLE001 - the user's function: reported with the rows
+        if _needs_a_rank(exc):
+            log.warning("transformation_fn needs a training task (%s: %s): all %d readable "
+                        "columns are materialized", type(exc).__name__, exc, len(specs))
+            return list(specs.values())
+        raise _failed(exc, sample) from exc
+    log.info("transformation_fn reads %s to make %s", inputs, list(wanted))
+    return [specs[name] for name in inputs]
+
+
+def _failed(exc: BaseException, sample: Dict[str, Any]) -> ValueError:
+    rows = len(next(iter(sample.values()), []))
+    return ValueError(f"transformation_fn failed on {rows} rows of the DataFrame (columns "
+                      f"{list(sample)}), run on the driver to learn which columns it reads "
+                      f"before any training job: {type(exc).__name__}: {exc}")
 
 
 def _needs_a_rank(exc: BaseException) -> bool:
@@ -145,7 +191,8 @@ def tensor_shapes(tensors: List[Any]) -> str:
 
 # -- keras ----------------------------------------------------------------------------------------
 def keras_expectation(model: Any) -> Optional[str]:
-    """The model's declared input shapes, when it has them."""
+    """The model's declared input shapes, when it has them, and for several inputs their names
+    (fed by name when they are the feature columns, :mod:`.keras_inputs`)."""
     try:
         inputs = model.inputs
     except (AttributeError, ValueError):
@@ -153,4 +200,9 @@ def keras_expectation(model: Any) -> Optional[str]:
     if not inputs:
         return None
     shapes = ", ".join(str(tuple(i.shape)) for i in inputs)
-    return f"inputs of shape {shapes}"
+    names = input_names(model)
+    if names is None or len(names) < 2:
+        return f"inputs of shape {shapes}"
+    named = ", ".join(f"{n!r} {tuple(i.shape)}" for n, i in zip(names, inputs))
+    return (f"inputs {named} (fed by name when feature_cols are these names, else in this "
+            f"order)")

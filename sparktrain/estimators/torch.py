@@ -32,6 +32,8 @@ from sparktrain.checkpoint import Checkpoints
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
 from sparktrain.estimators.keywords import EstimatorKeywords, keyword_params
+from sparktrain.estimators.torch_forward import ForwardParams, takes_labels
+from sparktrain.estimators.torch_schedule import SchedulerParams, check_scheduler
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext, run_barrier
 from sparktrain.launch.environment import rank_environment
@@ -70,15 +72,22 @@ class TorchKeywords(EstimatorKeywords, total=False):
     fsdp_wrap: Any
     fsdp_cpu_offload: Optional[bool]
     activation_checkpointing: Any
+    output_key: Optional[str]
+    lr_scheduler: Optional[Callable[[Any], Any]]
+    lr_scheduler_interval: Optional[str]
 
 
-class TorchEstimator(EstimatorBase, TorchParams):
+class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams):
     """Spark ML estimator training a ``torch.nn.Module`` in ``num_proc`` barrier tasks.
 
     Params follow Horovod's ``horovod.spark.torch.TorchEstimator``: ``batch_size`` is per
     process (the global batch is ``num_proc * batch_size``); the learning rate is used as given
     (Horovod multiplies it by ``num_proc``: ``scale_learning_rate=True``). ``model`` is called
-    as ``model(*features)`` with one tensor per feature column; ``metrics`` are functions
+    as ``model(*features)`` with one tensor per feature column, or by keyword when the feature
+    columns are named like ``forward``'s parameters; with ``loss=None`` a model whose
+    ``forward`` takes ``labels`` computes its own loss, and ``output_key`` picks the output of a
+    dict or ``ModelOutput`` result (Hugging Face models as they are: docs/huggingface.md);
+    ``lr_scheduler`` builds a learning-rate schedule on every rank; ``metrics`` are functions
     ``(output, label) -> tensor``; ``callbacks`` are objects with ``on_epoch_end(epoch, logs)
     -> bool | None`` (``True`` stops training).
     ``backend`` is ``"torch"`` (``torch.distributed`` DDP: gloo on CPU, NCCL on GPU) or
@@ -153,13 +162,14 @@ class TorchEstimator(EstimatorBase, TorchParams):
             raise ValueError("give loss or loss_constructors, not both (as in Horovod)")
         name, value = ("loss_constructors", constructors) if constructors is not None \
             else ("loss", self.getLoss())
-        losses = list(value) if isinstance(value, (list, tuple)) else [value]
+        losses = [] if value is None else list(value) if isinstance(value, (list, tuple)) \
+            else [value]  # None: the model's own loss (checked below)
         for fn in losses:
             if not callable(fn):
                 expected = "torch.nn.MSELoss()" if name == "loss" else \
                     "lambda **kwargs: torch.nn.MSELoss()"
                 raise TypeError(f"{name} must be callable (e.g. {expected}), got {fn!r}")
-        if len(losses) not in (1, len(self.getLabelCols())):
+        if losses and len(losses) not in (1, len(self.getLabelCols())):
             raise ValueError(f"{name} has {len(losses)} functions for "
                              f"{len(self.getLabelCols())} label columns; pass one, or one per "
                              f"label column")
@@ -172,6 +182,8 @@ class TorchEstimator(EstimatorBase, TorchParams):
                             f"transform_outputs, loss_fn, inputs, labels, sample_weights, "
                             f"backward_passes_per_step, batch_idx) -> (outputs, loss), got "
                             f"{type(minibatch).__name__}")
+        check_scheduler(self.getLrScheduler(), minibatch is not None)
+        self._check_model_loss(model)
         if minibatch is not None and self.getMixedPrecision() == "fp16":
             raise ValueError("mixed_precision='fp16' cannot be combined with train_minibatch_fn: "
                              "the function runs backward and the optimizer step itself, so "
@@ -229,7 +241,22 @@ class TorchEstimator(EstimatorBase, TorchParams):
                              f"activation_checkpointing=[torch.nn.Linear]")
 
     def _built_elsewhere(self, name: str) -> bool:
-        return name == "loss" and self.getLossConstructors() is not None
+        """The loss may come from ``loss_constructors``, or from the model itself (a
+        ``forward`` taking ``labels``, see :mod:`.torch_forward`)."""
+        return name == "loss" and (self.getLossConstructors() is not None or
+                                   takes_labels(self.getModel()))
+
+    def _check_model_loss(self, model: Any) -> None:
+        """``loss=None`` (the model's own loss) fits the label and weight params."""
+        if self.getLoss() is not None or self.getLossConstructors() is not None:
+            return
+        labels = self.getLabelCols()
+        if len(labels) != 1:
+            raise ValueError(f"loss=None passes the label as labels= to the model, so it needs "
+                             f"one label column; label_cols is {labels}: pass loss=...")
+        if self.getSampleWeightCol():
+            raise ValueError("sample_weight_col needs a loss computed per row; the model's own "
+                             "loss (loss=None) is already averaged: pass loss=...")
 
     def get_model_class(self) -> type:
         """The class of the model ``fit`` returns (Horovod's ``get_model_class``)."""
@@ -243,7 +270,8 @@ class TorchEstimator(EstimatorBase, TorchParams):
                   "train_minibatch_fn": self.getTrainMinibatchFn(),
                   "fsdp_wrap": self.getFsdpWrap(),
                   "activation_checkpointing": self.getActivationCheckpointing(),
-                  "strategy": strategy, "strategy_options": options}
+                  "strategy": strategy, "strategy_options": options,
+                  "lr_scheduler": self.getLrScheduler()}
         try:
             return dumps((self.getModel(), self.getOptimizer(), self.getLoss(),
                           metrics, self.getCallbacks(), self.getTransformationFn(), extras))
@@ -260,7 +288,8 @@ class TorchEstimator(EstimatorBase, TorchParams):
         return TorchTrainSpec(
             **self._spec_fields(run), strategy=self.getStrategy(),
             input_shapes=self.getInputShapes(), use_gpu=run is not None and run.use_gpu,
-            gradient_compression=compat.compression_name(self.getGradientCompression()))
+            gradient_compression=compat.compression_name(self.getGradientCompression()),
+            output_key=self.getOutputKey(), lr_scheduler_interval=self.getLrSchedulerInterval())
 
     def _check_on_batch(self, batch: Dict[str, Any]) -> None:
         """Preflight (see :mod:`.preflight`): one validation step on ``batch`` on the CPU."""
@@ -317,9 +346,9 @@ class TorchEstimator(EstimatorBase, TorchParams):
                 pass  # getOptimizer() then has the state the fit started from
         model = TorchModel(module, optimizer=optimizer, loss=self.getLoss(),
                            loss_constructors=self.getLossConstructors(),
-                           input_shapes=self.getInputShapes())
+                           input_shapes=self.getInputShapes(), output_key=self.getOutputKey())
         model._history = result["history"]
-        model._columns = [c for c in data.columns if c.name in self.getFeatureCols()]
+        model._columns = self._prediction_columns(data)
         model._output_shapes = result["output_shapes"]
         return model
 
@@ -393,7 +422,7 @@ def _weights_bytes(module: Any) -> bytes:
 
 
 @with_accessors
-class TorchModel(ModelBase):
+class TorchModel(ModelBase, ForwardParams):
     """A trained torch module as a Spark ML Model.
 
     ``transform`` appends one column per label (``<label>__output`` unless ``setOutputCols``):
@@ -423,7 +452,8 @@ class TorchModel(ModelBase):
                  label_columns: Optional[List[str]] = None, optimizer: Any = None,
                  run_id: Optional[str] = None, _metadata: Any = None, loss: Any = None,
                  loss_constructors: Any = None,
-                 predict_transformation_fn: Optional[Callable] = None) -> None:
+                 predict_transformation_fn: Optional[Callable] = None,
+                 output_key: Optional[str] = None) -> None:
         super().__init__()
         self._setDefault(input_shapes=None, optimizer=None, loss=None, loss_constructors=None)
         self._model = model
@@ -431,7 +461,7 @@ class TorchModel(ModelBase):
         given = dict(feature_cols=feature_columns, label_cols=label_columns, run_id=run_id,
                      input_shapes=input_shapes, optimizer=optimizer, loss=loss,
                      loss_constructors=loss_constructors,
-                     predict_transformation_fn=predict_transformation_fn)
+                     predict_transformation_fn=predict_transformation_fn, output_key=output_key)
         self._set(**{k: v for k, v in given.items() if v is not None})
         if history is not None:
             self.setHistory(history)
@@ -456,7 +486,8 @@ class TorchModel(ModelBase):
 
     def _predict_fn_factory(self) -> Callable[[], Callable]:
         return functools.partial(_make_predictor, self._framework_files(),
-                                 self.getInputShapes(), self.getUseGpu())
+                                 self.getInputShapes(), self.getUseGpu(),
+                                 list(self.getFeatureCols()), self.getOutputKey())
 
 
 def predict_device(address: Optional[str]) -> Any:
@@ -479,19 +510,23 @@ def predict_device(address: Optional[str]) -> Any:
 
 def _make_predictor(files: Dict[str, bytes],
                     input_shapes: Optional[List[List[int]]] = None,
-                    use_gpu: Optional[bool] = None) -> Callable:
+                    use_gpu: Optional[bool] = None, feature_names: Optional[List[str]] = None,
+                    output_key: Optional[str] = None) -> Callable:
     """Executor side, once per Python worker: load the module and return ``predict``
-    (features reshaped to ``input_shapes`` when given, as in training) on the GPU Spark gave the
-    task (see ``use_gpu``), chosen per call: a reused worker's later task may hold another."""
+    (features reshaped to ``input_shapes`` when given, as in training; the model called and its
+    output picked by :class:`~.torch_forward.ForwardRule`) on the GPU Spark gave the task (see
+    ``use_gpu``), chosen per call: a reused worker's later task may hold another."""
     import contextlib
 
     import numpy as np
     import torch
     from pyspark import TaskContext
 
+    from sparktrain.estimators.torch_forward import ForwardRule
     from sparktrain.launch.gpus import task_gpu
 
     module = _load_module(files["architecture.pkl"], files["weights.pt"])
+    forward = ForwardRule.for_model(module, feature_names or [], output_key=output_key)
     placed = {torch.device("cpu"): module}  # the module on each device used so far
     context = TaskContext.get()
     if context is not None:
@@ -508,8 +543,7 @@ def _make_predictor(files: Dict[str, bytes],
         current = torch.cuda.device(device) if device.type == "cuda" \
             else contextlib.nullcontext()
         with torch.inference_mode(), current:
-            result = placed[device](*tensors)
-        outputs = list(result) if isinstance(result, (list, tuple)) else [result]
-        return [o.detach().cpu().float().numpy() for o in outputs]
+            result = forward.call(placed[device], tensors)
+        return [o.detach().cpu().float().numpy() for o in forward.outputs(result)]
 
     return predict

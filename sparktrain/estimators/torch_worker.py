@@ -6,7 +6,9 @@ pointing at the model's own parameters after unpickling.
 
 Conventions (shared with :class:`~sparktrain.estimators.torch.TorchModel`):
 
-* the model is called as ``model(*features)``, one 2-D tensor per feature column: ``(batch, 1)``
+* the model is called as ``model(*features)``, or by keyword when the feature columns are
+  named like ``forward``'s parameters (:mod:`.torch_forward`, also for dict/``ModelOutput``
+  results and a model's own loss), one 2-D tensor per feature column: ``(batch, 1)``
   for scalar columns (unlike Horovod's ``(batch,)``: what ``nn.Linear`` and ``torch.cat``
   expect), ``(batch, n)`` for vectors/arrays; float columns arrive as float32, integers as int64;
 * a label is reshaped to its output's shape when they hold the same number of values; a label
@@ -30,7 +32,10 @@ import torch
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.reader import ShardReader, shard_readers, take_steps
 from sparktrain.epochs import EpochBoard, EpochDriver, Logs, StepReporter
+from sparktrain.estimators.torch_checkpoint import checkpoint_bytes, restore
+from sparktrain.estimators.torch_forward import ForwardRule
 from sparktrain.estimators.torch_losses import build_losses, named_metrics
+from sparktrain.estimators.torch_schedule import Schedule
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.faults import mark_user_error, user_code
@@ -48,6 +53,8 @@ class TorchTrainSpec(LoopSpec):
 
     use_gpu: bool
     gradient_compression: Optional[str] = None  # "fp16" (Horovod's param, see TorchEstimator)
+    output_key: Optional[str] = None  # the entry of a dict/ModelOutput result (torch_forward)
+    lr_scheduler_interval: str = "step"  # when lr_scheduler steps (torch_schedule)
 
 
 def select_device(ctx: RankContext, use_gpu: bool) -> torch.device:
@@ -175,6 +182,7 @@ class _Step:
     scaler: Any = None  # torch.amp.GradScaler for fp16
     minibatch_fn: Any = None  # Horovod's train_minibatch_fn: owns backward and the steps
     keep_label_shapes: bool = False  # label_shapes given: transform_outputs keeps them
+    schedule: Optional[Schedule] = None  # lr_scheduler, stepped after each optimizer step
 
     def minibatch(self, model: Any, features: List[torch.Tensor], labels: List[torch.Tensor],
                   weights: Optional[torch.Tensor], step: int, compute_loss: Any
@@ -219,9 +227,12 @@ class _Step:
             else:
                 self.optimizer.step()
             self.optimizer.zero_grad()  # set_to_none by default in torch 2; Horovod takes no args
+            if self.schedule is not None:
+                with user_code("lr_scheduler's step"):
+                    self.schedule.after_step()
 
 
-def _run_epoch(model: torch.nn.Module, batches: Iterator[Dict], steps: int,
+def _run_epoch(model: torch.nn.Module, forward: ForwardRule, batches: Iterator[Dict], steps: int,
                to_tensors: _Batches, compute_loss: _LossComputer,
                metrics: List[Tuple[str, Callable]], label_cols: List[str],
                step_rule: Optional[_Step] = None, autocast: Optional[torch.dtype] = None,
@@ -249,7 +260,10 @@ def _run_epoch(model: torch.nn.Module, batches: Iterator[Dict], steps: int,
                                                             step, compute_loss)
                 else:
                     with user_code("the model's forward pass"):
-                        outputs = _as_outputs(model(*features))
+                        result = forward.call(model, features, labels)
+                    outputs = forward.outputs(result)
+                    if forward.model_loss:
+                        loss = forward.loss(result)
                 if len(outputs) != len(labels):
                     raise mark_user_error(ValueError(
                         f"the model returned {len(outputs)} outputs for {len(labels)} label "
@@ -307,23 +321,6 @@ class _TensorBoard(EpochBoard):
         writer.add_scalar(tag, value, step)
 
 
-def _checkpoint_bytes(weights: Dict[str, torch.Tensor], optimizer_state: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save({"model": weights, "optimizer": optimizer_state}, buffer)
-    return buffer.getvalue()
-
-
-def _restore(checkpoint: bytes, model: torch.nn.Module, optimizer: Any) -> None:
-    state = torch.load(io.BytesIO(checkpoint), map_location="cpu", weights_only=True)
-    try:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as exc:
-        raise mark_user_error(RuntimeError(
-            f"the run's checkpoint does not fit this model/optimizer ({exc}); pass a new run_id "
-            f"to start a fresh run"), "resuming from the run's checkpoint") from None
-
-
 def _autocast_dtype(spec: TorchTrainSpec) -> Optional[torch.dtype]:
     return {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.mixed_precision]
 
@@ -333,11 +330,12 @@ class _TorchEpochs:
 
     def __init__(self, spec: TorchTrainSpec, ctx: RankContext, dist: Any, device: torch.device,
                  strategy: TorchStrategy, model: torch.nn.Module, trained: torch.nn.Module,
-                 step_rule: _Step, compute_loss: _LossComputer, metrics: List[Tuple[str, Callable]],
-                 callbacks: List[Any], batches: Callable, readers: Dict[str, ShardReader],
-                 shapes: List) -> None:
+                 forward: ForwardRule, step_rule: _Step, compute_loss: _LossComputer,
+                 metrics: List[Tuple[str, Callable]], callbacks: List[Any], batches: Callable,
+                 readers: Dict[str, ShardReader], shapes: List) -> None:
         self.spec, self.ctx, self.dist, self.device = spec, ctx, dist, device
         self.strategy, self.model, self.trained, self.step_rule = strategy, model, trained, step_rule
+        self.forward = forward
         self.compute_loss, self.metrics, self.callbacks = compute_loss, metrics, callbacks
         self.batches, self.readers, self.shapes = batches, readers, shapes
         self.to_tensors = _Batches(spec, device)
@@ -350,9 +348,12 @@ class _TorchEpochs:
         reader = self.readers["train"]
         steps = self.spec.train_steps or len(reader)
         sums, names, self.shapes = _run_epoch(
-            self.trained, self.batches("train", epoch, self.spec.train_steps), steps,
-            self.to_tensors, self.compute_loss, self.metrics, self.spec.label_cols,
+            self.trained, self.forward, self.batches("train", epoch, self.spec.train_steps),
+            steps, self.to_tensors, self.compute_loss, self.metrics, self.spec.label_cols,
             self.step_rule, self.autocast, reporter)
+        if self.step_rule.schedule is not None:
+            with user_code("lr_scheduler's step"):
+                self.step_rule.schedule.after_epoch()
         return _averaged(self.dist, sums, names, "")
 
     def evaluate(self, epoch: int) -> Logs:
@@ -360,7 +361,7 @@ class _TorchEpochs:
         if reader is None:
             return {}
         sums, names, _ = _run_epoch(
-            self.trained, self.batches("val", 0, self.spec.val_steps),
+            self.trained, self.forward, self.batches("val", 0, self.spec.val_steps),
             self.spec.val_steps or len(reader), self.to_tensors, self.compute_loss, self.metrics,
             self.spec.label_cols, autocast=self.autocast)
         self.strategy.after_evaluation(self.model)
@@ -376,10 +377,13 @@ class _TorchEpochs:
 
     def checkpoint(self, epoch: int, logs: Logs) -> Optional[Tuple[bytes, Dict[str, Any]]]:
         # a collective under a sharding strategy: the full copy is rank 0's only until written
-        state = self.strategy.full_state(self.model, self.step_rule.optimizer)
+        weights, optimizer_state = self.strategy.full_state(self.model, self.step_rule.optimizer)
         if self.ctx.rank != 0:
             return None
-        return _checkpoint_bytes(*state), {"output_shapes": self.shapes}
+        schedule = self.step_rule.schedule
+        return checkpoint_bytes(self.model, weights, optimizer_state,
+                                schedule.state_dict() if schedule is not None else None), \
+            {"output_shapes": self.shapes}
 
 
 def _strategy(spec: TorchTrainSpec, dist: Any, device: torch.device,
@@ -433,9 +437,8 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     try:
         driver.agree(lambda values: _all_reduce(dist, device, values))
         resumed = driver.resume_bytes()
-        if resumed is not None:
-            _restore(resumed, model, optimizer)
-        elif spec.scale_learning_rate:
+        state = restore(resumed, model, optimizer) if resumed is not None else {}
+        if resumed is None and spec.scale_learning_rate:
             factor = ctx.world_size * spec.backward_passes_per_step
             for group in optimizer.param_groups:
                 group["lr"] = group["lr"] * factor
@@ -446,9 +449,12 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         strategy = _strategy(spec, dist, device, extras)
         trained, optimizer = strategy.setup(model, optimizer)
         scaler = strategy.grad_scaler() if _autocast_dtype(spec) == torch.float16 else None
+        schedule = Schedule.build(extras.get("lr_scheduler"), optimizer, spec.lr_scheduler_interval)
+        if schedule is not None and state.get("scheduler") is not None:
+            schedule.restore(state["scheduler"])
         step_rule = _Step(optimizer, strategy, spec.backward_passes_per_step, scaler,
                           minibatch_fn=extras.get("train_minibatch_fn"),
-                          keep_label_shapes=bool(spec.label_shapes))
+                          keep_label_shapes=bool(spec.label_shapes), schedule=schedule)
         if extras.get("loss_constructors") is not None:
             with user_code("loss_constructors"):
                 loss = build_losses(extras["loss_constructors"], len(spec.label_cols),
@@ -456,8 +462,10 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
                                     rank=ctx.rank, world_size=ctx.world_size)
         compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col),
                                      spec.loss_weights)
-        epochs = _TorchEpochs(spec, ctx, dist, device, strategy, model, trained, step_rule,
-                              compute_loss, named_metrics(metrics), callbacks, batches, readers,
+        forward = ForwardRule.for_model(model, spec.feature_cols, len(spec.label_cols),
+                                        loss is not None, spec.output_key)
+        epochs = _TorchEpochs(spec, ctx, dist, device, strategy, model, trained, forward,
+                              step_rule, compute_loss, named_metrics(metrics), callbacks, batches, readers,
                               driver.meta.get("output_shapes", []))
         driver.start(train_steps, f"{ctx.world_size} rank(s), backend {spec.backend!r}, "
                                   f"strategy {spec.strategy!r}, this rank on "
@@ -509,6 +517,9 @@ def check_batch(spec: TorchTrainSpec, blob: bytes, batch: Dict[str, np.ndarray])
     compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col),
                                  spec.loss_weights)
     batches = BatchFeed(transform, spec.model_columns())([batch])
-    _run_epoch(model, batches, 1, _Batches(spec, device), compute_loss, named_metrics(metrics),
+    forward = ForwardRule.for_model(model, spec.feature_cols, len(spec.label_cols),
+                                    loss is not None, spec.output_key)
+    _run_epoch(model, forward, batches, 1, _Batches(spec, device), compute_loss,
+               named_metrics(metrics),
                spec.label_cols, autocast=_autocast_dtype(spec) if spec.mixed_precision == "bf16"
                else None)

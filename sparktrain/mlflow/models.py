@@ -37,8 +37,8 @@ with warnings.catch_warnings():
 
         def __init__(self, model: Any) -> None:
             self.factory = model._predict_fn_factory()
-            trained = {c.name: c for c in model._columns}
-            self.specs = [trained[name] for name in model.getFeatureCols()]
+            self.specs = model._input_specs()
+            self.feature_names = list(model.getFeatureCols())
             self.outputs = list(model.getOutputCols())
             self.scalar_out = [_size(shape) == 1 for shape in model._output_shapes]
             self.batch_size = model.getBatchSize()
@@ -58,7 +58,7 @@ with warnings.catch_warnings():
             transform = pickle.loads(self.transform_bytes) if self.transform_bytes else None
             columns = [frame[spec.name] for spec in self.specs]
             outputs = predict_columns(self._predict, columns, self.specs, transform,
-                                      self.batch_size, len(self.outputs))
+                                      self.batch_size, len(self.outputs), self.feature_names)
             series = output_series(outputs, self.scalar_out, len(frame))
             return pd.DataFrame(dict(zip(self.outputs, series)))
 
