@@ -135,7 +135,8 @@ def train_tokenizer(texts: List[str], vocab_size: int, max_length: int):
 class Tokenize:
     """The tokenization every contender runs: a batch ``{"text": strings, "label": ints}`` (a
     dict of numpy arrays in sparktrain's transformation_fn, of lists in ``datasets.map``) to
-    ``input_ids`` and ``attention_mask`` (int64, ``(rows, max_length)``) and ``label``."""
+    ``input_ids`` and ``attention_mask`` (int64, ``(rows, max_length)``), and ``label`` passed
+    through when the batch has one."""
 
     def __init__(self, tokenizer, max_length: int) -> None:
         self.tokenizer = tokenizer
@@ -146,9 +147,11 @@ class Tokenize:
                              truncation=True, max_length=self.max_length,
                              return_attention_mask=True, return_token_type_ids=False,
                              return_tensors="np")
-        return {"input_ids": enc["input_ids"].astype(np.int64),
-                "attention_mask": enc["attention_mask"].astype(np.int64),
-                "label": np.asarray(batch["label"])}
+        out = {"input_ids": enc["input_ids"].astype(np.int64),
+               "attention_mask": enc["attention_mask"].astype(np.int64)}
+        if "label" in batch:  # not at predict time: transform reads only what it needs
+            out["label"] = np.asarray(batch["label"])
+        return out
 
 
 def make_model(vocab_size: int, seed: int):
@@ -203,11 +206,13 @@ def schedule(rows: int, batch_size: int, epochs: int, warmup_ratio: float) -> Di
 
 
 # -- contender 3: the per-rank speed reference ----------------------------------------------------
-def run_reference(args, vocab_size: int, train: Dict[str, Any], test: Dict[str, Any],
-                  steps: Dict[str, int]) -> Dict[str, Any]:
+def run_reference(args, vocab_size: int, train: Dict[str, Any], test: Optional[Dict[str, Any]],
+                  steps: Dict[str, int], barrier: Any = None) -> Dict[str, Any]:
     """One process, one thread (what a rank gets: torchrun and sparktrain both run 1 thread per
     rank here), the model trained for exactly one rank's steps (``steps["total"]``) on random
-    batches of pre-tokenized in-memory tensors. Steps/s leaves out the first 10 steps."""
+    batches of pre-tokenized in-memory tensors. Steps/s leaves out the first 10 steps. With a
+    ``barrier``, waits on it before the first step (copies running side by side start
+    together)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -221,9 +226,12 @@ def run_reference(args, vocab_size: int, train: Dict[str, Any], test: Dict[str, 
         order = torch.randperm(n, generator=generator)
         model.train()
         position, started, losses = 0, None, []
+        if barrier is not None:
+            barrier.wait()
+        cpu_started = None
         for step in range(steps["total"]):
             if step == skip:
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
             if position + batch > n:
                 order, position = torch.randperm(n, generator=generator), 0
             idx = order[position:position + batch]
@@ -234,14 +242,41 @@ def run_reference(args, vocab_size: int, train: Dict[str, Any], test: Dict[str, 
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(float(out.loss))
+            losses.append(out.loss.item())
         seconds = time.perf_counter() - started
+        cpu_seconds = time.process_time() - cpu_started
     finally:
         torch.set_num_threads(threads)
-    return {"steps_per_s": (steps["total"] - skip) / seconds, "seconds": seconds,
-            "steps": steps["total"], "final_loss": statistics.mean(losses[-20:]),
-            "accuracy": evaluate(model, test["input_ids"], test["attention_mask"],
-                                 test["label"])}
+    timed_steps = steps["total"] - skip
+    return {"steps_per_s": timed_steps / seconds, "seconds": seconds,
+            "cpu_ms_per_step": cpu_seconds / timed_steps * 1e3, "steps": steps["total"],
+            "final_loss": statistics.mean(losses[-20:]),
+            "accuracy": None if test is None else evaluate(
+                model, test["input_ids"], test["attention_mask"], test["label"])}
+
+
+def _reference_copy(args, vocab_size, train, steps, barrier, results) -> None:
+    results.put(run_reference(args, vocab_size, train, None, steps, barrier))
+
+
+def run_reference_pair(args, vocab_size: int, train: Dict[str, Any],
+                       steps: Dict[str, int]) -> List[Dict[str, Any]]:
+    """The reference loop in 2 fresh processes at once (spawned: no fork of this JVM-linked
+    process): what 2 cores give each of 2 ranks before any communication or data loading."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(NUM_PROC), ctx.Queue()
+    plain = argparse.Namespace(seed=args.seed, lr=args.lr, batch_size=args.batch_size)
+    procs = [ctx.Process(target=_reference_copy,
+                         args=(plain, vocab_size, train, steps, barrier, results))
+             for _ in range(NUM_PROC)]
+    for proc in procs:
+        proc.start()
+    out = [results.get(timeout=args.fit_timeout) for _ in procs]
+    for proc in procs:
+        proc.join()
+    return out
 
 
 # -- contender 2: Dataset.from_spark + Trainer in TorchDistributor --------------------------------
@@ -266,12 +301,15 @@ def trainer_fn(dataset, vocab_size: int, settings: Dict[str, Any], result_path: 
         logging_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
         use_cpu=True, seed=settings["seed"], ddp_find_unused_parameters=False)
     trainer = Trainer(model=model, args=targs, train_dataset=dataset)
+    cpu = time.process_time()
     output = trainer.train()
+    cpu = time.process_time() - cpu
     info = {"rank": targs.process_index, "world_size": targs.world_size,
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "threads": torch.get_num_threads(), "global_step": trainer.state.global_step,
             "train_runtime": output.metrics["train_runtime"],
             "train_steps_per_second": output.metrics["train_steps_per_second"],
+            "cpu_ms_per_step": cpu / max(1, trainer.state.global_step) * 1e3,
             "train_loss": output.training_loss, "entered": entered, "trained": time.time()}
     if targs.process_index == 0:
         state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
@@ -312,8 +350,51 @@ def run_trainer(args, spark, train_df, vocab_size: int, tokenize: Tokenize,
 
 
 # -- contender 1: sparktrain ---------------------------------------------------------------------
+class RankClock:
+    """A sparktrain callback (run on every rank): the rank's own wall clock and the CPU time of
+    its process at the start of training and at each epoch's end, written to
+    ``<directory>/rank-<rank>.json`` when training ends. The tokenization is not in that CPU
+    time: it runs in the rank's decode worker processes."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.marks: List[Tuple[float, float]] = []
+
+    def on_train_begin(self, model: Any, history: Dict[str, List[float]]) -> None:
+        self.marks = [(time.time(), time.process_time())]
+
+    def on_epoch_end(self, epoch: int, logs: Dict[str, float]) -> None:
+        self.marks.append((time.time(), time.process_time()))
+
+    def on_train_end(self, model: Any) -> None:
+        import json
+
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        os.makedirs(self.directory, exist_ok=True)
+        with open(os.path.join(self.directory, f"rank-{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "marks": self.marks}, f)
+
+
+def read_rank_clocks(directory: str, per_epoch: int) -> Dict[str, Any]:
+    """Per rank: epoch seconds (its own clock) and CPU ms per step of its process."""
+    import glob
+    import json
+
+    ranks = []
+    for path in sorted(glob.glob(os.path.join(directory, "rank-*.json"))):
+        with open(path) as f:
+            marks = json.load(f)["marks"]
+        walls = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
+        cpus = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
+        ranks.append({"epoch_s": walls,
+                      "cpu_ms_per_step": [c / per_epoch * 1e3 for c in cpus]})
+    return {"ranks": ranks}
+
+
 def make_estimator(args, vocab_size: int, tokenize: Tokenize, steps: Dict[str, int],
-                   store: str, epochs: int):
+                   store: str, epochs: int, clock_dir: str):
     """TorchEstimator for the same job. The process pool's keyword is ``reader_pool_type``
     today; ``reader_pool`` is used instead where the estimator takes that."""
     import inspect
@@ -330,7 +411,8 @@ def make_estimator(args, vocab_size: int, tokenize: Tokenize, steps: Dict[str, i
         loss=None, transformation_fn=tokenize, feature_cols=["input_ids", "attention_mask"],
         label_cols=["label"], batch_size=args.batch_size, epochs=epochs,
         lr_scheduler=LinearSchedule(steps["warmup"], steps["total"]), shuffle=True,
-        random_seed=args.seed, verbose=1, **{pool: "process"})
+        random_seed=args.seed, verbose=1, callbacks=[RankClock(clock_dir)],
+        **{pool: "process"})
 
 
 def sparktrain_missing() -> Optional[str]:
@@ -362,7 +444,8 @@ def run_sparktrain(args, spark, train_df, test_df, vocab_size: int, tokenize: To
                    label: str, evaluate_model: bool) -> Dict[str, Any]:
     rank_log: RankLog = state["rank_log"]
     fit_log: _FitLog = state["fit_log"]
-    estimator = make_estimator(args, vocab_size, tokenize, steps, store, epochs)
+    clock_dir = store.rstrip("/") + "-clocks"
+    estimator = make_estimator(args, vocab_size, tokenize, steps, store, epochs, clock_dir)
     rank_log.take()
     seconds, model = guarded(spark, lambda: estimator.fit(train_df), args.fit_timeout, label,
                              state["hangs"])
@@ -374,6 +457,7 @@ def run_sparktrain(args, spark, train_df, test_df, vocab_size: int, tokenize: To
     epoch_s = rank0_epoch_seconds(lines)
     out = {"seconds": seconds, "epoch_gaps_s": RankLog.epoch_durations(lines),
            "epoch_s": epoch_s, "history": model.getHistory(),
+           **read_rank_clocks(clock_dir, steps["per_epoch"]),
            "materialize_s": fit_log.materialize_s[-1] if fit_log.materialize_s else None}
     if evaluate_model:
         out["model"] = model
@@ -437,6 +521,12 @@ def main_run(args, spark, tmp: str) -> Tuple[List[Dict[str, Any]], Dict[str, Any
         progress(f"reference: {ref['steps_per_s']:.1f} steps/s, accuracy {ref['accuracy']:.4f} "
                  f"after {ref['steps']} steps (loss {ref['final_loss']:.3f})")
         found["reference"] = ref
+        progress(f"reference: {NUM_PROC} copies at once, each in its own process")
+        pair = run_reference_pair(args, vocab_size, train_t, steps)
+        progress("reference: side by side: " + ", ".join(
+            f"{r['steps_per_s']:.1f} steps/s ({r['cpu_ms_per_step']:.1f} ms CPU/step)"
+            for r in pair))
+        found["reference_pair"] = pair
 
     # 1. sparktrain (each side in its own block: a TorchDistributor run leaves Spark's Python
     # workers cold for the next sparktrain fit, see bench_torch.py's fit figure)
@@ -463,8 +553,9 @@ def main_run(args, spark, tmp: str) -> Tuple[List[Dict[str, Any]], Dict[str, Any
             run["accuracy_driver"] = evaluate(module.getModel(), test_t["input_ids"],
                                               test_t["attention_mask"], test_t["label"])
             progress(f"sparktrain: fit {i + 1}/{args.repeats}: {run['seconds']:.2f}s "
-                     f"(materialize {run['materialize_s']}s, epochs {run['epoch_s']}), "
-                     f"accuracy {run['accuracy']:.4f}")
+                     f"(materialize {run['materialize_s'] or 0:.2f}s; rank 0's epochs "
+                     f"{', '.join(f'{e:.1f}s' for e in run['epoch_s'])}), accuracy "
+                     f"{run['accuracy']:.4f}")
             runs.append(run)
         found["sparktrain"] = runs
 
@@ -555,28 +646,49 @@ def make_figures(args, found: Dict[str, Any], steps: Dict[str, int]) -> List[Dic
 
     # steps/s per rank
     extras = {}
-    st_rate = None
+    st_rate, how = None, "sparktrain not run"
     if st:
+        ranks = [rank for r in st for rank in r["ranks"]]
+        steady = [e for rank in ranks for e in rank["epoch_s"][1:]]
+        if steady:  # epochs 2..E: no launch, reader start or teardown in them
+            st_rate = steps["per_epoch"] / med(steady)
+            how = (f"{steps['per_epoch']} steps / median epoch s, epochs 2..{args.epochs} of "
+                   f"both ranks, each on its own clock")
+            cpu = [c for rank in ranks for c in rank["cpu_ms_per_step"][1:]]
+        elif ranks:  # 1 epoch: with the readers' start-up in it
+            st_rate = steps["per_epoch"] / med([rank["epoch_s"][0] for rank in ranks])
+            how = f"{steps['per_epoch']} steps / epoch s (1 epoch: with the readers' start)"
+            cpu = [rank["cpu_ms_per_step"][0] for rank in ranks]
+        if ranks:
+            extras["sparktrain: CPU ms per step of a rank's process (tokenization, in the "
+                   "decode workers, not included)"] = {"value": med(cpu), "unit": "ms"}
+            extras["sparktrain: epoch s of each rank, every fit"] = {
+                "value": "; ".join(", ".join(f"{e:.2f}" for e in rank["epoch_s"])
+                                   for rank in ranks)}
         gaps = [g for r in st for g in r["epoch_gaps_s"]]
-        own = [e for r in st for e in r["epoch_s"]]
-        if gaps:  # epochs 2..E, driver clock: no launch, reader start or teardown in them
-            st_rate = steps["per_epoch"] / med(gaps)
-            how = f"{steps['per_epoch']} steps / median epoch (epochs 2..{args.epochs})"
-        elif own:  # 1 epoch: rank 0's own epoch seconds (includes its reader's start)
-            st_rate = steps["per_epoch"] / med(own)
-            how = f"{steps['per_epoch']} steps / rank 0's epoch seconds (1 epoch: with start-up)"
-        if own:
-            extras["sparktrain: steps / rank 0's epoch seconds, all epochs"] = {
-                "value": steps["total"] / med([sum(r["epoch_s"]) for r in st if r["epoch_s"]]),
-                "unit": "steps/s"}
-    else:
-        how = "sparktrain not run"
+        if gaps:
+            extras["sparktrain: cross-check, gaps between rank 0's epoch lines on the driver"] = {
+                "value": steps["per_epoch"] / med(gaps), "unit": "steps/s"}
     ref_rate = ref["steps_per_s"] if ref else None
+    if ref:
+        extras["reference: CPU ms per step (1 thread)"] = {"value": ref["cpu_ms_per_step"],
+                                                          "unit": "ms"}
+    pair = found.get("reference_pair")
+    if pair:
+        pair_rate = statistics.mean(r["steps_per_s"] for r in pair)
+        extras[f"reference: {len(pair)} copies side by side, steps/s of each"] = {
+            "value": pair_rate, "unit": "steps/s",
+            "note": (f"{pair_rate / ref_rate:.2f}x the lone loop; sparktrain "
+                     f"{st_rate / pair_rate:.2f}x this" if st_rate else
+                     f"{pair_rate / ref_rate:.2f}x the lone loop")}
     if tr:
         tr_rate = med([r["rank0"]["train_steps_per_second"] for r in tr])
         extras["trainer: steps/s per rank (global_step / train_runtime)"] = {
             "value": tr_rate, "unit": "steps/s",
             "note": f"{tr_rate / ref_rate:.2f}x the reference" if ref_rate else ""}
+        extras["trainer: CPU ms per step of rank 0's process (Trainer.train)"] = {
+            "value": med([r["rank0"]["cpu_ms_per_step"] for r in tr]), "unit": "ms"}
+    extras["runs"] = {"reference": ref, "reference_side_by_side": pair or []}
     results.append(figure("steps/s", f"optimizer steps/s of one rank ({how}) vs one process on "
                           f"in-memory tensors, 1 thread, batch {args.batch_size}", "steps/s",
                           st_rate, ref_rate, "single-process loop over in-memory tensors",
