@@ -46,6 +46,10 @@ MLFLOW = ["mlflow-skinny>=3.1,<4"] + PLOT
 # Hugging Face fine-tuning (docs/huggingface.md): models, tokenizers and LoRA adapters; the
 # estimators take their models as they are, nothing in sparktrain imports these unless used.
 HF = ["transformers>=4.40", "tokenizers>=0.15", "peft>=0.10", "safetensors>=0.4"]
+# Benchmarks only (bench/): the baselines they measure sparktrain against. bench_hf.py's
+# baseline is Databricks' documented path, datasets.Dataset.from_spark + transformers.Trainer
+# (with the `hf` extra). Never needed by sparktrain itself or its tests.
+BENCH = ["datasets>=2.14"] + HF
 # The demos' data (scikit-learn's bundled digits: no download) and images (Pillow).
 EXAMPLES = ["scikit-learn>=1.4", "pillow>=10"]
 TEST = ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "packaging", "psutil",
@@ -71,6 +75,7 @@ setup(
         "plot": PLOT,
         "mlflow": MLFLOW,
         "hf": HF,
+        "bench": BENCH,
         "examples": EXAMPLES,
         "test": TEST,
     },

@@ -395,8 +395,9 @@ def read_rank_clocks(directory: str, per_epoch: int) -> Dict[str, Any]:
 
 def make_estimator(args, vocab_size: int, tokenize: Tokenize, steps: Dict[str, int],
                    store: str, epochs: int, clock_dir: str):
-    """TorchEstimator for the same job. The process pool's keyword is ``reader_pool_type``
-    today; ``reader_pool`` is used instead where the estimator takes that."""
+    """TorchEstimator for the same job, tokenizing in ``--reader-pool`` (``"process"``: decode
+    worker processes). The keyword is ``reader_pool_type`` today; ``reader_pool`` is used
+    instead where the estimator takes that."""
     import inspect
 
     import torch
@@ -412,7 +413,7 @@ def make_estimator(args, vocab_size: int, tokenize: Tokenize, steps: Dict[str, i
         label_cols=["label"], batch_size=args.batch_size, epochs=epochs,
         lr_scheduler=LinearSchedule(steps["warmup"], steps["total"]), shuffle=True,
         random_seed=args.seed, verbose=1, callbacks=[RankClock(clock_dir)],
-        **{pool: "process"})
+        **{pool: args.reader_pool})
 
 
 def sparktrain_missing() -> Optional[str]:
@@ -608,6 +609,16 @@ def make_figures(args, found: Dict[str, Any], steps: Dict[str, int]) -> List[Dic
         mat = [r["materialize_s"] for r in st if r["materialize_s"] is not None]
         if mat:
             extras["sparktrain: materialize (inside the fit)"] = {"value": med(mat), "unit": "s"}
+        clocks = [(r["seconds"], r["ranks"][0]["epoch_s"]) for r in st if r["ranks"]]
+        if clocks:
+            extras["sparktrain: training epochs (rank 0's clock)"] = {
+                "value": med([sum(e) for _, e in clocks]), "unit": "s"}
+            extras["sparktrain: the rest (preflight, materialize, launch, model back)"] = {
+                "value": med([s - sum(e) for s, e in clocks]), "unit": "s"}
+            later = [e[0] - statistics.median(e[1:]) for _, e in clocks if len(e) > 1]
+            if later:
+                extras["sparktrain: epoch 1 minus a later epoch (readers and decode workers "
+                       "starting)"] = {"value": med(later), "unit": "s"}
     if tr:
         for key, name in (("from_spark_s", "Dataset.from_spark(train_df)"),
                           ("map_s", ".map(tokenize, batched=True)"),
@@ -714,6 +725,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--warmup-ratio", type=float, default=0.1,
                         help="share of the steps with a linear warm-up")
+    parser.add_argument("--reader-pool", choices=("process", "thread"), default="process",
+                        help="sparktrain's reader_pool_type: tokenize in decode worker "
+                             "processes (sparktrain's default for text) or in the training "
+                             "loop")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 4,000 + 1,000 rows, 1 epoch, 1 repeat")
     add_common_args(parser, list(FIGURES), "bench_hf.json", fit_timeout=600.0)
@@ -774,7 +789,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     print()
     print(f"sparktrain Hugging Face benchmark: {args.rows:,} + {args.test_rows:,} rows, "
-          f"{args.epochs} epoch(s), batch {args.batch_size}/rank, {args.master}, "
+          f"{args.epochs} epoch(s), batch {args.batch_size}/rank, sparktrain reader pool "
+          f"{args.reader_pool!r}, {args.master}, "
           f"{os.cpu_count()} CPUs, load avg {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}")
     print_table(results)
     print_json_lines(results)
@@ -787,6 +803,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                      "batch_size": args.batch_size, "max_length": args.max_length,
                      "lr": args.lr, "warmup_ratio": args.warmup_ratio, "repeats": args.repeats,
                      "master": args.master, "skipped": sorted(args.skip), "quick": args.quick,
+                     "reader_pool": args.reader_pool,
                      "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
                      "transformers": transformers.__version__,
                      "tokenizers": tokenizers.__version__, "datasets": datasets.__version__,
