@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -114,19 +114,38 @@ def make_frames(spark, rows: int, test_rows: int, seed: int):
 # -- tokenizer, tokenization, model: the same for every contender ---------------------------------
 def train_tokenizer(texts: List[str], vocab_size: int, max_length: int):
     """A WordPiece tokenizer trained in memory on ``texts`` (no download), wrapped as a
-    ``transformers.PreTrainedTokenizerFast`` that adds ``[CLS] ... [SEP]``."""
+    ``transformers.PreTrainedTokenizerFast`` that adds ``[CLS] ... [SEP]``.
+
+    The trainer numbers its tokens differently from process to process (ties between merges
+    are broken in hash-map order), which would change the token ids, hence which embedding row
+    each word starts from, and the accuracies, from run to run. So its tokens are renumbered in
+    a fixed order (special tokens, the corpus' words, the other word pieces, each sorted) and
+    padded with unused tokens to exactly ``vocab_size``: every word of these sentences is then
+    one token with the same id in every run."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    def shell(model):
+        tok = Tokenizer(model)
+        tok.normalizer = normalizers.Lowercase()
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        return tok
+
+    trained = shell(models.WordPiece(unk_token="[UNK]"))
     # show_progress=False: the trainer's progress bars leave blank lines on stdout
-    tok.train_from_iterator(texts, trainers.WordPieceTrainer(
+    trained.train_from_iterator(texts, trainers.WordPieceTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False))
+    pieces = set(trained.get_vocab())
+    words = {w for text in texts for w in text.lower().split()}
+    if not words <= pieces:
+        raise ValueError(f"--vocab-size {vocab_size} leaves {len(words - pieces)} words of the "
+                         f"corpus in pieces; give at least {len(pieces) + len(words - pieces)}")
+    order = SPECIAL_TOKENS + sorted(words) + sorted(pieces - words - set(SPECIAL_TOKENS))
+    order += [f"[unused{i}]" for i in range(vocab_size - len(order))]
+    tok = shell(models.WordPiece(vocab={t: i for i, t in enumerate(order)}, unk_token="[UNK]"))
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[(t, tok.token_to_id(t)) for t in ("[CLS]",
-                                                                                     "[SEP]")])
+        single="[CLS] $A [SEP]", special_tokens=[(t, order.index(t)) for t in ("[CLS]",
+                                                                               "[SEP]")])
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
                                    cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
                                    model_max_length=max_length)
@@ -515,83 +534,98 @@ def main_run(args, spark, tmp: str) -> Tuple[List[Dict[str, Any]], Dict[str, Any
             "longest_sentence_tokens": max(lengths)}
     found: Dict[str, Any] = {}
 
-    # 3. the reference loop first: cheap, and it says whether the data is learnable
-    if "reference" not in args.skip:
-        progress("== reference: single-process loop over in-memory tensors ==")
+    # The machine is shared: the contenders take turns, round after round (the order reversed
+    # every other round), so that a change in load hits all of them alike. Every run records the
+    # load average when it ends.
+    contenders = [c for c in ("reference", "sparktrain", "trainer") if c not in args.skip]
+    if "sparktrain" in contenders:
+        missing = sparktrain_missing()
+        if missing:
+            progress(f"sparktrain: not run: {missing}")
+            found["sparktrain_missing"] = missing
+            contenders.remove("sparktrain")
+
+    def reference(i: int) -> None:
         ref = run_reference(args, vocab_size, train_t, test_t, steps)
-        progress(f"reference: {ref['steps_per_s']:.1f} steps/s, accuracy {ref['accuracy']:.4f} "
-                 f"after {ref['steps']} steps (loss {ref['final_loss']:.3f})")
-        found["reference"] = ref
-        progress(f"reference: {NUM_PROC} copies at once, each in its own process")
         pair = run_reference_pair(args, vocab_size, train_t, steps)
-        progress("reference: side by side: " + ", ".join(
-            f"{r['steps_per_s']:.1f} steps/s ({r['cpu_ms_per_step']:.1f} ms CPU/step)"
-            for r in pair))
-        found["reference_pair"] = pair
+        ref["side_by_side"] = pair
+        ref["load"] = os.getloadavg()[0]
+        progress(f"reference {i + 1}/{args.repeats}: alone {ref['steps_per_s']:.1f} steps/s "
+                 f"({ref['cpu_ms_per_step']:.1f} ms CPU/step), accuracy {ref['accuracy']:.4f} "
+                 f"after {ref['steps']} steps; {NUM_PROC} side by side " + ", ".join(
+                     f"{r['steps_per_s']:.1f}" for r in pair) + " steps/s")
+        found.setdefault("reference", []).append(ref)
 
-    # 1. sparktrain (each side in its own block: a TorchDistributor run leaves Spark's Python
-    # workers cold for the next sparktrain fit, see bench_torch.py's fit figure)
-    missing = None if "sparktrain" in args.skip else sparktrain_missing()
-    if "sparktrain" not in args.skip and missing:
-        progress(f"sparktrain: not run: {missing}")
-        found["sparktrain_missing"] = missing
-    elif "sparktrain" not in args.skip:
-        progress("== sparktrain: TorchEstimator.fit ==")
-        small = cached(train_df.limit(WARMUP_ROWS).repartition(NUM_PROC))
-        progress(f"sparktrain: warm-up fit ({WARMUP_ROWS} rows, 1 epoch)")
-        warm = run_sparktrain(args, spark, small, test_df, vocab_size, tokenize, warm_steps,
-                              os.path.join(tmp, "store-warmup"), 1, state,
-                              "sparktrain: warm-up fit", False)
-        progress(f"sparktrain: warm-up fit {warm['seconds']:.2f}s")
-        small.unpersist()
-        runs = []
-        for i in range(args.repeats):
-            run = run_sparktrain(args, spark, train_df, test_df, vocab_size, tokenize, steps,
-                                 os.path.join(tmp, f"store-{i}"), args.epochs, state,
-                                 f"sparktrain: fit {i + 1}", True)
-            module = run.pop("model")
-            run["accuracy"] = sparktrain_accuracy(module, test_df)
-            run["accuracy_driver"] = evaluate(module.getModel(), test_t["input_ids"],
-                                              test_t["attention_mask"], test_t["label"])
-            progress(f"sparktrain: fit {i + 1}/{args.repeats}: {run['seconds']:.2f}s "
-                     f"(materialize {run['materialize_s'] or 0:.2f}s; rank 0's epochs "
-                     f"{', '.join(f'{e:.1f}s' for e in run['epoch_s'])}), accuracy "
-                     f"{run['accuracy']:.4f}")
-            runs.append(run)
-        found["sparktrain"] = runs
+    def sparktrain(i: int) -> None:
+        run = run_sparktrain(args, spark, train_df, test_df, vocab_size, tokenize, steps,
+                             os.path.join(tmp, f"store-{i}"), args.epochs, state,
+                             f"sparktrain: fit {i + 1}", True)
+        run["load"] = os.getloadavg()[0]
+        module = run.pop("model")
+        run["accuracy"] = sparktrain_accuracy(module, test_df)
+        run["accuracy_driver"] = evaluate(module.getModel(), test_t["input_ids"],
+                                          test_t["attention_mask"], test_t["label"])
+        progress(f"sparktrain {i + 1}/{args.repeats}: fit {run['seconds']:.2f}s (materialize "
+                 f"{run['materialize_s'] or 0:.2f}s; rank 0's epochs "
+                 f"{', '.join(f'{e:.1f}s' for e in run['ranks'][0]['epoch_s'])}), accuracy "
+                 f"{run['accuracy']:.4f}")
+        found.setdefault("sparktrain", []).append(run)
 
-    # 2. from_spark + Trainer in TorchDistributor
-    if "trainer" not in args.skip:
-        progress("== trainer: Dataset.from_spark + Trainer in TorchDistributor(local_mode) ==")
-        small = cached(train_df.limit(WARMUP_ROWS).repartition(NUM_PROC))
-        progress(f"trainer: warm-up run ({WARMUP_ROWS} rows, 1 epoch)")
-        warm = run_trainer(args, spark, small, vocab_size, tokenize, warm_steps,
-                           os.path.join(tmp, "trainer-warmup"), 1)
-        progress(f"trainer: warm-up run {warm['seconds']:.2f}s")
-        small.unpersist()
-        runs = []
-        for i in range(args.repeats):
-            run = run_trainer(args, spark, train_df, vocab_size, tokenize, steps,
-                              os.path.join(tmp, f"trainer-{i}"), args.epochs)
-            if run["rank0"]["world_size"] != NUM_PROC or run["rows"] != args.rows:
-                raise AssertionError(f"trainer: world size {run['rank0']['world_size']}, "
-                                     f"{run['rows']} rows")
-            if run["rank0"]["global_step"] != steps["total"]:
-                raise AssertionError(f"trainer: {run['rank0']['global_step']} steps, expected "
-                                     f"{steps['total']}")
-            run["accuracy"] = evaluate(run.pop("model"), test_t["input_ids"],
-                                       test_t["attention_mask"], test_t["label"])
-            r0 = run["rank0"]
-            progress(f"trainer: run {i + 1}/{args.repeats}: {run['seconds']:.2f}s (from_spark "
-                     f"{run['from_spark_s']:.2f}s, map {run['map_s']:.2f}s, TorchDistributor "
-                     f"{run['distributor_s']:.2f}s of which Trainer.train {r0['train_runtime']:.2f}s"
-                     f"; backend {r0['backend']}, {r0['threads']} thread(s)/rank, "
-                     f"{r0['train_steps_per_second']:.1f} steps/s), accuracy "
-                     f"{run['accuracy']:.4f}; run() returned rank {run['returned_rank']}'s value")
-            runs.append(run)
-        found["trainer"] = runs
+    def trainer(i: int) -> None:
+        run = run_trainer(args, spark, train_df, vocab_size, tokenize, steps,
+                          os.path.join(tmp, f"trainer-{i}"), args.epochs)
+        run["load"] = os.getloadavg()[0]
+        r0 = run["rank0"]
+        if r0["world_size"] != NUM_PROC or run["rows"] != args.rows:
+            raise AssertionError(f"trainer: world size {r0['world_size']}, {run['rows']} rows")
+        if r0["global_step"] != steps["total"]:
+            raise AssertionError(f"trainer: {r0['global_step']} steps, expected "
+                                 f"{steps['total']}")
+        run["accuracy"] = evaluate(run.pop("model"), test_t["input_ids"],
+                                   test_t["attention_mask"], test_t["label"])
+        progress(f"trainer {i + 1}/{args.repeats}: {run['seconds']:.2f}s (from_spark "
+                 f"{run['from_spark_s']:.2f}s, map {run['map_s']:.2f}s, TorchDistributor "
+                 f"{run['distributor_s']:.2f}s of which Trainer.train {r0['train_runtime']:.2f}s"
+                 f"; backend {r0['backend']}, {r0['threads']} thread(s)/rank, "
+                 f"{r0['train_steps_per_second']:.1f} steps/s), accuracy {run['accuracy']:.4f}; "
+                 f"run() returned rank {run['returned_rank']}'s value")
+        found.setdefault("trainer", []).append(run)
+
+    # untimed warm-ups on a small frame: Spark's Python workers, imports, page cache
+    small = cached(train_df.limit(WARMUP_ROWS).repartition(NUM_PROC))
+    if "sparktrain" in contenders:
+        seconds = run_sparktrain(args, spark, small, test_df, vocab_size, tokenize, warm_steps,
+                                 os.path.join(tmp, "store-warmup"), 1, state,
+                                 "sparktrain: warm-up fit", False)["seconds"]
+        progress(f"sparktrain: warm-up fit ({WARMUP_ROWS} rows, 1 epoch) {seconds:.2f}s")
+    if "trainer" in contenders:
+        seconds = run_trainer(args, spark, small, vocab_size, tokenize, warm_steps,
+                              os.path.join(tmp, "trainer-warmup"), 1)["seconds"]
+        progress(f"trainer: warm-up run ({WARMUP_ROWS} rows, 1 epoch) {seconds:.2f}s")
+    small.unpersist()
+    runners = {"reference": reference, "sparktrain": sparktrain, "trainer": trainer}
+    for i in range(args.repeats):
+        order = contenders if i % 2 == 0 else contenders[::-1]
+        progress(f"== round {i + 1}/{args.repeats}: {', '.join(order)} ==")
+        for name in order:
+            runners[name](i)
     found["hangs"] = state["hangs"]
     return make_figures(args, found, steps), {**meta, "hangs": state["hangs"]}
+
+
+def sparktrain_rate(run: Dict[str, Any], per_epoch: int) -> Optional[float]:
+    """One fit's steps/s per rank: steps per epoch / the median epoch of epochs 2..E of both
+    ranks (their own clocks: no launch, reader start or teardown in them); with 1 epoch, of
+    epoch 1 (the readers' start in it)."""
+    epochs = [rank["epoch_s"] for rank in run["ranks"]]
+    steady = [e for rank in epochs for e in rank[1:]]
+    first = [rank[0] for rank in epochs if rank]
+    return per_epoch / statistics.median(steady or first) if steady or first else None
+
+
+def rounds(values_a: List[Optional[float]], values_b: List[Optional[float]]) -> str:
+    """Per-round ratios a / b, as text."""
+    return ", ".join(f"{a / b:.2f}x" for a, b in zip(values_a, values_b) if a and b)
 
 
 def make_figures(args, found: Dict[str, Any], steps: Dict[str, int]) -> List[Dict[str, Any]]:
@@ -599,6 +633,8 @@ def make_figures(args, found: Dict[str, Any], steps: Dict[str, int]) -> List[Dic
     st, tr, ref = found.get("sparktrain"), found.get("trainer"), found.get("reference")
     status = found.get("sparktrain_missing") or ("skipped" if "sparktrain" in args.skip else None)
     hangs = found.get("hangs", [])  # filled in by main_run
+    loads = {name: ", ".join(f"{r['load']:.1f}" for r in runs)
+             for name, runs in (("sparktrain", st), ("trainer", tr), ("reference", ref)) if runs}
     results = []
 
     # e2e
@@ -626,14 +662,19 @@ def make_figures(args, found: Dict[str, Any], steps: Dict[str, int]) -> List[Dic
             extras[f"trainer: {name}"] = {"value": med([r[key] for r in tr]), "unit": "s"}
         extras["trainer: Trainer.train inside it (rank 0's train_runtime)"] = {
             "value": med([r["rank0"]["train_runtime"] for r in tr]), "unit": "s"}
+    if st and tr:
+        extras["speed-up in each round"] = {"value": rounds([r["seconds"] for r in tr],
+                                                            [r["seconds"] for r in st])}
+    for name, text in loads.items():
+        extras[f"load average after each {name} run"] = {"value": text}
     extras["runs"] = {"sparktrain": st or [], "trainer": tr or []}
     extras.update(hang_extras(hangs, "sparktrain:"))
-    e2e = figure("e2e", f"wall s from the {args.rows:,}-row training DataFrame to a trained "
-                 f"model, {args.epochs} epoch(s), batch {args.batch_size}/rank, 2 ranks, median "
-                 f"of {args.repeats}", "s", st_s, tr_s,
-                 "Dataset.from_spark + map + TorchDistributor(local_mode=True).run(Trainer)",
-                 (tr_s / st_s) if st_s and tr_s else None, 2.0, ">=", extras)
-    results.append(e2e)
+    results.append(figure(
+        "e2e", f"wall s from the {args.rows:,}-row training DataFrame to a trained model, "
+        f"{args.epochs} epoch(s), batch {args.batch_size}/rank, 2 ranks, median of "
+        f"{args.repeats}; ratio = baseline s / sparktrain s", "s", st_s, tr_s,
+        "Dataset.from_spark + map + TorchDistributor(local_mode=True).run(Trainer)",
+        (tr_s / st_s) if st_s and tr_s else None, 2.0, ">=", extras))
 
     # accuracy
     extras = {}
@@ -643,8 +684,8 @@ def make_figures(args, found: Dict[str, Any], steps: Dict[str, int]) -> List[Dic
         extras["sparktrain: getModel() evaluated in the driver (cross-check)"] = {
             "value": med([r["accuracy_driver"] for r in st]), "unit": "accuracy"}
     if ref:
-        extras[f"reference loop ({ref['steps']} steps of batch {args.batch_size}, 1 process)"] = {
-            "value": ref["accuracy"], "unit": "accuracy"}
+        extras[f"reference loop ({ref[0]['steps']} steps of batch {args.batch_size}, 1 "
+               f"process)"] = {"value": med([r["accuracy"] for r in ref]), "unit": "accuracy"}
     for name, value in (("sparktrain", st_a), ("trainer", tr_a)):
         if value is not None and value < 0.9:
             extras[f"{name} below 0.9"] = {"value": value, "unit": "accuracy",
@@ -657,49 +698,47 @@ def make_figures(args, found: Dict[str, Any], steps: Dict[str, int]) -> List[Dic
 
     # steps/s per rank
     extras = {}
-    st_rate, how = None, "sparktrain not run"
+    st_rates = [sparktrain_rate(r, steps["per_epoch"]) for r in st] if st else []
+    st_rate = med([r for r in st_rates if r]) if any(st_rates) else None
+    ref_rates = [r["steps_per_s"] for r in ref] if ref else []
+    ref_rate = med(ref_rates) if ref_rates else None
+    how = ("sparktrain not run" if not st else
+           f"{steps['per_epoch']} steps / median epoch s of both ranks, "
+           + (f"epochs 2..{args.epochs}" if args.epochs > 1 else "1 epoch: with the readers' "
+              "start") + ", each on its own clock")
     if st:
-        ranks = [rank for r in st for rank in r["ranks"]]
-        steady = [e for rank in ranks for e in rank["epoch_s"][1:]]
-        if steady:  # epochs 2..E: no launch, reader start or teardown in them
-            st_rate = steps["per_epoch"] / med(steady)
-            how = (f"{steps['per_epoch']} steps / median epoch s, epochs 2..{args.epochs} of "
-                   f"both ranks, each on its own clock")
-            cpu = [c for rank in ranks for c in rank["cpu_ms_per_step"][1:]]
-        elif ranks:  # 1 epoch: with the readers' start-up in it
-            st_rate = steps["per_epoch"] / med([rank["epoch_s"][0] for rank in ranks])
-            how = f"{steps['per_epoch']} steps / epoch s (1 epoch: with the readers' start)"
-            cpu = [rank["cpu_ms_per_step"][0] for rank in ranks]
-        if ranks:
+        first = 0 if args.epochs == 1 else 1
+        cpu = [c for r in st for rank in r["ranks"] for c in rank["cpu_ms_per_step"][first:]]
+        if cpu:
             extras["sparktrain: CPU ms per step of a rank's process (tokenization, in the "
                    "decode workers, not included)"] = {"value": med(cpu), "unit": "ms"}
-            extras["sparktrain: epoch s of each rank, every fit"] = {
-                "value": "; ".join(", ".join(f"{e:.2f}" for e in rank["epoch_s"])
-                                   for rank in ranks)}
+        extras["sparktrain: epoch s of rank 0, each fit"] = {"value": "; ".join(
+            ", ".join(f"{e:.2f}" for e in r["ranks"][0]["epoch_s"]) for r in st if r["ranks"])}
         gaps = [g for r in st for g in r["epoch_gaps_s"]]
         if gaps:
             extras["sparktrain: cross-check, gaps between rank 0's epoch lines on the driver"] = {
                 "value": steps["per_epoch"] / med(gaps), "unit": "steps/s"}
-    ref_rate = ref["steps_per_s"] if ref else None
+        if ref:
+            extras["ratio in each round"] = {"value": rounds(st_rates, ref_rates)}
     if ref:
-        extras["reference: CPU ms per step (1 thread)"] = {"value": ref["cpu_ms_per_step"],
-                                                          "unit": "ms"}
-    pair = found.get("reference_pair")
-    if pair:
-        pair_rate = statistics.mean(r["steps_per_s"] for r in pair)
-        extras[f"reference: {len(pair)} copies side by side, steps/s of each"] = {
-            "value": pair_rate, "unit": "steps/s",
-            "note": (f"{pair_rate / ref_rate:.2f}x the lone loop; sparktrain "
-                     f"{st_rate / pair_rate:.2f}x this" if st_rate else
-                     f"{pair_rate / ref_rate:.2f}x the lone loop")}
+        extras["reference: CPU ms per step (1 thread)"] = {
+            "value": med([r["cpu_ms_per_step"] for r in ref]), "unit": "ms"}
+        pair_rates = [statistics.mean(p["steps_per_s"] for p in r["side_by_side"]) for r in ref]
+        pair_rate = med(pair_rates)
+        note = f"{pair_rate / ref_rate:.2f}x the lone loop"
+        if st_rate:
+            note += f"; sparktrain {st_rate / pair_rate:.2f}x this (rounds: " \
+                    f"{rounds(st_rates, pair_rates)})"
+        extras[f"reference: {NUM_PROC} copies side by side, steps/s of each"] = {
+            "value": pair_rate, "unit": "steps/s", "note": note}
     if tr:
         tr_rate = med([r["rank0"]["train_steps_per_second"] for r in tr])
-        extras["trainer: steps/s per rank (global_step / train_runtime)"] = {
+        extras["trainer: steps/s per rank (global_step / train_runtime, all epochs)"] = {
             "value": tr_rate, "unit": "steps/s",
             "note": f"{tr_rate / ref_rate:.2f}x the reference" if ref_rate else ""}
         extras["trainer: CPU ms per step of rank 0's process (Trainer.train)"] = {
             "value": med([r["rank0"]["cpu_ms_per_step"] for r in tr]), "unit": "ms"}
-    extras["runs"] = {"reference": ref, "reference_side_by_side": pair or []}
+    extras["runs"] = {"reference": ref or [], "sparktrain_steps_per_s": st_rates}
     results.append(figure("steps/s", f"optimizer steps/s of one rank ({how}) vs one process on "
                           f"in-memory tensors, 1 thread, batch {args.batch_size}", "steps/s",
                           st_rate, ref_rate, "single-process loop over in-memory tensors",
