@@ -710,8 +710,10 @@ def make_figures(args, found: Dict[str, Any], steps: Dict[str, int]) -> List[Dic
         first = 0 if args.epochs == 1 else 1
         cpu = [c for r in st for rank in r["ranks"] for c in rank["cpu_ms_per_step"][first:]]
         if cpu:
-            extras["sparktrain: CPU ms per step of a rank's process (tokenization, in the "
-                   "decode workers, not included)"] = {"value": med(cpu), "unit": "ms"}
+            where = ("tokenization not included: it runs in the decode workers"
+                     if args.reader_pool == "process" else "tokenization included")
+            extras[f"sparktrain: CPU ms per step of a rank's process ({where})"] = {
+                "value": med(cpu), "unit": "ms"}
         extras["sparktrain: epoch s of rank 0, each fit"] = {"value": "; ".join(
             ", ".join(f"{e:.2f}" for e in r["ranks"][0]["epoch_s"]) for r in st if r["ranks"])}
         gaps = [g for r in st for g in r["epoch_gaps_s"]]
