@@ -135,7 +135,7 @@ def test_lora_adapters_train_and_frozen_weights_stay(spark, tok, text_df, test_t
     assert any(not torch.equal(p, dict(lora.named_parameters())[n])
                for n, p in trained.items() if "lora_" in n)
     # the checkpoint holds the adapters, the head and the optimizer, not the frozen body
-    checkpoint = max(glob.glob(os.path.join(store, "runs", "lora", "**", "*.pt"),
+    checkpoint = max(glob.glob(os.path.join(store, "runs", "lora", "**", "*.ckpt"),
                                recursive=True), key=os.path.getmtime)
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)
     assert state["frozen_omitted"] and not set(frozen) & set(state["model"])
@@ -164,7 +164,7 @@ def test_a_per_step_schedule_resumes_from_the_checkpoint(spark, regression_df, t
         steps.append(len(fitted.getHistory()["loss"]))
     assert steps == [1, 2]
     state = fitted.getOptimizer().state_dict()
-    checkpoints = sorted(glob.glob(os.path.join(store, "runs", "scheduled", "**", "*.pt"),
+    checkpoints = sorted(glob.glob(os.path.join(store, "runs", "scheduled", "**", "*.ckpt"),
                                    recursive=True), key=os.path.getmtime)
     schedule = torch.load(checkpoints[-1], map_location="cpu", weights_only=True)["scheduler"]
     per_epoch = schedule["last_epoch"] // 2
