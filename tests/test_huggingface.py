@@ -102,7 +102,8 @@ def test_bert_as_it_is_fits_with_its_own_loss_and_predicts_on_raw_text(
 
 
 @pytest.mark.slow
-def test_explicit_loss_on_the_logits_with_horovod(spark, tok, text_df, tmp_path):
+def test_explicit_loss_on_the_logits_with_horovod_bf16_and_accumulation(spark, tok, text_df,
+                                                                         tmp_path):
     pytest.importorskip("horovod.torch")
 
     def accuracy(output, label):
@@ -110,7 +111,8 @@ def test_explicit_loss_on_the_logits_with_horovod(spark, tok, text_df, tmp_path)
 
     fitted = bert_estimator(tok, str(tmp_path / "store"), loss=torch.nn.CrossEntropyLoss(),
                             metrics=[accuracy], backend="horovod", epochs=1,
-                            validation=0.2).fit(text_df)
+                            validation=0.2, mixed_precision="bf16",
+                            backward_passes_per_step=2).fit(text_df)
     history = fitted.getHistory()
     assert np.isfinite(history["loss"][0]) and 0.0 <= history["val_accuracy"][0] <= 1.0
 
