@@ -253,7 +253,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="how ranks hold the model (default: ddp; fsdp: sharded across ranks)")
     session = p.add_mutually_exclusive_group()
     session.add_argument("--master", default=None,
-                         help="Spark master when not set by spark-submit (default: local[*])")
+                         help="Spark master when not set by spark-submit (default: local[*]; "
+                              "--demo: a slot per rank, local[2])")
     session.add_argument("--remote", default=None, metavar="sc://HOST:PORT",
                          help="use a Spark Connect server instead of embedded Spark")
     p.add_argument("--min-accuracy", type=float, default=None,
@@ -365,7 +366,10 @@ def main(argv: Sequence[str] = ()) -> int:
     from sparktrain import TorchEstimator, TorchModel
 
     workdir = tempfile.mkdtemp(prefix="sparktrain-text-")
-    spark = get_spark(args.master, "sparktrain-finetune-text", args.remote)
+    master = args.master
+    if args.demo and master is None and "PYSPARK_GATEWAY_PORT" not in os.environ:
+        master = f"local[{max(2, args.num_proc)}]"  # a slot per rank, whatever the cores
+    spark = get_spark(master, "sparktrain-finetune-text", args.remote)
     text, label = args.text_col, args.label_col
     if args.demo:
         # from pandas, Spark takes the rows as Arrow batches
