@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Fine-tune a Hugging Face text classifier on a Spark DataFrame with TorchEstimator and LoRA.
 
-    # the demo: synthetic support tickets (positive / negative), a WordPiece tokenizer trained
-    # in memory, a small BERT built from a config, LoRA adapters; 2 ranks, no download
+    # the demo: synthetic support tickets (positive / negative), a WordPiece tokenizer whose
+    # vocabulary is counted in memory, a small BERT from a config, LoRA; 2 ranks, no download
     python jobs/finetune_text.py --demo
 
     # your model and data: a local Hugging Face checkpoint directory (config, weights,
@@ -153,9 +153,10 @@ class Tokenize:
 
 
 class WarmupThenDecay:
-    """``lr_scheduler``: the rate rises linearly from 0 over ``warmup`` optimizer steps, then
-    falls linearly to 0 at ``total`` (``transformers.get_linear_schedule_with_warmup``).
-    Built on each rank with the rank's optimizer; stepped after every optimizer step."""
+    """``lr_scheduler``: the rate rises linearly over ``warmup`` optimizer steps, then falls
+    linearly to 0 at ``total`` (``transformers.get_linear_schedule_with_warmup``, whose first
+    step runs at rate 0). Built on each rank with the rank's optimizer; stepped after every
+    optimizer step."""
 
     def __init__(self, warmup: int, total: int) -> None:
         self.warmup, self.total = warmup, max(total, 1)
