@@ -35,7 +35,7 @@ OBJECT_PARAMS = ("model", "optimizer", "loss", "metrics", "callbacks", "store", 
                  "train_minibatch_fn",
                  "gradient_compression", "checkpoint_callback", "data_module",
                  "transformation_edit_fields", "transformation_removed_fields",
-                 "resource_profile", "fsdp_wrap", "activation_checkpointing")
+                 "resource_profile", "fsdp_wrap", "activation_checkpointing", "lr_scheduler")
 
 
 class EstimatorParams(Params):

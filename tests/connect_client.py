@@ -243,6 +243,27 @@ def horovod(spark, workdir: str) -> Dict[str, Any]:
     return {"history": model.getHistory()["loss"]}
 
 
+def huggingface(spark, workdir: str) -> Dict[str, Any]:
+    """A tiny BERT as it is (loss=None, keyword forward) on a text column over Connect: the
+    columns the tokenizer makes are learned on the client, and transform reads the text."""
+    import torch
+
+    import hf_models
+    from sparktrain import TorchEstimator
+
+    tok = hf_models.tokenizer()
+    model = hf_models.tiny_bert(tok.vocab_size)
+    df = spark.createDataFrame(hf_models.sentences(400, seed=1), "text string, label long")
+    fitted = TorchEstimator(
+        num_proc=2, store=os.path.join(workdir, "store"), model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), loss=None,
+        transformation_fn=hf_models.Tokenize(tok), feature_cols=["input_ids", "attention_mask"],
+        label_cols=["label"], batch_size=32, epochs=2, verbose=0).fit(df)
+    predicted = fitted.transform(df.select("text").limit(50)).toPandas()["label__output"]
+    return {"history": fitted.getHistory()["loss"], "predicted": len(predicted),
+            "width": len(predicted[0])}
+
+
 def mlflow_tracking(spark, workdir: str) -> Dict[str, Any]:
     """A fit logged by sparktrain.mlflow.autolog() over Connect (the tracking server's URI in
     MLFLOW_TRACKING_URI), its run as the server has it, and its pyfunc against transform."""
@@ -276,6 +297,7 @@ def mlflow_tracking(spark, workdir: str) -> Dict[str, Any]:
 
 
 SCENARIOS: Dict[str, Callable] = {"readme": readme, "faults": faults, "horovod": horovod,
+                                  "huggingface": huggingface,
                                   "mlflow": mlflow_tracking}
 
 

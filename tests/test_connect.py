@@ -85,3 +85,12 @@ def test_horovod_over_connect(connect_url, tmp_path):
     found, _ = run_client("horovod", connect_url, tmp_path)
     history = found["history"]
     assert len(history) == 3 and history[-1] < history[0]
+
+
+@pytest.mark.slow
+def test_hugging_face_model_as_it_is_over_connect(connect_url, tmp_path):
+    pytest.importorskip("transformers")
+    found, _ = run_client("huggingface", connect_url, tmp_path)
+    history = found["history"]
+    assert len(history) == 2 and history[-1] < history[0]
+    assert found["predicted"] == 50 and found["width"] == 2

@@ -288,3 +288,35 @@ def test_no_resource_tracker_warnings_or_leftovers_at_exit(tmp_path):
     assert proc.returncode == 0 and proc.stdout.startswith("done"), proc.stderr
     assert "resource_tracker" not in proc.stderr and "leaked" not in proc.stderr, proc.stderr
     assert blocks(int(proc.stdout.split()[1])) == []
+
+
+def encode_on_threads(batch):
+    """Encode a batch with a Hugging Face tokenizer; the worker's thread count before and after
+    (tokenizers starts its Rust thread pool on the first parallel encode)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "good": 1, "bad": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    before = len(os.listdir("/proc/self/task"))
+    ids = [e.ids for e in tok.encode_batch([str(t) for t in batch["text"]])]
+    return {"ids": np.array(ids), "threads": np.array([before, len(os.listdir("/proc/self/task"))]),
+            "env": np.array(os.environ.get("TOKENIZERS_PARALLELISM", ""))}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_tokenizers_encode_on_one_thread_in_workers_unless_the_environment_says(monkeypatch):
+    pytest.importorskip("tokenizers")
+    batch = {"text": np.array(["good bad good"] * 512, dtype=object)}
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    # spawn: the worker starts from this environment (a fork server keeps the one it began with)
+    with DecodePool(encode_on_threads, workers=1, start_method="spawn") as pool:
+        out = next(pool.map([batch]))
+    assert str(out["env"]) == "false" and "TOKENIZERS_PARALLELISM" not in os.environ
+    assert out["ids"].shape == (512, 3)
+    before, after = out["threads"]
+    assert after == before  # no Rust thread pool next to the pool of processes
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # asked for: the pool is there
+    with DecodePool(encode_on_threads, workers=1, start_method="spawn") as pool:
+        out = next(pool.map([batch]))
+    before, after = out["threads"]
+    assert str(out["env"]) == "true" and after > before

@@ -102,7 +102,8 @@ def test_bert_as_it_is_fits_with_its_own_loss_and_predicts_on_raw_text(
 
 
 @pytest.mark.slow
-def test_explicit_loss_on_the_logits_with_horovod(spark, tok, text_df, tmp_path):
+def test_explicit_loss_on_the_logits_with_horovod_bf16_and_accumulation(spark, tok, text_df,
+                                                                         tmp_path):
     pytest.importorskip("horovod.torch")
 
     def accuracy(output, label):
@@ -110,7 +111,8 @@ def test_explicit_loss_on_the_logits_with_horovod(spark, tok, text_df, tmp_path)
 
     fitted = bert_estimator(tok, str(tmp_path / "store"), loss=torch.nn.CrossEntropyLoss(),
                             metrics=[accuracy], backend="horovod", epochs=1,
-                            validation=0.2).fit(text_df)
+                            validation=0.2, mixed_precision="bf16",
+                            backward_passes_per_step=2).fit(text_df)
     history = fitted.getHistory()
     assert np.isfinite(history["loss"][0]) and 0.0 <= history["val_accuracy"][0] <= 1.0
 
@@ -135,7 +137,7 @@ def test_lora_adapters_train_and_frozen_weights_stay(spark, tok, text_df, test_t
     assert any(not torch.equal(p, dict(lora.named_parameters())[n])
                for n, p in trained.items() if "lora_" in n)
     # the checkpoint holds the adapters, the head and the optimizer, not the frozen body
-    checkpoint = max(glob.glob(os.path.join(store, "runs", "lora", "**", "*.pt"),
+    checkpoint = max(glob.glob(os.path.join(store, "runs", "lora", "**", "*.ckpt"),
                                recursive=True), key=os.path.getmtime)
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)
     assert state["frozen_omitted"] and not set(frozen) & set(state["model"])
@@ -164,7 +166,7 @@ def test_a_per_step_schedule_resumes_from_the_checkpoint(spark, regression_df, t
         steps.append(len(fitted.getHistory()["loss"]))
     assert steps == [1, 2]
     state = fitted.getOptimizer().state_dict()
-    checkpoints = sorted(glob.glob(os.path.join(store, "runs", "scheduled", "**", "*.pt"),
+    checkpoints = sorted(glob.glob(os.path.join(store, "runs", "scheduled", "**", "*.ckpt"),
                                    recursive=True), key=os.path.getmtime)
     schedule = torch.load(checkpoints[-1], map_location="cpu", weights_only=True)["scheduler"]
     per_epoch = schedule["last_epoch"] // 2

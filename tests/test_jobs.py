@@ -26,6 +26,34 @@ def test_demo(tmp_path, job):
     assert "\r" not in result.stderr  # stderr is a pipe (a YARN log): no bar redraws in it
 
 
+@pytest.mark.slow
+def test_finetune_text_demo(tmp_path):
+    """A Hugging Face classifier with LoRA adapters on raw text: tokenized in decode workers,
+    its own loss, a warm-up/decay schedule; saved, reloaded and exported."""
+    pytest.importorskip("peft", reason="needs the hf extra (transformers, tokenizers, peft)")
+    import torch
+
+    output, store, exported = tmp_path / "text-model", tmp_path / "store", tmp_path / "hf"
+    result = subprocess.run(
+        [sys.executable, "jobs/finetune_text.py", "--demo", "--output", str(output),
+         "--store", str(store), "--export", str(exported), "--run-id", "tickets"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["test_accuracy"] >= 0.9
+    assert summary["reloaded_test_accuracy"] == summary["test_accuracy"]
+    assert summary["trainable_parameters"] < summary["parameters"] / 10
+    assert "[rank 0] epoch 5/5" in result.stderr
+    assert "\r" not in result.stderr  # no progress bars redrawn in a job's log
+    assert (output / "metadata").exists()
+    assert (exported / "config.json").exists() and (exported / "tokenizer.json").exists()
+    # the run's checkpoints hold the adapters, the head and the schedule, not the frozen body
+    checkpoints = sorted((store / "runs" / "tickets" / "checkpoints").glob("*.ckpt"))
+    state = torch.load(checkpoints[-1], map_location="cpu", weights_only=True)
+    assert state["frozen_omitted"] and state["scheduler"]["last_epoch"] > 0
+    assert all("lora_" in name or "classifier" in name for name in state["model"])
+
+
 def test_job_rejects_missing_arguments_and_unknown_backends():
     result = subprocess.run([sys.executable, "jobs/train_torch.py", "--input", "x.parquet"],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -34,6 +62,9 @@ def test_job_rejects_missing_arguments_and_unknown_backends():
     result = subprocess.run([sys.executable, "jobs/train_keras.py", "--demo", "--backend", "mpi"],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "invalid choice: 'mpi'" in result.stderr
+    result = subprocess.run([sys.executable, "jobs/finetune_text.py", "--model", ROOT],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--data is required with --model" in result.stderr
 
 
 @pytest.mark.slow

@@ -163,17 +163,31 @@ def test_keras_inputs_rule():
     assert keras_inputs(single, ["features"], ["f"]) == "f"
 
 
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def words_to_tokens(batch):
+    """transformation_fn creating the ``tokens`` input from the ``text`` column."""
+    tokens = np.array([[WORDS.index(w) for w in text.split()] for text in batch["text"]],
+                      dtype="int32")
+    return {**{k: batch[k] for k in ("numbers", "y") if k in batch}, "tokens": tokens}
+
+
 def test_dict_of_named_inputs_fits_and_transforms(spark, store):
+    """Inputs by name, one of them made by transformation_fn from a text column (learned on
+    the driver): transform reads the text again."""
     rng = np.random.default_rng(4)
-    rows = [(rng.integers(0, 10, size=6).tolist(), rng.normal(size=3).tolist(),
-             float(rng.normal())) for _ in range(64)]
-    df = spark.createDataFrame(rows, "tokens array<int>, numbers array<double>, y double")
+    rows = [(" ".join(WORDS[i] for i in rng.integers(0, 10, size=6)),
+             rng.normal(size=3).tolist(), float(rng.normal())) for _ in range(64)]
+    df = spark.createDataFrame(rows, "text string, numbers array<double>, y double")
     keras.utils.set_random_seed(4)
     est = KerasEstimator(num_proc=2, model=_named_inputs_model(), optimizer="adam", loss="mse",
                          feature_cols=["tokens", "numbers"], label_cols=["y"], batch_size=16,
-                         epochs=2, store=store, verbose=0)
+                         epochs=2, store=store, verbose=0, transformation_fn=words_to_tokens)
     model = est.fit(df)
     assert all(np.isfinite(model.getHistory()["loss"]))
+    assert [c.name for c in model._input_specs()] == ["numbers", "text"]
     # one partition: one Python worker starts TensorFlow to predict, not two side by side
-    out = model.transform(df.coalesce(1)).select("y__output").toPandas()["y__output"]
+    out = model.transform(df.select("text", "numbers").coalesce(1)).select("y__output") \
+        .toPandas()["y__output"]
     assert len(out) == 64 and np.isfinite(out.to_numpy()).all()

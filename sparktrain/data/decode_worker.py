@@ -12,6 +12,8 @@ once, then answers tasks until its task pipe closes. Each task is two messages: 
 
 Before each call the worker seeds ``random``, ``numpy.random`` and (if the function imported
 it) torch from ``(seed, epoch, batch number)``: the same batches whatever the number of workers.
+``TOKENIZERS_PARALLELISM`` is ``false`` in a worker unless its environment sets it: a Hugging
+Face tokenizer encodes on one thread there, the workers being the parallelism.
 
 Example (what the pool does)::
 
@@ -20,6 +22,7 @@ Example (what the pool does)::
 from __future__ import annotations
 
 import faulthandler
+import os
 import pickle
 import random
 import signal
@@ -49,6 +52,12 @@ def work(index: int, fn_bytes: bytes, seed: int, prefix: str, tasks: Any, result
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # a segfault in a native decoder then prints the Python stack that called it
     faulthandler.enable()
+    # Hugging Face tokenizers encode a batch on a Rust thread pool as wide as the machine; in
+    # every worker of every rank that is workers x ranks pools fighting each other (and the
+    # training threads) for the same cores: the pool of processes is the parallelism here.
+    # Set before the function is loaded (tokenizers reads it on each call); a value in the
+    # environment the workers start from (the rank's backend_env, say) wins.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     fn, load_error = None, None
     try:
         fn = cloudpickle.loads(fn_bytes)

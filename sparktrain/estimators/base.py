@@ -551,8 +551,12 @@ def _prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
     scalar_out = [isinstance(t, T.DoubleType) for t in types]
 
     def predict_batches(batches):  # type hints set below: they select the UDF's shape
+        import os
         import pickle
 
+        # A Hugging Face tokenizer in the transformation: one thread per Python worker, the
+        # task slots being the parallelism (as in the decode workers); the user's value wins.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         transform = pickle.loads(transform_bytes) if transform_bytes is not None else None
         predict = _PREDICTORS.get(key)
         if predict is None:

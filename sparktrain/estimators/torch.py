@@ -32,8 +32,9 @@ from sparktrain.checkpoint import Checkpoints
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
 from sparktrain.estimators.keywords import EstimatorKeywords, keyword_params
-from sparktrain.estimators.torch_forward import ForwardParams, takes_labels
-from sparktrain.estimators.torch_schedule import SchedulerParams, check_scheduler
+from sparktrain.estimators.torch_forward import takes_labels
+from sparktrain.estimators.torch_schedule import check_scheduler
+from sparktrain.fine_tuning_params import ForwardParams, SchedulerParams
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext, run_barrier
 from sparktrain.launch.environment import rank_environment

@@ -29,28 +29,10 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from pyspark.ml.param import Param, Params, TypeConverters
-
 from sparktrain.launch.faults import mark_user_error
 
 #: the output entry used by default when a model returns a dict or a ModelOutput
 DEFAULT_OUTPUT_KEY = "logits"
-
-
-class ForwardParams(Params):
-    """``output_key``: the entry of a dict/``ModelOutput`` result that is the model's output."""
-
-    output_key = Param(Params._dummy(), "output_key",
-                       "when the model returns a dict or a Hugging Face ModelOutput, the entry "
-                       "the loss, metrics and transform use (default 'logits')",
-                       TypeConverters.toString)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._setDefault(output_key=None)
-
-    def getOutputKey(self) -> Optional[str]:
-        return self.getOrDefault(self.output_key)
 
 
 def forward_parameters(model: Any) -> Tuple[List[str], bool]:

@@ -28,40 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional
 
-from pyspark.ml.param import Param, Params
-
 from sparktrain.launch.faults import mark_user_error, user_code
-
-INTERVALS = ("step", "epoch")
-
-
-def _to_interval(value: Any) -> str:
-    if value not in INTERVALS:
-        raise TypeError(f"lr_scheduler_interval must be one of {list(INTERVALS)}, got {value!r}")
-    return value
-
-
-class SchedulerParams(Params):
-    """``lr_scheduler`` and ``lr_scheduler_interval`` (see the module)."""
-
-    lr_scheduler = Param(Params._dummy(), "lr_scheduler",
-                         "a function optimizer -> torch.optim.lr_scheduler.LRScheduler, called "
-                         "on every rank; stepped per optimizer step or per epoch "
-                         "(lr_scheduler_interval) and kept in checkpoints")
-    lr_scheduler_interval = Param(Params._dummy(), "lr_scheduler_interval",
-                                  "'step' (default): step the scheduler after every optimizer "
-                                  "step; 'epoch': after every epoch", _to_interval)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._setDefault(lr_scheduler=None, lr_scheduler_interval="step")
-
-    def getLrScheduler(self) -> Optional[Callable[[Any], Any]]:
-        return self.getOrDefault(self.lr_scheduler)
-
-    def getLrSchedulerInterval(self) -> str:
-        return self.getOrDefault(self.lr_scheduler_interval)
-
 
 def check_scheduler(factory: Any, has_minibatch_fn: bool) -> None:
     """Driver-side checks of ``lr_scheduler`` (before any job)."""

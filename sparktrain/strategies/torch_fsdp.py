@@ -114,7 +114,7 @@ class FullySharded(TorchStrategy):
                         params=[sharded[name] for name in names_])
                    for group, names_ in zip(optimizer.param_groups, groups)]
         try:
-            new_optimizer = type(optimizer)(rebuilt, **optimizer.defaults)
+            new_optimizer = type(optimizer)(rebuilt, **_constructor_defaults(optimizer))
         except Exception as exc:  # noqa: BLE001 - re-raised with what to do
             raise TypeError(f"strategy='fsdp' rebuilds the optimizer over the sharded "
                             f"parameters as {type(optimizer).__name__}(param_groups, "
@@ -174,3 +174,14 @@ class FullySharded(TorchStrategy):
                              for group in by_name["param_groups"]]}
 
 
+def _constructor_defaults(optimizer: Any) -> Dict[str, Any]:
+    """The optimizer's ``defaults`` its constructor takes: some keep more there than they
+    take (torch 2.13's ``AdamW`` stores ``decoupled_weight_decay``, which only ``Adam``'s
+    constructor accepts); the groups passed with them carry every value anyway."""
+    import inspect
+
+    parameters = inspect.signature(type(optimizer).__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return dict(optimizer.defaults)
+    names = {p.name for p in parameters}
+    return {k: v for k, v in optimizer.defaults.items() if k in names}
