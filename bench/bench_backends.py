@@ -30,7 +30,6 @@ import contextlib
 import logging
 import os
 import re
-import shutil
 import statistics
 import sys
 import tempfile
@@ -39,7 +38,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from common import (add_common_args, cached, figure, guarded, hang_extras, make_frame,
-                    parse_common, print_json_lines, print_table, progress, versions,
+                    parse_common, print_json_lines, print_table, progress, remove_tmp, versions,
                     write_results)
 
 FIGURES = ("throughput", "overhead")
@@ -569,10 +568,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         spark.stop()
         rank_logger.removeHandler(rank_log)
         sparktrain_logger.removeHandler(fit_log)
-        if args.keep_tmp:
-            progress(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        remove_tmp(tmp, args.keep_tmp)
 
     print()
     print(f"sparktrain backends benchmark: {args.rows:,} rows x {args.features} features, "

@@ -34,15 +34,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
 import warnings
 from typing import Any, Dict, List, Optional
 
-from common import (add_common_args, figure, guarded, hang_extras, parse_common,
-                    print_json_lines, print_table, progress, versions, write_results)
+from common import (add_common_args, figure, guarded, hang_extras, parse_common, print_json_lines,
+                    print_table, progress, remove_tmp, versions, write_results)
 
 FIGURES: List[str] = []  # the two figures always run; --skip has nothing to skip
 MIB = 2 ** 20
@@ -358,10 +357,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         df.unpersist()
     finally:
         spark.stop()
-        if args.keep_tmp:
-            progress(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        remove_tmp(tmp, args.keep_tmp)
     total = time.perf_counter() - start
 
     ddp, fsdp = summary(runs["ddp"]), summary(runs["fsdp"])

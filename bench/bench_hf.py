@@ -34,7 +34,6 @@ import contextlib
 import logging
 import math
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -46,7 +45,8 @@ import numpy as np
 
 from bench_backends import RankLog
 from common import (add_common_args, cached, figure, guarded, hang_extras, parse_common,
-                    print_json_lines, print_table, progress, timed, versions, write_results)
+                    print_json_lines, print_table, progress, remove_tmp, timed, versions,
+                    write_results)
 
 FIGURES = ("sparktrain", "trainer", "reference")
 CONTENDERS = FIGURES
@@ -823,10 +823,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         results, meta = main_run(args, spark, tmp)
     finally:
         spark.stop()
-        if args.keep_tmp:
-            progress(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        remove_tmp(tmp, args.keep_tmp)
 
     print()
     print(f"sparktrain Hugging Face benchmark: {args.rows:,} + {args.test_rows:,} rows, "

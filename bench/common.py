@@ -64,6 +64,16 @@ def progress(message: str) -> None:
     print(f"[bench {time.perf_counter() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
+def remove_tmp(tmp: str, keep: bool) -> None:
+    """Delete the benchmark's temporary directory, or say where it is (``--keep-tmp``)."""
+    import shutil
+
+    if keep:
+        progress(f"kept {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def timed(fn: Callable[[], Any]) -> tuple:
     start = time.perf_counter()
     value = fn()
