@@ -252,7 +252,8 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
             return self._fit_tracked(dataset, listener)
 
     def _fit_tracked(self, dataset: DataFrame, listener: FitListener) -> "ModelBase":
-        specs = self._check_params(dataset)
+        with _FitLogging(self.getVerbose()):  # shows what the transformation's columns are
+            specs = self._check_params(dataset)
         spark = dataset.sparkSession
         self._check_session(spark)
         use_gpu = check_gpu_conf(all_conf(spark), master(spark), self.getUseGpu())
