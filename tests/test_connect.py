@@ -80,6 +80,7 @@ def test_faults_over_connect_without_executors_reaching_the_client(connect_url, 
     assert found["after_interrupt"] == 1 and found["after_interrupt_seconds"] < 120
 
 
+@pytest.mark.slow
 def test_horovod_over_connect(connect_url, tmp_path):
     pytest.importorskip("horovod.torch")
     found, _ = run_client("horovod", connect_url, tmp_path)

@@ -153,6 +153,7 @@ def _runs(client, query):
     return client.search_runs([experiment], query)
 
 
+@pytest.mark.slow
 def test_keras_fit_is_tracked(autologged, classification_df, store):
     import keras
 
@@ -182,6 +183,7 @@ def test_keras_fit_is_tracked(autologged, classification_df, store):
     assert run.data.tags["sparktrain.model_uri.keras"].startswith("models:/")
 
 
+@pytest.mark.slow
 def test_cross_validator_gives_nested_runs(autologged, regression_df, store):
     from pyspark.ml.evaluation import RegressionEvaluator
     from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
