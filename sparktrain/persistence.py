@@ -5,7 +5,9 @@ Layout under a saved path (any Hadoop/fsspec filesystem)::
     metadata/        Spark ML JSON metadata (class, uid, JSON-able params, extra fields)
     objects.pkl      estimators: cloudpickled object params (model, optimizer, loss, ...)
     model/           models: framework files (e.g. architecture.pkl + weights.pt for torch),
-                     and predict_transformation_fn.pkl when the model decodes its inputs
+                     and predict_transformation_fn.pkl when the model decodes its inputs;
+                     weights are streamed from the store and read by reference on load
+                     (:mod:`sparktrain.model_files`), never whole through the driver
 
 Loading runs code. ``objects.pkl`` and a torch model's ``architecture.pkl`` are cloudpickle
 files, and unpickling them can execute any Python code that whoever wrote them put there:
@@ -34,6 +36,7 @@ from pyspark.sql import SparkSession
 
 from sparktrain.data.store import Store
 from sparktrain.fs import filesystem, to_fsspec_url
+from sparktrain.model_files import ModelFile
 from sparktrain.params import json_params, object_params
 from sparktrain.pickling import dumps
 from sparktrain.spark_api import is_remote
@@ -179,9 +182,13 @@ class ModelWriter(_Writer):
     """JSON params and model metadata in ``metadata``; framework files under ``model/``."""
 
     def saveImpl(self, path: str) -> None:
-        root = self._save_metadata(path, extraMetadata=self.instance._extra_metadata())
-        for name, data in self.instance._framework_files().items():
-            write_file(root, f"model/{name}", data)
+        files = self.instance._framework_files()
+        root = self._save_metadata(path, extraMetadata=self.instance._extra_metadata(sorted(files)))
+        for name, data in files.items():
+            if isinstance(data, ModelFile):  # weights in the store: streamed, not read into memory
+                data.copy_to(f"{root}/model/{name}")
+            else:
+                write_file(root, f"model/{name}", data)
         transform = self.instance.getPredictTransformationFn()
         if transform is not None:  # by value, like the model's own classes
             write_file(root, PREDICT_FN_FILE, dumps(transform))
@@ -200,7 +207,8 @@ class ModelReader(MLReader):
         load only paths you trust."""
         metadata = DefaultParamsReader.loadMetadata(path, ml_context(self))
         root = saved_root(self.sparkSession, path)
-        files = {name: read_file(root, f"model/{name}") for name in metadata["framework_files"]}
+        # references: a framework reads what it needs (torch maps its weights file lazily)
+        files = {name: ModelFile.of(f"{root}/model/{name}") for name in metadata["framework_files"]}
         instance = self.cls._from_saved(metadata, files)
         instance._resetUid(metadata["uid"])
         _apply_params(instance, metadata)

@@ -26,7 +26,7 @@ import sys
 import sysconfig
 from collections import ChainMap
 from types import CodeType, FunctionType, ModuleType
-from typing import Any, Iterable, Set
+from typing import Any, Callable, Iterable, Optional, Set
 
 import cloudpickle
 
@@ -84,27 +84,41 @@ class _Pickler(cloudpickle.Pickler):
                               cloudpickle.Pickler.dispatch_table)
 
 
-def dumps_code(obj: Any) -> bytes:
-    """``cloudpickle.dumps(obj)`` keeping the source file names of code pickled by value.
+class _ReferencingPickler(_Pickler):
+    """Pickles the objects ``refer`` names (returns not ``None`` for) as persistent ids."""
+
+    def __init__(self, out: Any, refer: Callable[[Any], Any]) -> None:
+        super().__init__(out)
+        self._refer = refer
+
+    def persistent_id(self, obj: Any) -> Any:  # noqa: D102 - pickle's hook
+        return self._refer(obj)
+
+
+def dumps_code(obj: Any, refer: Optional[Callable[[Any], Any]] = None) -> bytes:
+    """``cloudpickle.dumps(obj)`` keeping the source file names of code pickled by value;
+    with ``refer``, the objects it returns an id for are written as that id (pickle's
+    ``persistent_id``: e.g. tensors stored in another file), read back by
+    ``pickle.Unpickler.persistent_load``.
 
     Example::
 
         fn_bytes = dumps_code(transformation_fn)   # a worker's traceback names its file
     """
     with io.BytesIO() as out:
-        _Pickler(out).dump(obj)
+        (_Pickler(out) if refer is None else _ReferencingPickler(out, refer)).dump(obj)
         return out.getvalue()
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: Any, refer: Optional[Callable[[Any], Any]] = None) -> bytes:
     """``cloudpickle.dumps(obj)``, with the user's own modules pickled by value (and their
-    code's file names kept, see the module docstring)."""
+    code's file names kept, see the module docstring); ``refer`` as in :func:`dumps_code`."""
     modules = {sys.modules.get(getattr(c, "__module__", None) or "") for c in _code_objects(obj)}
     registered = [m for m in modules if m is not None and _is_user_module(m)]
     for module in registered:
         cloudpickle.register_pickle_by_value(module)
     try:
-        return dumps_code(obj)
+        return dumps_code(obj, refer)
     finally:
         for module in registered:
             cloudpickle.unregister_pickle_by_value(module)

@@ -108,7 +108,7 @@ def test_rank_side_code_never_imports_an_estimator_or_pyspark_ml():
 #: A module is in the layer of its longest matching prefix; a new module must be placed here.
 LAYERS = (
     ("foundation", ("sparktrain.errors", "sparktrain.fs", "sparktrain.plugins", "sparktrain.loop_spec",
-                    "sparktrain.fit_hooks", "sparktrain.pickling")),
+                    "sparktrain.fit_hooks", "sparktrain.pickling", "sparktrain.model_files")),
     ("Spark access", ("sparktrain.spark_jvm", "sparktrain.spark_api")),
     ("data and launch", ("sparktrain.data", "sparktrain.launch", "sparktrain.checkpoint",
                          "sparktrain.progress")),
@@ -119,6 +119,7 @@ LAYERS = (
                                    "sparktrain.estimators.torch_forward",
                                    "sparktrain.estimators.torch_schedule",
                                    "sparktrain.estimators.torch_checkpoint",
+                                   "sparktrain.estimators.torch_files",
                                    "sparktrain.estimators.keras_inputs",
                                    "sparktrain.estimators.keras_worker",
                                    "sparktrain.estimators.keras_batch",

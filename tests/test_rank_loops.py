@@ -17,6 +17,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import replace
 from typing import Any, Dict, List
 
@@ -116,7 +117,8 @@ def torch_spec(dataset: Dict[str, Any], **changes: Any):
         dataset_root=dataset["root"], layouts=dataset["layouts"], columns=dataset["columns"],
         use_gpu=False, storage_options={},
         train_steps=None, val_steps=None, inmemory_cache_all=False, backward_passes_per_step=1,
-        scale_learning_rate=False, mixed_precision=None, deadline=None, run_path="")
+        scale_learning_rate=False, mixed_precision=None, deadline=None,
+        run_path=tempfile.mkdtemp(prefix="sparktrain-run-"))
     fields.update(changes)
     return TorchTrainSpec(**fields)
 
@@ -129,10 +131,12 @@ def initial_net():
 
 
 def torch_payload(callbacks: List[Any] = ()) -> bytes:
-    """What ``TorchEstimator._payload`` ships: model, optimizer, loss, metrics, callbacks,
-    transformation_fn and the extras (the strategy class among them)."""
+    """What ``TorchEstimator._payload`` ships: the model and optimizer (their weights in a
+    file), loss, metrics, callbacks, transformation_fn and the extras (the strategy class among
+    them)."""
     import torch
 
+    from sparktrain.estimators.torch_files import ShippedModule, save_weights
     from sparktrain.pickling import dumps
     from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
 
@@ -140,8 +144,9 @@ def torch_payload(callbacks: List[Any] = ()) -> bytes:
     extras = {"loss_constructors": None, "train_minibatch_fn": None, "fsdp_wrap": None,
               "activation_checkpointing": None,
               "strategy": load_strategy(TORCH_STRATEGIES, "ddp"), "strategy_options": {}}
-    return dumps((net, torch.optim.SGD(net.parameters(), lr=0.05), torch.nn.MSELoss(),
-                  [], list(callbacks), None, extras))
+    weights = save_weights(net.state_dict(), os.path.join(tempfile.mkdtemp(), "weights.pt"))
+    shipped = ShippedModule.of(net, torch.optim.SGD(net.parameters(), lr=0.05), weights)
+    return dumps((shipped, torch.nn.MSELoss(), [], list(callbacks), None, extras))
 
 
 def train_torch(spec: Any, payload: bytes):
@@ -170,7 +175,7 @@ def test_torch_loop_trains_validates_and_reports(dataset, torch_threads):
     net = initial_net()
     distance = lambda m: float((m.weight.detach().ravel() - torch.from_numpy(WEIGHTS)).abs().sum())
     before = distance(net)
-    net.load_state_dict(torch.load(io.BytesIO(result["weights"]), weights_only=True))
+    net.load_state_dict(torch.load(result["weights_file"].local_path(), weights_only=True))
     assert distance(net) < 0.5 * before  # the weights moved toward the data's
 
     kinds = [e["event"] for e in job.events]

@@ -43,6 +43,7 @@ from sparktrain.launch import check_backend
 from sparktrain.launch.barrier import check_slots
 from sparktrain.launch.executor_env import RANK_MODULES, check_executors
 from sparktrain.launch.gpus import check_gpu_conf
+from sparktrain.model_files import ModelFile
 from sparktrain.params import EstimatorParams, ModelParams
 from sparktrain.persistence import EstimatorReader, EstimatorWriter, ModelReader, ModelWriter
 from sparktrain.pickling import dumps
@@ -347,16 +348,21 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
         self._output_shapes: List[List[int]] = []
 
     # -- framework hooks ------------------------------------------------------------------------
-    def _predict_fn_factory(self) -> Callable[[], Callable[[List[Any]], List[Any]]]:
+    def _predict_fn_factory(self, portable: bool = False
+                            ) -> Callable[[], Callable[[List[Any]], List[Any]]]:
         """A picklable zero-argument function returning ``predict(list of numpy features) ->
-        list of numpy outputs``; called once per Python worker."""
+        list of numpy outputs``; called once per Python worker. It references the weights by
+        file where it can; ``portable``: it holds them (for a copy that outlives the store)."""
         raise NotImplementedError
 
-    def _framework_files(self) -> Dict[str, bytes]:
+    def _framework_files(self) -> Dict[str, Any]:
+        """The files a save writes under ``model/``: bytes, or a :class:`ModelFile` (weights
+        already in the store, streamed into the saved directory)."""
         raise NotImplementedError
 
     @classmethod
-    def _from_framework_files(cls, files: Dict[str, bytes]) -> "ModelBase":
+    def _from_framework_files(cls, files: Dict[str, ModelFile]) -> "ModelBase":
+        """A model from its saved files (references: read only what is needed, when needed)."""
         raise NotImplementedError
 
     # -- public API -----------------------------------------------------------------------------
@@ -488,14 +494,14 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
             [c for c in self._columns if c.name not in first]
 
     # -- persistence ----------------------------------------------------------------------------
-    def _extra_metadata(self) -> Dict[str, Any]:
+    def _extra_metadata(self, framework_files: List[str]) -> Dict[str, Any]:
         return {"history": self._history, "columns": [c.to_json() for c in self._columns],
                 "output_shapes": self._output_shapes,
-                "framework_files": sorted(self._framework_files()),
+                "framework_files": framework_files,
                 "predict_transformation_fn": self.getPredictTransformationFn() is not None}
 
     @classmethod
-    def _from_saved(cls, metadata: Dict[str, Any], files: Dict[str, bytes]) -> "ModelBase":
+    def _from_saved(cls, metadata: Dict[str, Any], files: Dict[str, ModelFile]) -> "ModelBase":
         model = cls._from_framework_files(files)
         model._history = metadata["history"]
         model._columns = [ColumnSpec.from_json(c) for c in metadata["columns"]]

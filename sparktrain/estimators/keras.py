@@ -37,6 +37,7 @@ from sparktrain.launch import KERAS_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext, run_barrier
 from sparktrain.launch.environment import rank_environment
 from sparktrain.launch.tf_protocol import KerasTrainSpec
+from sparktrain.model_files import ModelFile
 from sparktrain.params import KerasParams
 from sparktrain.pickling import dumps
 from sparktrain.spark_api import classic_only
@@ -337,10 +338,11 @@ class KerasModel(ModelBase):
         return {"model.keras": self._model_bytes, "custom_objects.pkl": dumps(self._custom_objects)}
 
     @classmethod
-    def _from_framework_files(cls, files: Dict[str, bytes]) -> "KerasModel":
-        return cls(files["model.keras"], cloudpickle.loads(files["custom_objects.pkl"]))
+    def _from_framework_files(cls, files: Dict[str, ModelFile]) -> "KerasModel":
+        return cls(files["model.keras"].read_bytes(),
+                   cloudpickle.loads(files["custom_objects.pkl"].read_bytes()))
 
-    def _predict_fn_factory(self) -> Callable[[], Callable]:
+    def _predict_fn_factory(self, portable: bool = False) -> Callable[[], Callable]:
         features = self.getFeatureCols() if self.isDefined(self.feature_cols) else []
         return functools.partial(_make_predictor, self._framework_files(), self.getUseGpu(),
                                  list(features))

@@ -21,15 +21,16 @@ from __future__ import annotations
 import copy
 import functools
 import io
+import uuid
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-import cloudpickle
 from pyspark import keyword_only
 
 from sparktrain import compat
 from sparktrain.checkpoint import Checkpoints
 from sparktrain.data.materialize import MaterializedDataset
+from sparktrain.data.store import Store
 from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
 from sparktrain.estimators.keywords import EstimatorKeywords, keyword_params
 from sparktrain.estimators.torch_forward import takes_labels
@@ -38,10 +39,12 @@ from sparktrain.fine_tuning_params import ForwardParams, SchedulerParams
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext, run_barrier
 from sparktrain.launch.environment import rank_environment
+from sparktrain.model_files import ModelFile
 from sparktrain.params import EstimatorParams, TorchParams, with_accessors
 # build_losses: importable from here as before (rank code imports it from torch_losses)
 from sparktrain.estimators.torch_losses import build_losses, named_metrics  # noqa: F401
 from sparktrain.pickling import dumps
+from sparktrain.spark_api import master
 
 if TYPE_CHECKING:  # PEP 692: typing.Unpack from Python 3.11, typing_extensions before
     from typing_extensions import Unpack
@@ -263,9 +266,13 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
         """The class of the model ``fit`` returns (Horovod's ``get_model_class``)."""
         return TorchModel
 
-    def _payload(self) -> bytes:
+    def _payload(self, weights: Optional[ModelFile] = None) -> bytes:
+        """The pickled objects a rank trains with; the model's weights are not in it, but in
+        the file ``weights`` (see :class:`~.torch_files.ShippedModule`)."""
+        from sparktrain.estimators.torch_files import ShippedModule
+
         metrics = flat_metrics(self.getMetrics())
-        # The 7th item holds the objects Horovod's params add (read with .get on the worker).
+        # The last item holds the objects Horovod's params add (read with .get on the worker).
         strategy, options = self._strategy_options()
         extras = {"loss_constructors": self.getLossConstructors(),
                   "train_minibatch_fn": self.getTrainMinibatchFn(),
@@ -274,8 +281,9 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
                   "strategy": strategy, "strategy_options": options,
                   "lr_scheduler": self.getLrScheduler()}
         try:
-            return dumps((self.getModel(), self.getOptimizer(), self.getLoss(),
-                          metrics, self.getCallbacks(), self.getTransformationFn(), extras))
+            return dumps((ShippedModule.of(self.getModel(), self.getOptimizer(), weights),
+                          self.getLoss(), metrics, self.getCallbacks(),
+                          self.getTransformationFn(), extras))
         except Exception as exc:
             raise TypeError(f"model, optimizer, loss, loss_constructors, metrics, callbacks, "
                             f"transformation_fn and train_minibatch_fn must be picklable with "
@@ -301,7 +309,7 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
 
         spec = self._train_spec()
         try:
-            check_batch(spec, self._payload(), batch)
+            check_batch(spec, self._payload(), batch, self.getModel().state_dict())
         except Exception as exc:
             try:
                 transform = preflight.detached(self.getTransformationFn())
@@ -322,45 +330,54 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
                           "parameter shards already live in CPU memory", UserWarning,
                           stacklevel=3)
         spec = self._train_spec(run)
-        with run.shipped(self._payload()) as (payload, where):
-            results = run_barrier(run.spark, self.getNumProc(),
-                                  functools.partial(_train_rank, spec, payload),
-                                  description=f"sparktrain TorchEstimator {self.uid}",
-                                  echo_logs=self.getVerbose() >= 1,
-                                  on_progress=run.progress.update,
-                                  max_attempts=self.getMaxAttempts(), **where)
+        from sparktrain.estimators.torch_files import save_weights
+
+        # the weights go to the store once, as a file the ranks map; the payload is KiB
+        weights = save_weights(self.getModel().state_dict(),
+                               f"{run.run_path}/_launch/weights-{uuid.uuid4().hex[:8]}.pt",
+                               run.store.storage_options)
+        try:
+            with run.shipped(self._payload(weights)) as (payload, where):
+                results = run_barrier(run.spark, self.getNumProc(),
+                                      functools.partial(_train_rank, spec, payload),
+                                      description=f"sparktrain TorchEstimator {self.uid}",
+                                      echo_logs=self.getVerbose() >= 1,
+                                      on_progress=run.progress.update,
+                                      max_attempts=self.getMaxAttempts(), **where)
+        finally:
+            weights.delete()
         result = dict(results[0])
-        result["optimizer_state"] = _last_optimizer_state(run)
+        result["run"] = (run.run_path, run.store.storage_options)
         return result
 
     def _create_model(self, result: Dict[str, Any], data: MaterializedDataset) -> "TorchModel":
-        import torch
+        from sparktrain.estimators.torch_files import ModuleFiles, dumps_without_weights
 
-        # copied together, the optimizer stays bound to the copied module's parameters
-        module, optimizer = copy.deepcopy((self.getModel(), self.getOptimizer()))
-        module.load_state_dict(torch.load(io.BytesIO(result["weights"]), weights_only=True))
-        module.eval()
-        if result.get("optimizer_state") is not None:
-            try:
-                optimizer.load_state_dict(result["optimizer_state"])
-            except (ValueError, KeyError, RuntimeError):
-                pass  # getOptimizer() then has the state the fit started from
-        model = TorchModel(module, optimizer=optimizer, loss=self.getLoss(),
+        # The trained weights stay in the store (rank 0 wrote them): the model maps them when
+        # first used, its optimizer bound to the module it maps (state from the last checkpoint).
+        module, optimizer = self.getModel(), self.getOptimizer()
+        run_path, options = result["run"]
+        model = TorchModel(None, loss=self.getLoss(),
                            loss_constructors=self.getLossConstructors(),
                            input_shapes=self.getInputShapes(), output_key=self.getOutputKey())
+        model._files = ModuleFiles(
+            dumps_without_weights(module, module), result["weights_file"],
+            trainer=dumps_without_weights((module, optimizer), module),
+            optimizer_state=functools.partial(_last_optimizer_state, run_path, options))
+        model._spill_to = (f"{run_path}/model", options)
         model._history = result["history"]
         model._columns = self._prediction_columns(data)
         model._output_shapes = result["output_shapes"]
         return model
 
 
-def _last_optimizer_state(run: FitRun) -> Any:
+def _last_optimizer_state(run_path: str, storage_options: Dict[str, Any]) -> Any:
     """The optimizer's state_dict in the run's last checkpoint (rank 0 writes one after every
     epoch), for ``TorchModel.getOptimizer()``; ``None`` if there is none."""
     import torch
 
     try:
-        checkpoints = Checkpoints(run.run_path, run.store.storage_options)
+        checkpoints = Checkpoints(run_path, storage_options)
         latest = checkpoints.latest()
         if latest is None:
             return None
@@ -378,48 +395,21 @@ def _train_rank(spec: Any, payload: Any, ctx: RankContext) -> Any:
         return train(spec, payload, ctx)
 
 
-# -- architecture without weights --------------------------------------------------------------
-def _architecture_bytes(module: Any) -> bytes:
-    """cloudpickle of ``module`` with every state_dict tensor moved to the ``meta`` device:
-    the architecture without a copy of the weights (non-persistent buffers stay real)."""
+# -- weights by reference (see torch_files) ---------------------------------------------------
+#: a module built in the driver up to this size travels inside the prediction UDF; a larger
+#: one is written to a file first (a fitted or loaded model is always read from its file)
+INLINE_WEIGHTS_BYTES = 32 << 20
+
+
+def _module_bytes(module: Any) -> Tuple[bytes, bytes]:
+    """``(architecture pickle, torch.save bytes of the weights)`` of an in-memory module."""
     import torch
 
-    skeleton = copy.deepcopy(module)
-    for sub in skeleton.modules():
-        for name, param in list(sub._parameters.items()):
-            if param is not None:
-                sub._parameters[name] = torch.nn.Parameter(param.detach().to("meta"),
-                                                           requires_grad=param.requires_grad)
-        for name, buffer in list(sub._buffers.items()):
-            if buffer is not None and name not in sub._non_persistent_buffers_set:
-                sub._buffers[name] = buffer.to("meta")
-    return dumps(skeleton)
-
-
-def _load_module(architecture: bytes, weights: bytes) -> Any:
-    """Rebuild a module from :func:`_architecture_bytes` and ``torch.save(state_dict)`` bytes
-    (read with ``weights_only=True``: the weights file cannot run code)."""
-    import torch
-
-    module = cloudpickle.loads(architecture)
-    for sub in module.modules():
-        for name, param in list(sub._parameters.items()):
-            if param is not None and param.is_meta:
-                sub._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
-                                                           requires_grad=param.requires_grad)
-        for name, buffer in list(sub._buffers.items()):
-            if buffer is not None and buffer.is_meta:
-                sub._buffers[name] = torch.empty_like(buffer, device="cpu")
-    module.load_state_dict(torch.load(io.BytesIO(weights), weights_only=True))
-    return module.eval()
-
-
-def _weights_bytes(module: Any) -> bytes:
-    import torch
+    from sparktrain.estimators.torch_files import cpu_state, dumps_without_weights
 
     buffer = io.BytesIO()
-    torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, buffer)
-    return buffer.getvalue()
+    torch.save(cpu_state(module.state_dict()), buffer)
+    return dumps_without_weights(module, module), buffer.getvalue()
 
 
 @with_accessors
@@ -428,9 +418,13 @@ class TorchModel(ModelBase, ForwardParams):
 
     ``transform`` appends one column per label (``<label>__output`` unless ``setOutputCols``):
     a double for single-value outputs, an array of doubles otherwise. Saved as Spark ML
-    metadata (``input_shapes`` included) + ``architecture.pkl`` (cloudpickle: loading runs
-    code, load only trusted models) + ``weights.pt`` (``torch.save`` of the state_dict, loaded
-    with ``weights_only=True``).
+    metadata (``input_shapes`` included) + ``architecture.pkl`` (cloudpickle, its tensors
+    referring to the weights: loading runs code, load only trusted models) + ``weights.pt``
+    (``torch.save`` of the state_dict, loaded with ``weights_only=True``).
+
+    Weights travel by file (:mod:`.torch_files`): a fitted model's are in its store, a loaded
+    one's in the saved directory; ``transform`` ships their path, and each Python worker maps
+    the file once and keeps the module (re-fitted or re-saved files are never served stale).
 
     Horovod's constructor works too, e.g. to predict with a module trained elsewhere::
 
@@ -458,6 +452,8 @@ class TorchModel(ModelBase, ForwardParams):
         super().__init__()
         self._setDefault(input_shapes=None, optimizer=None, loss=None, loss_constructors=None)
         self._model = model
+        self._files: Any = None  # ModuleFiles: the module as files in a store or saved directory
+        self._spill_to: Optional[Tuple[str, Dict[str, Any]]] = None  # (directory, options)
         self._metadata = _metadata  # Horovod's column metadata: kept, not used
         given = dict(feature_cols=feature_columns, label_cols=label_columns, run_id=run_id,
                      input_shapes=input_shapes, optimizer=optimizer, loss=loss,
@@ -468,27 +464,90 @@ class TorchModel(ModelBase, ForwardParams):
             self.setHistory(history)
 
     def getModel(self) -> Any:
-        """The trained ``torch.nn.Module`` (in eval mode, on the CPU)."""
+        """The trained ``torch.nn.Module`` (in eval mode, on the CPU). A fitted or loaded model
+        is read from its weights file on first use (memory-mapped), not before."""
+        if self._model is None and self._files is not None:
+            self._model, optimizer = self._files.load()
+            if optimizer is not None and not self.isSet("optimizer"):
+                self._set(optimizer=optimizer)
         return self._model
 
     def setModel(self, value: Any) -> "TorchModel":
         """Predict with another ``torch.nn.Module`` (same inputs and outputs)."""
         self._model = value
+        self._files = None
         return self
 
+    def getOptimizer(self) -> Any:
+        """The optimizer bound to :meth:`getModel`'s module, with its state after the last
+        epoch (from the run's last checkpoint); ``None`` for a model loaded from a save."""
+        if not self.isSet("optimizer") and self._files is not None and \
+                self._files.trainer is not None:
+            self.getModel()
+        return self.getOrDefault(self.optimizer)
 
-    def _framework_files(self) -> Dict[str, bytes]:
-        return {"architecture.pkl": _architecture_bytes(self._model),
-                "weights.pt": _weights_bytes(self._model)}
+    def _current_files(self) -> Any:
+        """The :class:`~.torch_files.ModuleFiles` the module still equals, else ``None``."""
+        if self._files is None or (self._model is not None
+                                   and not self._files.unchanged(self._model)):
+            return None
+        return self._files
+
+    def _framework_files(self) -> Dict[str, Any]:
+        files = self._current_files()
+        if files is not None:  # the weights file is streamed into the saved directory
+            return {"architecture.pkl": files.architecture, "weights.pt": files.weights}
+        architecture, weights = _module_bytes(self.getModel())
+        return {"architecture.pkl": architecture, "weights.pt": weights}
 
     @classmethod
-    def _from_framework_files(cls, files: Dict[str, bytes]) -> "TorchModel":
-        return cls(_load_module(files["architecture.pkl"], files["weights.pt"]))
+    def _from_framework_files(cls, files: Dict[str, ModelFile]) -> "TorchModel":
+        from sparktrain.estimators.torch_files import ModuleFiles
 
-    def _predict_fn_factory(self) -> Callable[[], Callable]:
-        return functools.partial(_make_predictor, self._framework_files(),
-                                 self.getInputShapes(), self.getUseGpu(),
-                                 list(self.getFeatureCols()), self.getOutputKey())
+        model = cls()
+        model._files = ModuleFiles(files["architecture.pkl"].read_bytes(), files["weights.pt"])
+        return model
+
+    def _transform(self, dataset: Any) -> Any:
+        self._keep_in_file(dataset.sparkSession)
+        return super()._transform(dataset)
+
+    def _keep_in_file(self, spark: Any) -> None:
+        """A module changed or built in the driver and larger than
+        :data:`INLINE_WEIGHTS_BYTES` is written to a file for the executors to read: next to
+        the fit's weights in its store, or in the default local store on a local master."""
+        from sparktrain.estimators.torch_files import ModuleFiles, tensor_bytes
+
+        if self._current_files() is not None:
+            return
+        module = self.getModel()
+        if module is None or tensor_bytes(module) <= INLINE_WEIGHTS_BYTES:
+            return
+        directory, options = self._spill_to or (None, None)
+        if directory is None:
+            if not master(spark).startswith("local"):
+                raise ValueError(
+                    f"this TorchModel's module ({tensor_bytes(module) >> 20} MiB) was built or "
+                    f"changed in the driver, and the executors of master {master(spark)!r} "
+                    f"cannot read the driver's disk: save it where they can read "
+                    f"(model.write().save('hdfs:///...')) and predict with TorchModel.load of "
+                    f"that path")
+            directory = f"{Store.create(None).prefix}/models"
+        self._files = ModuleFiles.written(module, f"{directory}/weights-{uuid.uuid4().hex[:12]}.pt",
+                                          options)
+
+    def _predict_fn_factory(self, portable: bool = False) -> Callable[[], Callable]:
+        """The predictor factory: the weights by file reference (a few KiB) when the module
+        still equals its file, else inside it (``portable``: always inside, e.g. an MLflow
+        pyfunc that must not depend on the store)."""
+        files = None if portable else self._current_files()
+        if files is not None:
+            source: Tuple[Any, ...] = ("file", files.architecture, files.weights)
+        else:
+            source = ("inline",) + _module_bytes(self.getModel())
+        return functools.partial(_make_predictor, source, self.getInputShapes(),
+                                 self.getUseGpu(), list(self.getFeatureCols()),
+                                 self.getOutputKey())
 
 
 def predict_device(address: Optional[str]) -> Any:
@@ -509,11 +568,12 @@ def predict_device(address: Optional[str]) -> Any:
     return torch.device("cuda", cuda_ordinal(address, torch.cuda.device_count(), "torch"))
 
 
-def _make_predictor(files: Dict[str, bytes],
+def _make_predictor(source: Tuple[Any, ...],
                     input_shapes: Optional[List[List[int]]] = None,
                     use_gpu: Optional[bool] = None, feature_names: Optional[List[str]] = None,
                     output_key: Optional[str] = None) -> Callable:
-    """Executor side, once per Python worker: load the module and return ``predict``
+    """Executor side, once per Python worker: load the module (``source``: ``("file",
+    architecture, ModelFile)`` or ``("inline", architecture, weights bytes)``) and return ``predict``
     (features reshaped to ``input_shapes`` when given, as in training; the model called and its
     output picked by :class:`~.torch_forward.ForwardRule`) on the GPU Spark gave the task (see
     ``use_gpu``), chosen per call: a reused worker's later task may hold another."""
@@ -526,7 +586,14 @@ def _make_predictor(files: Dict[str, bytes],
     from sparktrain.estimators.torch_forward import ForwardRule
     from sparktrain.launch.gpus import task_gpu
 
-    module = _load_module(files["architecture.pkl"], files["weights.pt"])
+    from sparktrain.estimators.torch_files import load_module, load_weights
+
+    kind, architecture, weights = source
+    if kind == "file":  # memory-mapped: Python workers on one host share its pages
+        state = load_weights(weights.local_path())
+    else:
+        state = torch.load(io.BytesIO(weights), map_location="cpu", weights_only=True)
+    module = load_module(architecture, state)
     forward = ForwardRule.for_model(module, feature_names or [], output_key=output_key)
     placed = {torch.device("cpu"): module}  # the module on each device used so far
     context = TaskContext.get()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
+import uuid
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -33,6 +33,7 @@ from sparktrain.data.feed import BatchFeed
 from sparktrain.data.reader import ShardReader, shard_readers, take_steps
 from sparktrain.epochs import EpochBoard, EpochDriver, Logs, StepReporter
 from sparktrain.estimators.torch_checkpoint import checkpoint_bytes, restore
+from sparktrain.estimators.torch_files import save_weights
 from sparktrain.estimators.torch_forward import ForwardRule
 from sparktrain.estimators.torch_losses import build_losses, named_metrics
 from sparktrain.estimators.torch_schedule import Schedule
@@ -415,8 +416,10 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     blob = payload.value if hasattr(payload, "value") else payload
     with user_code("unpickling the model, optimizer, loss, metrics and callbacks on the "
                    "executor (its Python needs the modules and versions they were made with)"):
-        model, optimizer, loss, metrics, callbacks, transform, *more = cloudpickle.loads(blob)
-    del blob  # as large as the model: not kept through the fit
+        shipped, loss, metrics, callbacks, transform, *more = cloudpickle.loads(blob)
+        # weights memory-mapped from the store's file (copied to this host once if remote)
+        model, optimizer = shipped.load()
+    del blob
     extras: Dict[str, Any] = more[0] if more else {}  # Horovod's loss_constructors, minibatch fn
     callbacks = list(callbacks or [])
     driver = EpochDriver.for_spec(
@@ -483,9 +486,10 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         weights, _ = strategy.full_state(model)
         if ctx.rank != 0:
             return None
-        buffer = io.BytesIO()
-        torch.save(weights, buffer)
-        return {"weights": buffer.getvalue(), "history": driver.history,
+        # to the store, not through Spark's task result and the driver's heap
+        url = f"{spec.run_path}/model/weights-{uuid.uuid4().hex[:12]}.pt"
+        return {"weights_file": save_weights(weights, url, spec.storage_options),
+                "history": driver.history,
                 "output_shapes": epochs.shapes, "stop_reason": stop_reason,
                 "attempts": driver.attempts}
     finally:
@@ -499,16 +503,19 @@ def _all_reduce(dist: Any, device: torch.device, values: Sequence[float]) -> Lis
     return dist.all_reduce_sum(tensor).cpu().tolist()
 
 
-def check_batch(spec: TorchTrainSpec, blob: bytes, batch: Dict[str, np.ndarray]) -> None:
+def check_batch(spec: TorchTrainSpec, blob: bytes, batch: Dict[str, np.ndarray],
+                state: Dict[str, torch.Tensor]) -> None:
     """Driver-side preflight (see :mod:`.preflight`): what one validation step of training
     runs (``transformation_fn``, the batch's tensors, the forward pass, the loss and the
-    metrics) on ``batch``, on the CPU without gradients, with a copy of the model unpickled
-    from the training payload ``blob``: nothing of the user's objects changes.
+    metrics) on ``batch``, on the CPU without gradients, with the model unpickled from the
+    training payload ``blob`` around the driver's tensors ``state`` (no copy of the weights;
+    nothing writes them without gradients).
 
     Raises what training would raise; ``PreflightError`` is built from it by the caller.
     """
     device = torch.device("cpu")
-    model, optimizer, loss, metrics, _, transform, *more = cloudpickle.loads(blob)
+    shipped, loss, metrics, _, transform, *more = cloudpickle.loads(blob)
+    model, optimizer = shipped.load(state)
     extras: Dict[str, Any] = more[0] if more else {}
     if extras.get("loss_constructors") is not None:
         with user_code("loss_constructors"):

@@ -36,7 +36,8 @@ with warnings.catch_warnings():
         ``transform`` gives. The model's ``predict_transformation_fn`` runs first."""
 
         def __init__(self, model: Any) -> None:
-            self.factory = model._predict_fn_factory()
+            # the weights inside the pyfunc: an MLflow model must not depend on the store
+            self.factory = model._predict_fn_factory(portable=True)
             self.specs = model._input_specs()
             self.feature_names = list(model.getFeatureCols())
             self.outputs = list(model.getOutputCols())
