@@ -225,3 +225,59 @@ def test_a_large_module_built_in_the_driver_goes_through_a_file(spark, regressio
         net.head.bias.add_(100.0)  # changed in place: written again, not served stale
     again = model.transform(regression_df.limit(10)).select("label__output").toPandas()
     np.testing.assert_allclose(again["label__output"], out["label__output"] + 100.0, rtol=1e-5)
+
+
+BUILT_ON = []  # the device of each FrozenTable a Builder makes in this (the driver's) process
+
+
+class Builder:
+    """A model callable, as ``lambda: AutoModel.from_pretrained(path)`` would be."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def __call__(self):
+        torch.manual_seed(0)
+        net = FrozenTable(rows=self.rows)
+        BUILT_ON.append(net.table.weight.device.type)
+        return net
+
+
+def test_a_model_callable_trains_without_the_driver_building_its_weights(spark, regression_df,
+                                                                        tmp_path):
+    from sparktrain import TorchEstimator
+
+    BUILT_ON.clear()
+    est = TorchEstimator(num_proc=2, model=Builder(rows=200_000), store=str(tmp_path),
+                         optimizer=lambda params: torch.optim.Adam(params, lr=0.05),
+                         loss=torch.nn.MSELoss(), feature_cols=["features"],
+                         label_cols=["label"], batch_size=64, epochs=2, verbose=0)
+    model = est.fit(regression_df)
+    assert BUILT_ON and set(BUILT_ON) == {"meta"}  # the driver checked shapes on meta only
+    assert model._model is None and model._files.weights.url.startswith(str(tmp_path))
+    predicted = model.transform(regression_df).select("label", "label__output").toPandas()
+    error = float(np.mean((predicted["label"] - predicted["label__output"]) ** 2))
+    assert error < 0.5 * float(np.var(predicted["label"]))
+    trained = model.getModel()  # the ranks' build, trained: its frozen table as built
+    torch.testing.assert_close(trained.table.weight, Builder(rows=200_000)().table.weight)
+
+
+def test_a_bad_model_callable_fails_before_training_naming_it(spark, regression_df, tmp_path):
+    from sparktrain import TorchEstimator
+    from sparktrain.errors import PreflightError
+
+    def broken():
+        raise OSError("no such checkpoint directory: /dbfs/models/bert")
+
+    common = dict(num_proc=2, store=str(tmp_path), loss=torch.nn.MSELoss(),
+                  optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                  feature_cols=["features"], label_cols=["label"], epochs=1, verbose=0)
+    with pytest.raises((PreflightError, OSError), match="broken") as raised:
+        TorchEstimator(model=broken, **common).fit(regression_df)
+    assert "no such checkpoint directory" in str(raised.value)
+    with pytest.raises(TypeError, match="returned dict, not a torch.nn.Module"):
+        TorchEstimator(model=lambda: {"weights": 1}, **common).fit(regression_df)
+    net = FrozenTable(rows=8)
+    with pytest.raises(TypeError, match="optimizer must be a callable params -> Optimizer"):
+        TorchEstimator(**dict(common, optimizer=torch.optim.SGD(net.parameters(), lr=0.1)),
+                       model=lambda: FrozenTable(rows=8)).fit(regression_df)

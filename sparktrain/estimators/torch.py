@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import functools
 import io
+import logging
 import uuid
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
@@ -45,6 +46,8 @@ from sparktrain.params import EstimatorParams, TorchParams, with_accessors
 from sparktrain.estimators.torch_losses import build_losses, named_metrics  # noqa: F401
 from sparktrain.pickling import dumps
 from sparktrain.spark_api import master
+
+log = logging.getLogger("sparktrain")
 
 if TYPE_CHECKING:  # PEP 692: typing.Unpack from Python 3.11, typing_extensions before
     from typing_extensions import Unpack
@@ -147,20 +150,48 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
         """Set any of the constructor's params by keyword."""
         return self._set(**self._input_kwargs)
 
+    def _module_for_checks(self) -> Any:
+        """The module to check on the driver: the ``model`` param, or what a model callable
+        builds on the ``meta`` device (no weights in memory; ``None`` where it cannot build
+        there, e.g. ``from_pretrained``); built once per callable."""
+        from sparktrain.estimators.torch_files import build_on_meta, is_builder
+
+        model = self.getModel()
+        if not is_builder(model):
+            return model
+        cached = getattr(self, "_meta_module", None)
+        if cached is None or cached[0] is not model:
+            self._meta_module = cached = (model, build_on_meta(model))
+        return cached[1]
+
     def _check_framework(self) -> None:
         import torch
 
-        model, optimizer = self.getModel(), self.getOptimizer()
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        from sparktrain.estimators.torch_files import is_builder
+
+        given, optimizer = self.getModel(), self.getOptimizer()
+        if not isinstance(given, torch.nn.Module) and not callable(given):
+            raise TypeError(f"model must be a torch.nn.Module or a zero-argument callable "
+                            f"building one, got {type(given).__name__}")
+        model = self._module_for_checks()
+        if is_builder(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            pass  # params -> Optimizer, called on each rank with the trainable parameters
+        elif is_builder(given):
+            raise TypeError("with a model callable, optimizer must be a callable params -> "
+                            "Optimizer (e.g. lambda params: torch.optim.AdamW(params, "
+                            f"lr=1e-4)): the ranks build the parameters; got "
+                            f"{type(optimizer).__name__}")
+        elif not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer bound to "
-                            f"model.parameters(), got {type(optimizer).__name__}")
-        own = {id(p) for p in model.parameters()}
-        bound = [p for group in optimizer.param_groups for p in group["params"]]
-        if not bound or any(id(p) not in own for p in bound):
-            raise ValueError("optimizer is not bound to this model's parameters; create it as "
-                             "torch.optim.X(model.parameters(), ...) for the same model object")
+                            f"model.parameters() (or a callable params -> Optimizer), got "
+                            f"{type(optimizer).__name__}")
+        else:
+            own = {id(p) for p in given.parameters()}
+            bound = [p for group in optimizer.param_groups for p in group["params"]]
+            if not bound or any(id(p) not in own for p in bound):
+                raise ValueError("optimizer is not bound to this model's parameters; create "
+                                 "it as torch.optim.X(model.parameters(), ...) for the same "
+                                 "model object")
         constructors = self.getLossConstructors()
         if constructors is not None and self.getLoss() is not None:
             raise ValueError("give loss or loss_constructors, not both (as in Horovod)")
@@ -187,7 +218,8 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
                             f"backward_passes_per_step, batch_idx) -> (outputs, loss), got "
                             f"{type(minibatch).__name__}")
         check_scheduler(self.getLrScheduler(), minibatch is not None)
-        self._check_model_loss(model)
+        if model is not None:
+            self._check_model_loss(model)
         if minibatch is not None and self.getMixedPrecision() == "fp16":
             raise ValueError("mixed_precision='fp16' cannot be combined with train_minibatch_fn: "
                              "the function runs backward and the optimizer step itself, so "
@@ -206,7 +238,8 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
             raise ValueError(f"mixed_precision='fp16' is not supported with "
                              f"backend={self.getBackend()!r} (its gradient all-reduce would "
                              f"need unscaling first); use 'bf16'")
-        self._check_strategy(model)
+        if model is not None:
+            self._check_strategy(model)
 
     def _strategy_options(self) -> Tuple[type, Dict[str, Any]]:
         """The registered class of ``strategy`` and the values of the params only some
@@ -247,8 +280,9 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
     def _built_elsewhere(self, name: str) -> bool:
         """The loss may come from ``loss_constructors``, or from the model itself (a
         ``forward`` taking ``labels``, see :mod:`.torch_forward`)."""
-        return name == "loss" and (self.getLossConstructors() is not None or
-                                   takes_labels(self.getModel()))
+        module = self._module_for_checks()
+        return name == "loss" and (self.getLossConstructors() is not None or module is None
+                                   or takes_labels(module))
 
     def _check_model_loss(self, model: Any) -> None:
         """``loss=None`` (the model's own loss) fits the label and weight params."""
@@ -269,7 +303,7 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
     def _payload(self, weights: Optional[ModelFile] = None) -> bytes:
         """The pickled objects a rank trains with; the model's weights are not in it, but in
         the file ``weights`` (see :class:`~.torch_files.ShippedModule`)."""
-        from sparktrain.estimators.torch_files import ShippedModule
+        from sparktrain.estimators.torch_files import BuiltModule, ShippedModule, is_builder
 
         metrics = flat_metrics(self.getMetrics())
         # The last item holds the objects Horovod's params add (read with .get on the worker).
@@ -281,7 +315,10 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
                   "strategy": strategy, "strategy_options": options,
                   "lr_scheduler": self.getLrScheduler()}
         try:
-            return dumps((ShippedModule.of(self.getModel(), self.getOptimizer(), weights),
+            model, optimizer = self.getModel(), self.getOptimizer()
+            shipped = BuiltModule(model, optimizer) if is_builder(model) else \
+                ShippedModule.of(model, optimizer, weights)
+            return dumps((shipped,
                           self.getLoss(), metrics, self.getCallbacks(),
                           self.getTransformationFn(), extras))
         except Exception as exc:
@@ -307,10 +344,23 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
         from sparktrain.estimators import preflight
         from sparktrain.estimators.torch_worker import _Batches, check_batch
 
+        from sparktrain.estimators.torch_files import is_builder
+
         spec = self._train_spec()
+        model = self._module_for_checks()
+        if model is None:
+            log.warning("the model callable %r cannot build on the meta device, so its "
+                        "forward pass is first checked on the ranks", self.getModel())
+            return
         try:
-            check_batch(spec, self._payload(), batch, self.getModel().state_dict())
+            # a model callable's module is on the meta device: shapes only, no weights
+            check_batch(spec, self._payload(), batch,
+                        "meta" if is_builder(self.getModel()) else model.state_dict())
         except Exception as exc:
+            if is_builder(self.getModel()) and "meta" in str(exc).lower():
+                log.warning("the model callable's forward pass cannot run on the meta device "
+                            "(%s); the ranks run it first", exc)
+                return
             try:
                 transform = preflight.detached(self.getTransformationFn())
                 shaped = transform(dict(batch)) if transform is not None else batch
@@ -320,7 +370,7 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
             raise preflight.failure(
                 exc, "the model's forward pass (eval mode, no gradients), the loss and the "
                 "metrics", preflight.describe_columns(batch, spec.feature_cols, spec.label_cols),
-                tensors, preflight.torch_expectation(self.getModel())) from exc
+                tensors, preflight.torch_expectation(model)) from exc
 
     def _train(self, run: FitRun) -> Dict[str, Any]:
         compat.check_data_shapes(self, run.data.columns, self.getInputShapes())
@@ -330,12 +380,13 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
                           "parameter shards already live in CPU memory", UserWarning,
                           stacklevel=3)
         spec = self._train_spec(run)
-        from sparktrain.estimators.torch_files import save_weights
+        from sparktrain.estimators.torch_files import is_builder, save_weights
 
-        # the weights go to the store once, as a file the ranks map; the payload is KiB
-        weights = save_weights(self.getModel().state_dict(),
-                               f"{run.run_path}/_launch/weights-{uuid.uuid4().hex[:8]}.pt",
-                               run.store.storage_options)
+        # the weights go to the store once, as a file the ranks map; the payload is KiB (a
+        # model callable has no weights on the driver: the ranks build it)
+        weights = None if is_builder(self.getModel()) else save_weights(
+            self.getModel().state_dict(),
+            f"{run.run_path}/_launch/weights-{uuid.uuid4().hex[:8]}.pt", run.store.storage_options)
         try:
             with run.shipped(self._payload(weights)) as (payload, where):
                 results = run_barrier(run.spark, self.getNumProc(),
@@ -345,7 +396,8 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
                                       on_progress=run.progress.update,
                                       max_attempts=self.getMaxAttempts(), **where)
         finally:
-            weights.delete()
+            if weights is not None:
+                weights.delete()
         result = dict(results[0])
         result["run"] = (run.run_path, run.store.storage_options)
         return result
@@ -360,10 +412,13 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
         model = TorchModel(None, loss=self.getLoss(),
                            loss_constructors=self.getLossConstructors(),
                            input_shapes=self.getInputShapes(), output_key=self.getOutputKey())
-        model._files = ModuleFiles(
-            dumps_without_weights(module, module), result["weights_file"],
-            trainer=dumps_without_weights((module, optimizer), module),
-            optimizer_state=functools.partial(_last_optimizer_state, run_path, options))
+        if "architecture" in result:  # a model callable: rank 0 pickled what it built
+            model._files = ModuleFiles(result["architecture"], result["weights_file"])
+        else:
+            model._files = ModuleFiles(
+                dumps_without_weights(module, module), result["weights_file"],
+                trainer=dumps_without_weights((module, optimizer), module),
+                optimizer_state=functools.partial(_last_optimizer_state, run_path, options))
         model._spill_to = (f"{run_path}/model", options)
         model._history = result["history"]
         model._columns = self._prediction_columns(data)

@@ -222,4 +222,79 @@ class ShippedModule:
         """``(module, optimizer)``, their tensors from ``state`` or else the weights file."""
         if state is None:
             state = load_weights(self.weights.local_path())
-        return loads_with_weights(self.trainer, state)
+        module, optimizer = loads_with_weights(self.trainer, state)
+        return module, make_optimizer(optimizer, module)
+
+
+def is_builder(value: Any) -> bool:
+    """A zero-argument callable that builds the module (not a module itself)."""
+    return callable(value) and not isinstance(value, torch.nn.Module)
+
+
+def builder_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def build_module(fn: Any, where: str) -> torch.nn.Module:
+    """``fn()``, which must be a ``torch.nn.Module``: errors name the callable."""
+    from sparktrain.launch.faults import user_code
+
+    with user_code(f"the model callable {builder_name(fn)!r} ({where})"):
+        module = fn()
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"the model callable {builder_name(fn)!r} returned "
+                        f"{type(module).__name__}, not a torch.nn.Module")
+    return module
+
+
+def build_on_meta(fn: Any) -> Optional[torch.nn.Module]:
+    """The module ``fn`` builds, on the ``meta`` device (shapes, no memory for weights), for
+    the driver's checks; ``None`` when ``fn`` cannot build there (``from_pretrained`` refuses a
+    meta device: it loads weights). Any other error is the callable's, raised naming it."""
+    from sparktrain.errors import PreflightError
+
+    try:
+        with torch.device("meta"):
+            return build_module(fn, "built on the driver's meta device to check its shapes")
+    except TypeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - sorted below
+        if "meta" in str(exc).lower():
+            return None
+        raise PreflightError(f"the model callable {builder_name(fn)!r} failed on the driver "
+                             f"(building it on the meta device, to check its shapes before "
+                             f"training): {type(exc).__name__}: {exc}") from exc
+
+
+class BuiltModule(ShippedModule):
+    """A model given as a callable: each rank builds it (e.g. ``from_pretrained`` of a path
+    every host reads), so the driver never holds its weights; ``optimizer`` is then a callable
+    ``params -> Optimizer`` applied to the trainable parameters."""
+
+    def __init__(self, build: Any, optimizer: Any) -> None:
+        super().__init__(b"", None)
+        self.build = build
+        self.optimizer = optimizer
+
+    def load(self, state: Optional[Mapping[str, torch.Tensor]] = None
+             ) -> Tuple[torch.nn.Module, Any]:
+        module = build_on_meta(self.build) if state == "meta" else \
+            build_module(self.build, "on this rank")
+        if module is None:
+            return None, None
+        return module, make_optimizer(self.optimizer, module)
+
+
+def make_optimizer(optimizer: Any, module: torch.nn.Module) -> Any:
+    """``optimizer`` itself, or what the callable ``params -> Optimizer`` makes of the
+    module's trainable parameters."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    from sparktrain.launch.faults import user_code
+
+    with user_code("the optimizer callable"):
+        made = optimizer([p for p in module.parameters() if p.requires_grad])
+    if not isinstance(made, torch.optim.Optimizer):
+        raise TypeError(f"the optimizer callable returned {type(made).__name__}, not a "
+                        f"torch.optim.Optimizer")
+    return made

@@ -33,7 +33,7 @@ from sparktrain.data.feed import BatchFeed
 from sparktrain.data.reader import ShardReader, shard_readers, take_steps
 from sparktrain.epochs import EpochBoard, EpochDriver, Logs, StepReporter
 from sparktrain.estimators.torch_checkpoint import checkpoint_bytes, restore
-from sparktrain.estimators.torch_files import save_weights
+from sparktrain.estimators.torch_files import BuiltModule, dumps_without_weights, save_weights
 from sparktrain.estimators.torch_forward import ForwardRule
 from sparktrain.estimators.torch_losses import build_losses, named_metrics
 from sparktrain.estimators.torch_schedule import Schedule
@@ -420,6 +420,10 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         # weights memory-mapped from the store's file (copied to this host once if remote)
         model, optimizer = shipped.load()
     del blob
+    # a model the rank built: its pickle (weights by key) for the fitted model, taken before
+    # a strategy wraps it
+    architecture = dumps_without_weights(model, model) \
+        if ctx.rank == 0 and isinstance(shipped, BuiltModule) else None
     extras: Dict[str, Any] = more[0] if more else {}  # Horovod's loss_constructors, minibatch fn
     callbacks = list(callbacks or [])
     driver = EpochDriver.for_spec(
@@ -488,7 +492,8 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
             return None
         # to the store, not through Spark's task result and the driver's heap
         url = f"{spec.run_path}/model/weights-{uuid.uuid4().hex[:12]}.pt"
-        return {"weights_file": save_weights(weights, url, spec.storage_options),
+        result = {"architecture": architecture} if architecture is not None else {}
+        return {**result, "weights_file": save_weights(weights, url, spec.storage_options),
                 "history": driver.history,
                 "output_shapes": epochs.shapes, "stop_reason": stop_reason,
                 "attempts": driver.attempts}
@@ -513,9 +518,12 @@ def check_batch(spec: TorchTrainSpec, blob: bytes, batch: Dict[str, np.ndarray],
 
     Raises what training would raise; ``PreflightError`` is built from it by the caller.
     """
-    device = torch.device("cpu")
     shipped, loss, metrics, _, transform, *more = cloudpickle.loads(blob)
     model, optimizer = shipped.load(state)
+    on_meta = any(p.is_meta for p in model.parameters())
+    device = torch.device("meta" if on_meta else "cpu")
+    if on_meta:
+        metrics = []  # metrics may read values (.item(), numpy), which meta tensors do not have
     extras: Dict[str, Any] = more[0] if more else {}
     if extras.get("loss_constructors") is not None:
         with user_code("loss_constructors"):
