@@ -296,8 +296,58 @@ def mlflow_tracking(spark, workdir: str) -> Dict[str, Any]:
             "expected": expected, "pyfunc": got}
 
 
+def big_model(spark, workdir: str) -> Dict[str, Any]:
+    """A 166 MiB model (a frozen table beside a trained head) over Connect, whose messages are
+    capped at 128 MiB: fit, transform, save, load, transform; the same as a Pipeline stage."""
+    import numpy as np
+    import torch
+    from pyspark.ml import Pipeline, PipelineModel
+
+    from sparktrain import TorchEstimator, TorchModel
+
+    class FrozenTable(torch.nn.Module):
+        def __init__(self, rows: int) -> None:
+            super().__init__()
+            self.table = torch.nn.Embedding(rows, 64)
+            self.table.weight.requires_grad_(False)
+            self.head = torch.nn.Linear(4 + 64, 1)
+
+        def forward(self, x):
+            ids = (x[:, 0].abs() * 1000).long() % self.table.num_embeddings
+            return self.head(torch.cat([x, self.table(ids)], dim=1))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(600, 4))
+    y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
+    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y)],
+                               "features array<double>, label double")
+    net = FrozenTable(rows=680_000)
+    size = sum(t.numel() * t.element_size() for t in net.state_dict().values())
+    est = TorchEstimator(num_proc=2, model=net, store=os.path.join(workdir, "store"),
+                         optimizer=torch.optim.Adam(net.head.parameters(), lr=0.1),
+                         loss=torch.nn.MSELoss(), feature_cols=["features"],
+                         label_cols=["label"], batch_size=20, epochs=3, verbose=0)
+
+    def predictions(model) -> list:
+        return model.transform(df.limit(40)).toPandas()["label__output"].tolist()
+
+    fitted = est.fit(df)
+    first = predictions(fitted)
+    path = os.path.join(workdir, "saved")
+    fitted.write().overwrite().save(path)
+    reloaded = predictions(TorchModel.load(path))
+    pipeline = Pipeline(stages=[est]).fit(df)
+    pipeline_path = os.path.join(workdir, "pipeline")
+    pipeline.write().overwrite().save(pipeline_path)
+    piped = predictions(PipelineModel.load(pipeline_path))
+    mse = float(np.mean((np.array(first) - y[:40]) ** 2))
+    return {"model_mib": size / 2**20, "history": fitted.getHistory()["loss"], "mse": mse,
+            "label_var": float(np.var(y)), "first": first, "reloaded": reloaded,
+            "pipeline": piped}
+
+
 SCENARIOS: Dict[str, Callable] = {"readme": readme, "faults": faults, "horovod": horovod,
-                                  "huggingface": huggingface,
+                                  "huggingface": huggingface, "big_model": big_model,
                                   "mlflow": mlflow_tracking}
 
 
