@@ -211,6 +211,10 @@ def _num(value: Any, unit: str) -> str:
         return f"{value:,.0f} MiB"
     if unit == "ms":
         return f"{value:.2f} ms"
+    if unit == "copies":
+        return f"{value:.2f} copies"
+    if unit == "bytes":
+        return f"{value:,.0f} B"
     if unit == "accuracy":
         return f"{value:.4f}"
     if unit.endswith("/s"):  # a rate: rows/s, samples/s

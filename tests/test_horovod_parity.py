@@ -499,10 +499,10 @@ def test_keras_horovod_params(spark, store, regression_df, tmp_path):
     assert losses[0] > losses[-1]  # it trained; the weight 2 doubles the MSE
     run = Store.create(store).run_path("keras-parity")
     with open(os.path.join(run, "checkpoint_callback", "best.keras"), "rb") as f:
-        assert model._model_bytes == f.read()
+        assert model._model_file.read_bytes() == f.read()
     checkpoints = Checkpoints(run)
     last_model, _ = _read_checkpoint(checkpoints.read(checkpoints.latest()))
-    assert last_model != model._model_bytes
+    assert last_model != model._model_file.read_bytes()
     predictions = model.transform(regression_df.limit(5)).toPandas()["label__output"]
     assert predictions.notna().all()
 

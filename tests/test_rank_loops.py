@@ -288,9 +288,8 @@ def test_keras_worker_process_trains_checkpoints_and_resumes(dataset, tmp_path):
     assert [a["start_epoch"] for a in second["attempts"]] == [0, 2]
     assert Checkpoints(run).latest().epochs_done == 3
 
-    path = str(tmp_path / "fitted.keras")
-    with open(path, "wb") as f:
-        f.write(second["model"])
+    path = second["model"].local_path()  # rank 0 wrote it into the run's directory
+    assert path.startswith(run) and path.endswith(".keras")
     fitted = keras.saving.load_model(path, compile=False)
     x = np.random.default_rng(2).normal(size=(8, 4)).astype(np.float32)
     mean_error = lambda model: np.abs(model(x).numpy().ravel() - (x @ WEIGHTS + 0.5)).mean()

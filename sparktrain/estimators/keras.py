@@ -304,9 +304,12 @@ class KerasModel(ModelBase):
                  _metadata: Any = None, _floatx: Optional[str] = None,
                  predict_transformation_fn: Optional[Callable] = None) -> None:
         super().__init__()
-        if model is None and not isinstance(model_bytes, (bytes, bytearray)):
+        if model is None and not isinstance(model_bytes, (bytes, bytearray, ModelFile)):
             model, model_bytes = model_bytes, b""  # KerasModel(keras_model)
-        self._model_bytes = _model_bytes(model) if model is not None else bytes(model_bytes)
+        # the .keras file: bytes of a model built in the driver, or a reference to the file
+        # a fit wrote into its store or a save into its directory (read where it is used)
+        self._model_file: Any = _model_bytes(model) if model is not None else \
+            model_bytes if isinstance(model_bytes, ModelFile) else bytes(model_bytes)
         self._custom_objects = dict(custom_objects or {})
         self._model: Any = model
         self._metadata, self._floatx = _metadata, _floatx  # Horovod's: kept, not used
@@ -319,12 +322,12 @@ class KerasModel(ModelBase):
     def getModel(self) -> Any:
         """The trained ``keras.Model`` (loaded on first use)."""
         if self._model is None:
-            self._model = _load_model(self._model_bytes, self._custom_objects)
+            self._model = _load_model(self._model_file, self._custom_objects)
         return self._model
 
     def setModel(self, value: Any) -> "KerasModel":
         """Predict with another ``keras.Model`` (same inputs and outputs)."""
-        self._model_bytes, self._model = _model_bytes(value), value
+        self._model_file, self._model = _model_bytes(value), value
         return self
 
     def getCustomObjects(self) -> Dict[str, Any]:
@@ -334,18 +337,22 @@ class KerasModel(ModelBase):
         self._custom_objects = dict(value or {})
         return self
 
-    def _framework_files(self) -> Dict[str, bytes]:
-        return {"model.keras": self._model_bytes, "custom_objects.pkl": dumps(self._custom_objects)}
+    def _framework_files(self) -> Dict[str, Any]:
+        return {"model.keras": self._model_file, "custom_objects.pkl": dumps(self._custom_objects)}
 
     @classmethod
     def _from_framework_files(cls, files: Dict[str, ModelFile]) -> "KerasModel":
-        return cls(files["model.keras"].read_bytes(),
+        return cls(files["model.keras"],
                    cloudpickle.loads(files["custom_objects.pkl"].read_bytes()))
 
     def _predict_fn_factory(self, portable: bool = False) -> Callable[[], Callable]:
+        """The predictor factory; the ``.keras`` file by reference (a few KiB) unless
+        ``portable`` (then its bytes: e.g. an MLflow pyfunc independent of the store)."""
         features = self.getFeatureCols() if self.isDefined(self.feature_cols) else []
-        return functools.partial(_make_predictor, self._framework_files(), self.getUseGpu(),
-                                 list(features))
+        files = self._framework_files()
+        if portable and isinstance(files["model.keras"], ModelFile):
+            files["model.keras"] = files["model.keras"].read_bytes()
+        return functools.partial(_make_predictor, files, self.getUseGpu(), list(features))
 
 
 def predict_device(tf: Any, address: Optional[str]) -> str:

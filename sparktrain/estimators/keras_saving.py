@@ -45,10 +45,14 @@ def loading_objects(keras: Any, custom_objects: Optional[Dict[str, Any]]) -> Dic
     return objects
 
 
-def load_model(data: bytes, custom_objects: Optional[Dict[str, Any]]) -> Any:
-    """The uncompiled model of a ``.keras`` file's bytes."""
+def load_model(data: Any, custom_objects: Optional[Dict[str, Any]]) -> Any:
+    """The uncompiled model of a ``.keras`` file's bytes, or of a ``ModelFile`` referring to
+    one (read from its local path: copied once per host from a remote store)."""
     keras = keras_module()
     custom_objects = loading_objects(keras, custom_objects)
+    if not isinstance(data, (bytes, bytearray)):
+        return keras.saving.load_model(data.local_path(), custom_objects=custom_objects or {},
+                                       compile=False)
     with tempfile.TemporaryDirectory(prefix="sparktrain-keras-") as tmp:
         path = os.path.join(tmp, "model.keras")
         with open(path, "wb") as f:

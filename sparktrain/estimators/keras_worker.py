@@ -26,8 +26,10 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import shutil
 import sys
 import traceback
+import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sparktrain.epochs import EpochBoard, EpochDriver, StepReporter
@@ -36,6 +38,7 @@ from sparktrain.estimators.keras_batch import batch_tensors, forward_stats, per_
 from sparktrain.estimators.keras_inputs import keras_inputs
 from sparktrain.estimators.keras_saving import loading_objects
 from sparktrain.launch.faults import user_code, user_error_source
+from sparktrain.model_files import ModelFile
 from sparktrain.launch.tf_protocol import ERROR_FILE, PAYLOAD_FILE, \
     RESULT_FILE, USER_ERROR_FILE, KerasTrainSpec, progress, read_spec
 from sparktrain.strategies.keras_strategy import RankLoop
@@ -270,16 +273,22 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     if rank != 0:
         return {}
+    trained = os.path.join(workdir, "trained.keras")
     weights = best.model_bytes() if best is not None else None
     if weights is not None:
         print(f"the model of the best epoch by {best.monitor} ({best.best:.4g}) is the fitted "
               f"model (checkpoint_callback)", flush=True)
+        with open(trained, "wb") as f:
+            f.write(weights)
+        del weights
     else:
-        trained = os.path.join(workdir, "trained.keras")
         model.save(trained)
-        with open(trained, "rb") as f:
-            weights = f.read()
-    return {"model": weights, "history": history, "stop_reason": stop_reason,
+    # to the store, not through the task's result and the driver's heap
+    url = f"{spec.run_path}/model/model-{uuid.uuid4().hex[:12]}.keras"
+    with open(trained, "rb") as source, ModelFile.writing(url, spec.storage_options) as out:
+        shutil.copyfileobj(source, out, 16 << 20)
+    return {"model": ModelFile.of(url, spec.storage_options), "history": history,
+            "stop_reason": stop_reason,
             "attempts": driver.attempts, "output_shapes": [list(o.shape[1:]) for o in outputs]}
 
 
