@@ -298,7 +298,8 @@ def mlflow_tracking(spark, workdir: str) -> Dict[str, Any]:
 
 def big_model(spark, workdir: str) -> Dict[str, Any]:
     """A 166 MiB model (a frozen table beside a trained head) over Connect, whose messages are
-    capped at 128 MiB: fit, transform, save, load, transform; the same as a Pipeline stage."""
+    capped at 128 MiB: fit, transform, save, load, transform; the same as a Pipeline stage;
+    then a 134 MiB Keras model."""
     import numpy as np
     import torch
     from pyspark.ml import Pipeline, PipelineModel
@@ -343,7 +344,35 @@ def big_model(spark, workdir: str) -> Dict[str, Any]:
     mse = float(np.mean((np.array(first) - y[:40]) ** 2))
     return {"model_mib": size / 2**20, "history": fitted.getHistory()["loss"], "mse": mse,
             "label_var": float(np.var(y)), "first": first, "reloaded": reloaded,
-            "pipeline": piped}
+            "pipeline": piped, **_big_keras_model(spark, workdir, x, y)}
+
+
+def _big_keras_model(spark, workdir: str, x, y) -> Dict[str, Any]:
+    """The same for Keras: a 134 MiB frozen Embedding beside a trained Dense head."""
+    import keras
+    import numpy as np
+
+    from sparktrain import KerasEstimator, KerasModel
+
+    rows = 550_000
+    ids = (np.abs(x[:, 0]) * 1000).astype(np.int64) % rows
+    df = spark.createDataFrame([(a.tolist(), int(i), float(b)) for a, i, b in zip(x, ids, y)],
+                               "features array<double>, ids long, label double")
+    features = keras.Input((4,), name="features")
+    token = keras.Input((1,), name="ids", dtype="int32")
+    table = keras.layers.Embedding(rows, 64, trainable=False)(token)
+    joined = keras.layers.Concatenate()([features, keras.layers.Flatten()(table)])
+    model = keras.Model([features, token], keras.layers.Dense(1)(joined))
+    fitted = KerasEstimator(num_proc=2, model=model, optimizer=keras.optimizers.Adam(0.1),
+                            loss="mse", feature_cols=["features", "ids"], label_cols=["label"],
+                            batch_size=20, epochs=2, store=os.path.join(workdir, "kstore"),
+                            verbose=0).fit(df)
+    first = fitted.transform(df.limit(40)).toPandas()["label__output"].tolist()
+    path = os.path.join(workdir, "ksaved")
+    fitted.write().overwrite().save(path)
+    again = KerasModel.load(path).transform(df.limit(40)).toPandas()["label__output"].tolist()
+    return {"keras_mib": rows * 64 * 4 / 2**20, "keras_history": fitted.getHistory()["loss"],
+            "keras_first": first, "keras_reloaded": again}
 
 
 SCENARIOS: Dict[str, Callable] = {"readme": readme, "faults": faults, "horovod": horovod,
