@@ -36,6 +36,9 @@ FIGURES = ["transform", "memory", "closures"]
 
 
 def frozen_table_class():
+    """The model class (tests/big_models.py's twin): made here, in ``__main__``, so that
+    ``predict_batch_udf``'s cloudpickle sends it by value to executors that cannot import
+    this directory (see common.py)."""
     import torch
 
     class FrozenTable(torch.nn.Module):

@@ -304,18 +304,8 @@ def big_model(spark, workdir: str) -> Dict[str, Any]:
     import torch
     from pyspark.ml import Pipeline, PipelineModel
 
+    from big_models import FrozenTable
     from sparktrain import TorchEstimator, TorchModel
-
-    class FrozenTable(torch.nn.Module):
-        def __init__(self, rows: int) -> None:
-            super().__init__()
-            self.table = torch.nn.Embedding(rows, 64)
-            self.table.weight.requires_grad_(False)
-            self.head = torch.nn.Linear(4 + 64, 1)
-
-        def forward(self, x):
-            ids = (x[:, 0].abs() * 1000).long() % self.table.num_embeddings
-            return self.head(torch.cat([x, self.table(ids)], dim=1))
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(600, 4))

@@ -15,20 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-
-class FrozenTable(torch.nn.Module):
-    """A large frozen embedding table beside a small trained head (the issue's shape of a
-    pretrained model): ``rows`` x 64 float32."""
-
-    def __init__(self, rows: int = 1024) -> None:
-        super().__init__()
-        self.table = torch.nn.Embedding(rows, 64)
-        self.table.weight.requires_grad_(False)
-        self.head = torch.nn.Linear(4 + 64, 1)
-
-    def forward(self, x):
-        ids = (x[:, 0].abs() * 1000).long() % self.table.num_embeddings
-        return self.head(torch.cat([x, self.table(ids)], dim=1))
+from big_models import FrozenTable  # noqa: E402 - after the skip
 
 
 def test_the_pickle_refers_to_weights_by_key_and_keeps_ties_and_the_optimizer(tmp_path):
