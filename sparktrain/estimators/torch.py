@@ -342,9 +342,8 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
         import torch
 
         from sparktrain.estimators import preflight
-        from sparktrain.estimators.torch_worker import _Batches, check_batch
-
         from sparktrain.estimators.torch_files import is_builder
+        from sparktrain.estimators.torch_worker import _Batches, check_batch
 
         spec = self._train_spec()
         model = self._module_for_checks()
@@ -379,9 +378,9 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
             warnings.warn("fsdp_cpu_offload=True is ignored: the ranks train on CPUs, where "
                           "parameter shards already live in CPU memory", UserWarning,
                           stacklevel=3)
-        spec = self._train_spec(run)
         from sparktrain.estimators.torch_files import is_builder, save_weights
 
+        spec = self._train_spec(run)
         # the weights go to the store once, as a file the ranks map; the payload is KiB (a
         # model callable has no weights on the driver: the ranks build it)
         weights = None if is_builder(self.getModel()) else save_weights(
