@@ -66,7 +66,8 @@ class TreePss:
 
         self._root = psutil.Process()
         self._interval = interval
-        self._peak = 0
+        self._samples: List[tuple] = []  # (time, PSS): peak() looks at those since reset()
+        self._since = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -84,14 +85,15 @@ class TreePss:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._peak = max(self._peak, self.now())
+            started = time.monotonic()  # a sample counts for the phase it started in
+            self._samples.append((started, self.now()))
             time.sleep(self._interval)
 
     def reset(self) -> None:
-        self._peak = self.now()
+        self._since = time.monotonic()
 
     def peak(self) -> int:
-        return max(self._peak, self.now())
+        return max([v for t, v in self._samples if t >= self._since] + [self.now()])
 
     def stop(self) -> None:
         self._stop.set()
@@ -213,8 +215,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                  f"{udf_peak / 2**20:.0f} MiB")
     pss.stop()
 
-    def median(values):
-        return sorted(values)[len(values) // 2]
+    from statistics import median
 
     ours, theirs = args.rows / median(runs), args.rows / median(udf_runs)
     results.append(figure(

@@ -64,7 +64,11 @@ def _code_objects(obj: Any) -> Iterable[Any]:
             if hasattr(item, "modules") and callable(item.modules):  # torch.nn.Module tree
                 stack.extend(type(m) for m in item.modules())
             elif hasattr(item, "__dict__") and not inspect.ismodule(item):
-                stack.extend(v for v in vars(item).values() if isinstance(v, (FunctionType, type)))
+                if type(item).__module__.startswith("sparktrain."):
+                    stack.extend(vars(item).values())  # sparktrain's wrappers of user objects
+                else:
+                    stack.extend(v for v in vars(item).values()
+                                 if isinstance(v, (FunctionType, type)))
 
 
 _DYNAMIC = "<dynamic-code>"

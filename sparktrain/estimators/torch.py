@@ -167,12 +167,14 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
     def _check_framework(self) -> None:
         import torch
 
-        from sparktrain.estimators.torch_files import is_builder
+        from sparktrain.estimators.torch_files import check_builder, is_builder
 
         given, optimizer = self.getModel(), self.getOptimizer()
         if not isinstance(given, torch.nn.Module) and not callable(given):
             raise TypeError(f"model must be a torch.nn.Module or a zero-argument callable "
                             f"building one, got {type(given).__name__}")
+        if is_builder(given):
+            check_builder(given)
         model = self._module_for_checks()
         if is_builder(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             pass  # params -> Optimizer, called on each rank with the trainable parameters

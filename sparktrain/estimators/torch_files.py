@@ -231,6 +231,21 @@ def is_builder(value: Any) -> bool:
     return callable(value) and not isinstance(value, torch.nn.Module)
 
 
+def check_builder(fn: Any) -> None:
+    """A ``TypeError`` unless ``fn`` can be called with no arguments (a ``forward``-like
+    function passed as the model is the usual mistake)."""
+    import inspect
+
+    try:
+        inspect.signature(fn).bind()
+    except TypeError:
+        raise TypeError(f"model must be a torch.nn.Module or a zero-argument callable that "
+                        f"builds one; {builder_name(fn)!r} takes arguments "
+                        f"{inspect.signature(fn)}") from None
+    except ValueError:  # no signature to inspect (a builtin): calling it will tell
+        pass
+
+
 def builder_name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
