@@ -16,7 +16,7 @@ __version__ = "0.4.0"
 
 _EXPORTS = {
     "TorchEstimator": "sparktrain.estimators.torch",
-    "TorchModel": "sparktrain.estimators.torch",
+    "TorchModel": "sparktrain.estimators.torch_model",
     "KerasEstimator": "sparktrain.estimators.keras",
     "KerasModel": "sparktrain.estimators.keras",
     "Store": "sparktrain.data.store",

@@ -198,9 +198,9 @@ def test_a_weights_file_removed_after_the_fit_is_named(spark, regression_df, tmp
 def test_a_large_module_built_in_the_driver_goes_through_a_file(spark, regression_df,
                                                                 monkeypatch):
     from sparktrain import TorchModel
-    from sparktrain.estimators import torch as torch_estimators
+    from sparktrain.estimators import torch_model
 
-    monkeypatch.setattr(torch_estimators, "INLINE_WEIGHTS_BYTES", 1 << 10)
+    monkeypatch.setattr(torch_model, "INLINE_WEIGHTS_BYTES", 1 << 10)
     net = FrozenTable(rows=1024)
     model = TorchModel(net, feature_columns=["features"], label_columns=["label"])
     out = model.transform(regression_df.limit(10)).select("label__output").toPandas()

@@ -29,7 +29,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "sparktrain"
 RANK_SIDE = ("sparktrain.estimators.torch_worker", "sparktrain.estimators.keras_worker",
              "sparktrain.strategies", "sparktrain.launch", "sparktrain.epochs",
              "sparktrain.loop_spec")
-ESTIMATOR_MODULES = {"sparktrain.estimators.torch", "sparktrain.estimators.keras",
+ESTIMATOR_MODULES = {"sparktrain.estimators.torch", "sparktrain.estimators.torch_model",
+                     "sparktrain.estimators.keras",
                      "sparktrain.estimators.base", "sparktrain.estimators.preflight"}
 
 
