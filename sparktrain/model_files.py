@@ -10,15 +10,15 @@ through the driver JVM's heap).
 On an executor, :meth:`ModelFile.local_path` gives a local file to memory-map: the file itself
 on a local or mounted filesystem, else a copy made once per host (every Python worker and task
 after the first finds it; a lock file keeps two workers from copying at once).
-:func:`worker_cached` keeps what a loader made of it for the life of the Python worker, keyed by
-URL and fingerprint, so a model re-fitted or re-saved under the same path is loaded afresh,
-never served stale; a file that changed or disappeared since the reference was made fails
-naming its path.
+The prediction UDF keeps what it loaded per Python worker, keyed by everything its factory
+holds (this reference's URL and fingerprint among it), so a model re-fitted or re-saved under
+the same path is loaded afresh, never served stale; a file that changed or disappeared since
+the reference was made fails naming its path.
 
 Example::
 
     ref = ModelFile.of("s3://bucket/st/runs/r1/model/weights.pt", {"anon": False})
-    module = worker_cached(ref, lambda path: load_weights(path))   # once per Python worker
+    state = load_weights(ref.local_path())   # on an executor, once per Python worker
 """
 from __future__ import annotations
 
@@ -29,16 +29,12 @@ import posixpath
 import shutil
 import tempfile
 import uuid
-from collections import OrderedDict
-from typing import Any, Callable, Dict, Iterator, Optional, TypeVar
+from typing import Any, Dict, Iterator, Optional
 
 from sparktrain.fs import filesystem
 
-T = TypeVar("T")
 #: where executors keep their copies of remote model files (one directory per file version)
 LOCAL_COPIES = os.path.join(tempfile.gettempdir(), "sparktrain-models")
-#: loaded models a Python worker keeps (the least recently used beyond this is dropped)
-WORKER_CACHE_SIZE = 2
 _CHUNK = 16 << 20
 
 
@@ -165,20 +161,3 @@ def _locked(path: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-_LOADED: "OrderedDict[str, Any]" = OrderedDict()
-
-
-def worker_cached(key: str, load: Callable[[], T]) -> T:
-    """``load()`` once per Python worker for ``key`` (e.g. a :attr:`ModelFile.key` plus the
-    options a loader depends on), then the same object; the least recently used entries beyond
-    :data:`WORKER_CACHE_SIZE` are dropped (their memory returns when nothing else holds them)."""
-    if key in _LOADED:
-        _LOADED.move_to_end(key)
-        return _LOADED[key]
-    value = load()
-    _LOADED[key] = value
-    while len(_LOADED) > WORKER_CACHE_SIZE:
-        _LOADED.popitem(last=False)
-    return value

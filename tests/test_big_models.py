@@ -100,15 +100,6 @@ def test_a_remote_file_is_copied_once_per_host(tmp_path, monkeypatch):
     assert sorted(os.listdir(os.path.dirname(first))) == [".lock", "weights.pt"]  # no partial copy
 
 
-def test_the_worker_cache_loads_once_per_key_and_drops_the_oldest():
-    from sparktrain.model_files import WORKER_CACHE_SIZE, worker_cached
-
-    loads = []
-    for key in ["a", "a", "b", "a"] + [f"k{i}" for i in range(WORKER_CACHE_SIZE)] + ["a"]:
-        worker_cached(f"test-{key}", lambda key=key: loads.append(key) or key)
-    assert loads == ["a", "b"] + [f"k{i}" for i in range(WORKER_CACHE_SIZE)] + ["a"]
-
-
 @pytest.fixture(scope="module")
 def fitted(spark, regression_df, tmp_path_factory):
     from sparktrain import TorchEstimator
