@@ -55,9 +55,17 @@ def run_reporting_script(code: str, timeout: int, fake_gpus: str = "") -> tuple:
 
     root = os.path.dirname(os.path.dirname(FAKE_GPU_DISCOVERY))
     env = dict(os.environ, SPARKTRAIN_FAKE_GPUS=fake_gpus) if fake_gpus else None
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=timeout, cwd=root, env=env)
+    def tails(stdout, stderr) -> str:  # without the JVM's stack frames
+        return (stdout or "")[-3000:] + "\n".join(
+            l for l in (stderr or "").splitlines() if not l.lstrip().startswith("at "))[-6000:]
+
+    try:
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                timeout=timeout, cwd=root, env=env)
+    except subprocess.TimeoutExpired as exc:
+        as_text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else b
+        raise AssertionError(f"the script ran past {timeout} s:\n"
+                             + tails(as_text(exc.stdout), as_text(exc.stderr))) from None
     lines = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, result.stdout[-3000:] + "\n".join(
-        l for l in result.stderr.splitlines() if not l.lstrip().startswith("at "))[-6000:]
+    assert lines, tails(result.stdout, result.stderr)
     return json.loads(lines[0][len("RESULT "):]), result.stderr

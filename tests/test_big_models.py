@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from big_models import FrozenTable  # noqa: E402 - after the skip
+from big_models import DirtyWeightPages, FrozenTable  # noqa: E402 - after the skip
 
 
 def test_the_pickle_refers_to_weights_by_key_and_keeps_ties_and_the_optimizer(tmp_path):
@@ -105,18 +105,31 @@ def fitted(spark, regression_df, tmp_path_factory):
     from sparktrain import TorchEstimator
 
     store = str(tmp_path_factory.mktemp("big-store"))
+    pages = tmp_path_factory.mktemp("dirty-pages")
     net = FrozenTable(rows=120_000)  # 29 MiB of frozen table, 69 trained parameters
     est = TorchEstimator(num_proc=2, model=net, store=store,
                          optimizer=torch.optim.Adam(net.head.parameters(), lr=0.05),
                          loss=torch.nn.MSELoss(), feature_cols=["features"],
-                         label_cols=["label"], batch_size=64, epochs=3, verbose=0)
-    return est.fit(regression_df), net, store
+                         label_cols=["label"], batch_size=64, epochs=3, verbose=0,
+                         callbacks=[DirtyWeightPages(str(pages))])
+    fitted = est.fit(regression_df)
+    dirty_kib = {name: int((pages / name).read_text()) for name in os.listdir(pages)}
+    return fitted, net, store, dirty_kib
+
+
+def test_ranks_share_the_shipped_weights_pages(fitted):
+    """Every rank maps the same weights file and none writes the frozen table: DDP's initial
+    broadcast is skipped (it would write all 29 MiB on rank 1), so each rank's private copy
+    of that file is only the trained head's pages."""
+    dirty_kib = fitted[3]
+    assert len(dirty_kib) == 2, dirty_kib
+    assert max(dirty_kib.values()) < 1024, dirty_kib  # KiB, of a 29 MiB file
 
 
 def test_a_fitted_model_predicts_from_its_file_with_a_small_udf(fitted, regression_df):
     import cloudpickle
 
-    model, net, store = fitted
+    model, net, store, _ = fitted
     assert model._model is None  # nothing loaded in the driver by the fit
     factory = model._predict_fn_factory()
     assert len(cloudpickle.dumps(factory)) < 1 << 20  # < 1 MiB, against 29 MiB of weights
@@ -136,7 +149,7 @@ def test_a_fitted_model_predicts_from_its_file_with_a_small_udf(fitted, regressi
 def test_save_streams_the_file_and_load_predicts_by_reference(fitted, regression_df, tmp_path):
     from sparktrain import TorchModel
 
-    model, _, _ = fitted
+    model, *_ = fitted
     path = str(tmp_path / "m")
     model.write().overwrite().save(path)
     assert os.path.getsize(os.path.join(path, "model", "weights.pt")) > 29 << 20

@@ -42,7 +42,11 @@ def tracking_uri(tmp_path_factory):
         [SERVER, "server", "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db",
          "--artifacts-destination", str(tmp / "artifacts"), "--host", "127.0.0.1",
          "--port", str(port), "--workers", "1"],
-        stdout=open(tmp / "server.log", "w"), stderr=subprocess.STDOUT)
+        stdout=open(tmp / "server.log", "w"), stderr=subprocess.STDOUT,
+        # MLflow 3's server also starts a job runner with seven huey consumer processes
+        # (prompt optimisation, trace roll-ups), which poll all the time: together about half
+        # a core here. Tracking needs none of them.
+        env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"))
     uri = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:

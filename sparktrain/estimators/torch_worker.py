@@ -388,13 +388,15 @@ class _TorchEpochs:
 
 
 def _strategy(spec: TorchTrainSpec, dist: Any, device: torch.device,
-              extras: Dict[str, Any]) -> TorchStrategy:
+              extras: Dict[str, Any], built_on_rank: bool) -> TorchStrategy:
     """The strategy the estimator resolved on the driver (its class travels in the payload,
-    so a strategy registered only there works), else the one registered here by name."""
+    so a strategy registered only there works), else the one registered here by name.
+    ``built_on_rank``: a model callable built the model here (its weights may differ by rank)."""
     cls = extras.get("strategy") or load_strategy(TORCH_STRATEGIES, spec.strategy)
     config = StrategyConfig(mixed_precision=_autocast_dtype(spec),
                             gradient_compression=spec.gradient_compression,
                             backward_passes_per_step=spec.backward_passes_per_step,
+                            same_weights_everywhere=not built_on_rank,
                             options=dict(extras.get("strategy_options") or {}))
     return cls(dist, device, config)
 
@@ -453,7 +455,9 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         if recompute:
             wrap = extras.get("fsdp_wrap")
             checkpoint_activations(blocks(model, wrap if recompute is True else recompute))
-        strategy = _strategy(spec, dist, device, extras)
+        # resumed or shipped weights come from one file, the same on every rank
+        strategy = _strategy(spec, dist, device, extras,
+                             built_on_rank=resumed is None and isinstance(shipped, BuiltModule))
         trained, optimizer = strategy.setup(model, optimizer)
         scaler = strategy.grad_scaler() if _autocast_dtype(spec) == torch.float16 else None
         schedule = Schedule.build(extras.get("lr_scheduler"), optimizer, spec.lr_scheduler_interval)

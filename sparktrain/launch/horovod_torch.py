@@ -162,14 +162,17 @@ class HorovodTorch:
         self.rank, self.world_size = hvd.rank(), hvd.size()
 
     def wrap(self, model: torch.nn.Module, optimizer: Any, backward_passes_per_step: int = 1,
-             compression: Optional[str] = None) -> Tuple[torch.nn.Module, Any]:
-        """Broadcast rank 0's parameters and optimizer state; ``hvd.DistributedOptimizer``
+             compression: Optional[str] = None, broadcast: bool = True
+             ) -> Tuple[torch.nn.Module, Any]:
+        """Broadcast rank 0's parameters (unless ``broadcast=False``: every rank loaded the
+        same weights) and optimizer state; ``hvd.DistributedOptimizer``
         averages gradients once every ``backward_passes_per_step`` backward passes,
         compressed with ``hvd.Compression.fp16`` when ``compression="fp16"``."""
         hvd = self.hvd
         if compression not in (None, "fp16"):
             raise ValueError(f"gradient compression {compression!r}; expected None or 'fp16'")
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        if broadcast:
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         codec = hvd.Compression.fp16 if compression == "fp16" else hvd.Compression.none
         return model, hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),

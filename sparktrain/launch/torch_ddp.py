@@ -137,8 +137,10 @@ class TorchDDP:
         self._store = store  # rank 0's store server must outlive the group
 
     def wrap(self, model: torch.nn.Module, optimizer: Any, backward_passes_per_step: int = 1,
-             compression: Optional[str] = None) -> Tuple[torch.nn.Module, Any]:
-        """DDP-wrap ``model`` (rank 0's parameters are broadcast on construction).
+             compression: Optional[str] = None, broadcast: bool = True
+             ) -> Tuple[torch.nn.Module, Any]:
+        """DDP-wrap ``model`` (rank 0's parameters are broadcast on construction unless
+        ``broadcast=False``: every rank loaded the same weights).
 
         ``backward_passes_per_step`` is accepted for the shared interface; with DDP the
         training loop accumulates gradients itself (``no_sync`` on all but the last pass).
@@ -152,7 +154,10 @@ class TorchDDP:
         if self.world_size == 1 or not any(p.requires_grad for p in model.parameters()):
             return model, optimizer
         ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        # init_sync=False (torch >= 2.4) skips the shape check and the broadcast of every
+        # parameter and buffer, frozen ones included (torch's DistributedDataParallel docs)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=ids, **({} if broadcast else {"init_sync": False}))
         if compression == "fp16":
             # PyTorch's built-in DDP communication hook: casts each gradient bucket to float16,
             # all-reduces it (divided by the world size) and casts the result back.

@@ -31,6 +31,7 @@ class DataParallel(TorchStrategy):
         compression = self.config.gradient_compression
         return self.dist.wrap(model, optimizer,
                               backward_passes_per_step=self.config.backward_passes_per_step,
+                              broadcast=not self.config.same_weights_everywhere,
                               **({"compression": compression} if compression else {}))
 
     def accumulating(self, module: torch.nn.Module) -> ContextManager:

@@ -33,6 +33,12 @@ class StrategyConfig:
     mixed_precision: Optional[torch.dtype] = None  # autocast dtype: bfloat16/float16 or None
     gradient_compression: Optional[str] = None  # "fp16" (Horovod's Compression.fp16) or None
     backward_passes_per_step: int = 1
+    # Every rank loaded the same weights (one file in the store, or one checkpoint): the
+    # engine's initial broadcast of rank 0's parameters can be skipped. The broadcast writes
+    # every parameter on the other ranks, frozen ones included, which turns their memory-mapped
+    # pages private: one more copy of the model per rank. False for a model callable (it may
+    # initialise differently on each rank).
+    same_weights_everywhere: bool = False
     options: Dict[str, Any] = field(default_factory=dict)  # values of the strategy's own params
 
 
