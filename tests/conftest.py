@@ -9,6 +9,12 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+# Every JVM the tests start (Spark drivers and executors, Connect servers, standalone Masters
+# and Workers) compiles with C1 only: they live seconds to minutes on tiny data, and C2's
+# compiler threads were most of their CPU. Measured: a local[2] session running a few small
+# jobs used 16 CPU-s by default and 9.7 CPU-s with this (the suite is CPU-bound on 2 cores).
+os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1")
+
 # Seconds the longest test files took in a 2-worker run on 2 cores (2026-11-26). pytest-xdist
 # hands whole files (`--dist loadfile`) to whichever worker is free, in collection order
 # (`--no-loadscope-reorder` in pytest.ini; its default orders files by test count): the longest
