@@ -92,6 +92,7 @@ class FailingCallback(keras.callbacks.Callback):
             raise ValueError("callback bug at epoch 2")
 
 
+@pytest.mark.slow  # Keras: TensorFlow rank processes of their own
 def test_keras_callback_error_fails_on_first_attempt(spark, regression_df, store):
     est = _estimator(store, "keras-callback-bug", callbacks=[FailingCallback()])
     with pytest.raises(TrainingError, match="callback bug at epoch 2") as info:

@@ -86,6 +86,7 @@ def _artifacts(client, run_id, path=None):
     return found
 
 
+@pytest.mark.slow  # needs the MLflow tracking server the module starts
 def test_torch_fit_is_tracked_live_with_its_model(autologged, regression_df, store):
     client = autologged
     seen_live = []
@@ -251,6 +252,7 @@ def test_unreachable_server_gives_one_warning_and_the_fit_succeeds(regression_df
     assert seconds < 120
 
 
+@pytest.mark.slow  # needs the MLflow tracking server the module starts
 def test_nothing_is_logged_unless_asked(tracking_uri, regression_df, store):
     from sparktrain.mlflow.config import settings
 

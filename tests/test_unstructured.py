@@ -315,6 +315,7 @@ def test_keras_png_cnn_fit_transform_save_load(spark, png_df, store, tmp_path):
     np.testing.assert_allclose(np.stack(a), np.stack(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # Keras: TensorFlow rank processes of their own
 def test_keras_variable_length_sequences_padded(spark, text_df, store):
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     keras = pytest.importorskip("keras")
