@@ -27,6 +27,7 @@ Example (executor side)::
 """
 from __future__ import annotations
 
+import inspect
 import os
 import secrets
 import socket
@@ -42,6 +43,7 @@ from sparktrain.launch.barrier import RankContext
 
 TIMEOUT = timedelta(minutes=30)
 _GLOO_IFNAME_VARS = ("TORCH_GLOO_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+_DDP_OPTIONS = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
 
 # Tensors handed to our own collectives stay referenced here, beyond the group's lifetime.
 # Gloo's worker threads drop their reference to a finished op's tensors a moment after the op
@@ -154,10 +156,12 @@ class TorchDDP:
         if self.world_size == 1 or not any(p.requires_grad for p in model.parameters()):
             return model, optimizer
         ids = [self.device.index] if self.device.type == "cuda" else None
-        # init_sync=False (torch >= 2.4) skips the shape check and the broadcast of every
-        # parameter and buffer, frozen ones included (torch's DistributedDataParallel docs)
+        # init_sync=False skips the shape check and the broadcast of every parameter and
+        # buffer, frozen ones included (torch's DistributedDataParallel docs); a torch without
+        # the option broadcasts, which costs memory, not correctness
+        skip = not broadcast and "init_sync" in _DDP_OPTIONS
         ddp = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=ids, **({} if broadcast else {"init_sync": False}))
+            model, device_ids=ids, **({"init_sync": False} if skip else {}))
         if compression == "fp16":
             # PyTorch's built-in DDP communication hook: casts each gradient bucket to float16,
             # all-reduces it (divided by the world size) and casts the result back.
