@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from sparktrain.callbacks import Callback
+
 
 class FrozenTable(torch.nn.Module):
     """``rows`` x 64 float32 frozen table (``rows * 256`` bytes) and a ``Linear(68, 1)`` head
@@ -21,19 +23,13 @@ class FrozenTable(torch.nn.Module):
         return self.head(torch.cat([x, self.table(ids)], dim=1))
 
 
-class DirtyWeightPages:
+class DirtyWeightPages(Callback):
     """A callback: at the end of training each rank writes into ``directory`` how many KiB of
     its memory-mapped weights file it has written (``Private_Dirty`` in ``/proc/self/smaps``):
     pages of a ``torch.load(mmap=True)`` mapping stay shared with the page cache until written."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-
-    def on_train_begin(self, model, history) -> None:
-        pass
-
-    def on_epoch_end(self, epoch, logs):
-        return None
 
     def on_train_end(self, model) -> None:
         import os

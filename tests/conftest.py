@@ -15,25 +15,25 @@ sys.path.insert(0, ROOT)
 # jobs used 16 CPU-s by default and 9.7 CPU-s with this (the suite is CPU-bound on 2 cores).
 os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1")
 
-# Seconds the longest test files took in a 2-worker run on 2 cores (2026-11-26). pytest-xdist
-# hands whole files (`--dist loadfile`) to whichever worker is free, in collection order
-# (`--no-loadscope-reorder` in pytest.ini; its default orders files by test count): the longest
-# go first and the short ones fill the gaps at the end, so no worker is left alone with a long
-# file while the other idles (longest-processing-time-first). Unlisted files count as short.
+# Seconds the longest test files took in a 2-worker run on 2 cores (2026-11-26, summed test
+# durations). pytest-xdist hands whole files (`--dist loadfile`) to whichever worker is free,
+# in collection order (`--no-loadscope-reorder` in pytest.ini; its default orders files by
+# test count): the longest go first and the short ones fill the gaps at the end, so no worker
+# is left alone with a long file while the other idles (longest-processing-time-first).
+# Unlisted files count as short.
 LONGEST_FILES = {
-    "test_connect.py": 400, "test_retries.py": 100, "test_tfos.py": 280, "test_jobs.py": 275,
-    "test_mlflow.py": 255, "test_parameter_server.py": 245, "test_horovod_parity.py": 210,
-    "test_concurrency.py": 165, "test_keras_estimator.py": 155,
-    "test_keras_fault_tolerance.py": 145, "test_unstructured.py": 130,
-    "test_gpu_inference.py": 130, "test_notebook.py": 95, "test_torch_estimator.py": 90,
-    "test_big_models.py": 85, "test_standalone_cluster.py": 57, "test_fsdp.py": 52,
+    "test_connect.py": 376, "test_jobs.py": 243, "test_tfos.py": 239, "test_mlflow.py": 234,
+    "test_parameter_server.py": 205, "test_horovod_parity.py": 177,
+    "test_unstructured.py": 173, "test_keras_estimator.py": 133, "test_concurrency.py": 127,
+    "test_keras_fault_tolerance.py": 124, "test_gpu_inference.py": 109,
+    "test_retries.py": 96, "test_big_models.py": 95, "test_torch_estimator.py": 84,
+    "test_notebook.py": 83, "test_standalone_cluster.py": 56, "test_fsdp.py": 53,
 }
 
 
 def pytest_collection_modifyitems(session, config, items):
     """Longest files first (see ``LONGEST_FILES``); the order inside a file is kept."""
     items.sort(key=lambda item: -LONGEST_FILES.get(os.path.basename(str(item.path)), 0))
-
 
 
 @pytest.fixture(scope="session")

@@ -55,17 +55,19 @@ def run_reporting_script(code: str, timeout: int, fake_gpus: str = "") -> tuple:
 
     root = os.path.dirname(os.path.dirname(FAKE_GPU_DISCOVERY))
     env = dict(os.environ, SPARKTRAIN_FAKE_GPUS=fake_gpus) if fake_gpus else None
-    def tails(stdout, stderr) -> str:  # without the JVM's stack frames
-        return (stdout or "")[-3000:] + "\n".join(
-            l for l in (stderr or "").splitlines() if not l.lstrip().startswith("at "))[-6000:]
+
+    def tails(stdout, stderr) -> str:  # the output's ends, without the JVM's stack frames
+        stdout, stderr = (b.decode(errors="replace") if isinstance(b, bytes) else b or ""
+                          for b in (stdout, stderr))
+        return stdout[-3000:] + "\n".join(
+            l for l in stderr.splitlines() if not l.lstrip().startswith("at "))[-6000:]
 
     try:
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                 timeout=timeout, cwd=root, env=env)
-    except subprocess.TimeoutExpired as exc:
-        as_text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else b
+    except subprocess.TimeoutExpired as exc:  # its output so far says where it stuck
         raise AssertionError(f"the script ran past {timeout} s:\n"
-                             + tails(as_text(exc.stdout), as_text(exc.stderr))) from None
+                             + tails(exc.stdout, exc.stderr)) from None
     lines = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")]
     assert lines, tails(result.stdout, result.stderr)
     return json.loads(lines[0][len("RESULT "):]), result.stderr

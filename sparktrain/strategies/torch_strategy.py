@@ -65,7 +65,8 @@ class TorchStrategy:
 
     # -- rank side ----------------------------------------------------------------------------
     def __init__(self, dist: Any, device: torch.device, config: StrategyConfig) -> None:
-        """``dist``: the engine's rank object (``rank``, ``world_size``, ``wrap``,
+        """``dist``: the engine's rank object (``rank``, ``world_size``,
+        ``wrap(model, optimizer, backward_passes_per_step, compression, broadcast)``,
         ``all_reduce_sum``; see :mod:`sparktrain.launch.torch_ddp`)."""
         self.dist, self.device, self.config = dist, device, config
 
