@@ -766,10 +766,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--warmup-ratio", type=float, default=0.1,
                         help="share of the steps with a linear warm-up")
-    parser.add_argument("--reader-pool", choices=("process", "thread"), default="process",
-                        help="sparktrain's reader_pool_type: tokenize in decode worker "
-                             "processes (sparktrain's default for text) or in the training "
-                             "loop")
+    parser.add_argument("--reader-pool", choices=("process", "thread"), default="thread",
+                        help="sparktrain's reader_pool_type: tokenize in the training loop "
+                             "(sparktrain's default for text) or in decode worker processes")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 4,000 + 1,000 rows, 1 epoch, 1 repeat")
     add_common_args(parser, list(FIGURES), "bench_hf.json", fit_timeout=600.0)

@@ -137,8 +137,8 @@ def reader_options(est: Any, raw: bool = False) -> Dict[str, Any]:
     worker count): the reader decodes up to N row groups ahead of training in its background
     thread (0: on demand), and with ``reader_pool_type='process'`` N worker processes run
     ``transformation_fn``. ``'process'`` is the default when ``raw`` (a column holds bytes,
-    text, images or variable-length arrays: decoding them is the bottleneck) and a
-    ``transformation_fn`` is given. ``'dummy'`` (Petastorm: read in the calling thread) reads
+    images or variable-length arrays: decoding them is the bottleneck) and a
+    ``transformation_fn`` is given; text alone (a tokenizer) runs in the training thread. ``'dummy'`` (Petastorm: read in the calling thread) reads
     on demand.
     """
     get = est.getOrDefault

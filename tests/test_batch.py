@@ -7,7 +7,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from sparktrain.data.batch import arrow_to_numpy, decode_image, model_ready, values_to_numpy
+from sparktrain.data.batch import arrow_to_numpy, decode_image, heavy_decoding, model_ready, \
+    values_to_numpy
 from sparktrain.data.columns import ARRAY, BINARY, IMAGE, SCALAR, STRING, VARLEN, ColumnSpec
 
 
@@ -63,3 +64,20 @@ def test_model_ready_stacks_equal_arrays_and_names_bad_columns():
             model_ready(batch, ["c"], True)
     with pytest.raises(TypeError, match="must return a dict"):
         model_ready([1, 2], ["c"], True)
+
+
+def test_decode_workers_by_default_only_for_heavy_columns():
+    """Bytes, images and sequences get decode worker processes by default; text alone is
+    tokenized in the training thread (bench_hf.py: faster end to end)."""
+    from sparktrain import TorchEstimator
+    from sparktrain.compat import reader_options
+
+    text, label = ColumnSpec("text", STRING, "str", 1), ColumnSpec("y", SCALAR, "int64", 1)
+    assert not heavy_decoding([text, label])
+    for kind in (BINARY, IMAGE, VARLEN):
+        assert heavy_decoding([text, ColumnSpec("c", kind, "bytes", 1)]), kind
+    est = TorchEstimator(transformation_fn=lambda batch: batch)
+    assert reader_options(est, raw=heavy_decoding([text, label]))["reader_pool"] == "thread"
+    assert reader_options(est, raw=True)["reader_pool"] == "process"
+    chosen = TorchEstimator(transformation_fn=lambda batch: batch, reader_pool_type="process")
+    assert reader_options(chosen, raw=False)["reader_pool"] == "process"

@@ -29,7 +29,7 @@ from pyspark.sql import types as T
 
 from sparktrain import compat
 from sparktrain.checkpoint import Checkpoints
-from sparktrain.data.batch import raw_columns
+from sparktrain.data.batch import heavy_decoding
 from sparktrain.data.materialize import MaterializedDataset, lease_seconds, materialize
 from sparktrain.data.run_lock import run_lock
 from sparktrain.data.schema import ARRAY, BINARY, IMAGE, RAW_KINDS, STRING, VARLEN, \
@@ -182,7 +182,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                     columns=[c.to_json() for c in run.data.columns],
                     storage_options=run.store.storage_options, run_path=run.run_path,
                     fit_id=run.fit_id, deadline=run.started + max_time if max_time else None,
-                    **compat.reader_options(self, raw=bool(raw_columns(run.data.columns))))
+                    **compat.reader_options(self, raw=heavy_decoding(run.data.columns)))
 
     def _create_model(self, result: Dict[str, Any], dataset: MaterializedDataset) -> "ModelBase":
         raise NotImplementedError
