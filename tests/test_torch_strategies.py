@@ -113,3 +113,19 @@ def test_checks_name_the_backend_and_the_params():
         fsdp.check("fsdp", "torch", model, {"fsdp_wrap": [torch.nn.Conv2d]})
     assert fsdp.params == ("fsdp_wrap", "fsdp_cpu_offload") and ddp.params == ()
     assert json.dumps(sorted(TORCH_STRATEGIES))  # the registry is plain names
+
+
+def test_ddp_broadcasts_only_buffers_that_are_state():
+    """BatchNorm's running statistics are state (DDP keeps them equal by broadcasting them
+    every forward); a transformer's non-persistent position ids are constants: not sent."""
+    from sparktrain.launch.torch_ddp import has_state_buffers
+
+    class Positions(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 2)
+            self.register_buffer("position_ids", torch.arange(4), persistent=False)
+
+    assert has_state_buffers(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+    assert not has_state_buffers(Positions())
+    assert not has_state_buffers(torch.nn.Linear(4, 2))
