@@ -12,7 +12,9 @@ driver owns the rest, identical for every framework and strategy:
 * the history, the TensorBoard writer (rank 0 of a run with a run directory);
 * checkpoints after every epoch, with the metadata a resumed attempt and the driver read;
 * stopping early: a callback's request or the ``max_time`` deadline, voted over the ranks so
-  that all stop after the same epoch. The stop is written into that epoch's checkpoint, so a
+  that all stop after the same epoch; in an elastic fit (:mod:`sparktrain.launch.elastic`),
+  the driver's request to regroup, which ends the generation after the epoch's checkpoint
+  (:class:`~sparktrain.launch.elastic.Regroup`), and ``num_proc`` in every epoch's logs. The stop is written into that epoch's checkpoint, so a
   retried attempt of the same fit (``fit_id``) stops there too instead of training on; a new
   fit with the run's ``run_id`` continues (what ``max_time``'s warning tells users to do).
 
@@ -33,6 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 
 from sparktrain.checkpoint import Checkpoints
 from sparktrain.fs import filesystem
+from sparktrain.launch.elastic import Generation, Regroup
 from sparktrain.launch.faults import mark_user_error
 from sparktrain.loop_spec import LoopSpec
 
@@ -125,10 +128,12 @@ class EpochDriver:
                  log: Callable[[str], None] = print,
                  progress: Callable[..., None] = lambda **event: None,
                  board: Optional[Callable[[], Any]] = None, require_finite: bool = False,
-                 meta: Optional[Dict[str, Any]] = None) -> None:
+                 meta: Optional[Dict[str, Any]] = None,
+                 generation: Optional[Generation] = None) -> None:
         """``board`` makes rank 0's TensorBoard writer (``write(epoch, logs)``, ``close()``);
         ``require_finite`` fails the fit on a non-finite metric (the user's bug, not retried);
-        ``meta`` goes into every checkpoint's metadata (e.g. the framework's name)."""
+        ``meta`` goes into every checkpoint's metadata (e.g. the framework's name);
+        ``generation``: an elastic fit's."""
         self.rank, self.world_size, self.epochs, self.verbose = rank, world_size, epochs, verbose
         self.deadline, self.log, self.progress = deadline, log, progress
         self.require_finite, self.extra_meta = require_finite, dict(meta or {})
@@ -138,8 +143,11 @@ class EpochDriver:
         self.first: int = self.meta.get("epochs_done", 0)
         self.history: Dict[str, List[float]] = {
             k: list(v) for k, v in self.meta.get("history", {}).items()}
-        self.attempts = self.meta.get("attempts", []) + [{"attempt": attempt,
-                                                          "start_epoch": self.first}]
+        self.generation = generation
+        started = {"attempt": attempt, "start_epoch": self.first}
+        if generation is not None:
+            started.update(generation=generation.index, ranks=world_size)
+        self.attempts = self.meta.get("attempts", []) + [started]
         self.attempt, self.fit_id = attempt, fit_id
         stopped = self.meta.get("stopped") or {}
         # this fit already stopped early at the checkpoint (a retry after the stop): stay stopped
@@ -157,7 +165,8 @@ class EpochDriver:
         deadline and fit id); ``hooks``: the other keywords of ``__init__`` (``log``...)."""
         return cls(rank=rank, world_size=world_size, epochs=spec.epochs, verbose=spec.verbose,
                    run_path=spec.run_path, storage_options=spec.storage_options,
-                   deadline=spec.deadline, attempt=attempt, fit_id=spec.fit_id, **hooks)
+                   deadline=spec.deadline, attempt=attempt, fit_id=spec.fit_id,
+                   generation=Generation.from_json(spec.generation), **hooks)
 
     def resume_bytes(self) -> Optional[bytes]:
         """The checkpoint this attempt resumes from (the framework's bytes), or ``None``."""
@@ -205,6 +214,8 @@ class EpochDriver:
         reporter = StepReporter(self.progress, epoch, self.steps) if self.lead else None
         logs = dict(training.train_epoch(epoch, reporter))
         logs.update(training.evaluate(epoch))
+        if self.generation is not None:
+            logs["num_proc"] = float(self.world_size)
         if self.require_finite and not all(math.isfinite(v) for v in logs.values()):
             raise mark_user_error(FloatingPointError(
                 f"non-finite metrics at epoch {epoch + 1}: {logs}; lower the learning rate or "
@@ -222,20 +233,31 @@ class EpochDriver:
         asked = bool(training.epoch_end(epoch, dict(logs)))
         late = self.deadline is not None and time.time() >= self.deadline
         vote = 1.0 if asked or late else 0.0
+        regroup = float(self.rank == 0 and self.generation is not None
+                        and self.generation.regroup_asked())
         stop = None
-        if epoch + 1 < self.epochs and training.all_reduce_sum([vote])[0] > 0:
-            stop = "callback" if asked else "max_time"
+        if epoch + 1 < self.epochs:
+            votes = training.all_reduce_sum([vote, regroup])
+            if votes[0] > 0:
+                stop = "callback" if asked else "max_time"
+            elif votes[1] > 0:
+                stop = "regroup"
         if self.checkpoints is not None:
             saved = training.checkpoint(epoch, logs)
             if self.rank == 0 and saved is not None:
                 payload, meta = saved
-                stopped = {"stopped": {"reason": stop, "fit_id": self.fit_id}} if stop else {}
+                stopped = {"stopped": {"reason": stop, "fit_id": self.fit_id}} \
+                    if stop in ("callback", "max_time") else {}
                 self.checkpoints.write(epoch + 1, payload, {
                     "history": self.history, "attempts": self.attempts, **self.extra_meta,
                     **stopped, **meta})
             del saved
         if stop is None:
             return False
+        if stop == "regroup":
+            if self.rank == 0:
+                self.log(f"regrouping after epoch {epoch + 1}: more task slots are free")
+            raise Regroup()
         self.stop_reason = stop
         if self.rank == 0:
             self.log(f"training stopped after epoch {epoch + 1}: "

@@ -22,6 +22,7 @@ class TrainingError(RuntimeError):
         self.rank = rank
         self.remote_traceback = remote_traceback
         self.attempts = attempts  # attempts of the training stage that failed
+        self.user_error = False  # raised by the user's code: retrying cannot help
 
 
 class PreflightError(ValueError):

@@ -64,6 +64,7 @@ class LoopSpec:
     deadline: Optional[float] = None  # time.time() after which training stops at an epoch end
     fit_id: str = ""  # the fit's attempts share it (see sparktrain.epochs)
     run_path: str = ""  # the run's directory in the store: checkpoints, TensorBoard; "": none
+    generation: Optional[Dict[str, Any]] = None  # an elastic fit's (launch.elastic.for_rank)
     # how the ranks read and decode (compat.reader_options)
     train_prefetch: int = 2  # row groups the readers decode ahead
     val_prefetch: int = 2

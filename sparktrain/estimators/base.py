@@ -35,12 +35,14 @@ from sparktrain.data.run_lock import run_lock
 from sparktrain.data.schema import ARRAY, BINARY, IMAGE, RAW_KINDS, STRING, VARLEN, \
     VECTOR, ColumnSpec, check_validation_column, column_spec, training_columns
 from sparktrain.data.store import Store, StoredBytes
+from sparktrain.elastic_params import ElasticParams
 from sparktrain.estimators.prediction import as_model_input, feature_expr as _feature_expr, \
     output_series, predict_columns, series_to_numpy, series_values  # noqa: F401 - re-exported
 from sparktrain.estimators.preflight import run_preflight, transformation_columns
 from sparktrain.fit_hooks import FitListener, fit_hooks
 from sparktrain.launch import check_backend
 from sparktrain.launch.barrier import check_slots
+from sparktrain.launch.elastic import ElasticPlan, run_elastic
 from sparktrain.launch.executor_env import RANK_MODULES, check_executors
 from sparktrain.launch.gpus import check_gpu_conf
 from sparktrain.model_files import ModelFile
@@ -99,6 +101,7 @@ class FitRun:
     run_id: str
     progress: FitProgress
     started: float  # time.time() when fit began: max_time counts from here, across retries
+    elastic: ElasticPlan  # how many ranks (num_proc, min_num_proc: launch.elastic)
     # one fit, whatever its attempts: an early stop it checkpointed holds for its retries only
     fit_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -106,6 +109,12 @@ class FitRun:
     def run_path(self) -> str:
         """The run's directory in the store (checkpoints, TensorBoard events)."""
         return self.store.run_path(self.run_id)
+
+    def launch(self, task: Callable[[Any], Any], **options: Any) -> List[Any]:
+        """Run ``task`` on the fit's ranks, in generations when the fit is elastic; results in
+        rank order (``options``: :func:`~sparktrain.launch.barrier.run_barrier`'s)."""
+        return run_elastic(self.spark, self.elastic, task, on_progress=self.progress.update,
+                           **options)
 
     @contextmanager
     def shipped(self, payload: bytes) -> Iterator[Tuple[StoredBytes, Dict[str, Any]]]:
@@ -122,7 +131,7 @@ class FitRun:
             stored.delete()
 
 
-class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
+class EstimatorBase(Estimator, EstimatorParams, ElasticParams, MLWritable, MLReadable):
     """Framework-independent ``fit``; see the module docstring."""
 
     #: backend name -> ("module:Class", requirement), set by each framework's estimator
@@ -194,6 +203,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
             value = self.getOrDefault(name)
             if value is None or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        self.elastic_plan()  # min_num_proc within [1, num_proc]
         for name in ("val_batch_size", "train_steps_per_epoch", "validation_steps_per_epoch",
                      "max_attempts"):
             value = self.getOrDefault(name)
@@ -261,7 +271,8 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         if self.getMixedPrecision() == "fp16" and not use_gpu:
             raise ValueError("mixed_precision='fp16' needs GPU ranks (CPU autocast supports "
                              "bfloat16 only); use mixed_precision='bf16' or train on GPUs")
-        check_slots(spark, self.getNumProc())
+        elastic = self.elastic_plan()
+        check_slots(spark, elastic.min_num_proc)
         with _FitLogging(self.getVerbose()):
             run_preflight(self, dataset, specs)
         check_executors(spark, self._executor_modules(),
@@ -289,7 +300,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
             data = materialize(dataset, store, specs, validation, self.getRandomSeed(),
                                variable_length=self.getTransformationFn() is not None)
             result = self._train(FitRun(dataset.sparkSession, data, store, use_gpu, run_id,
-                                        progress, time.time()))
+                                        progress, time.time(), elastic))
             listener.trained(result)
             progress.close()
             log.info("fit done in %.1fs (materialize %.1fs%s); run %s", time.perf_counter() - started,

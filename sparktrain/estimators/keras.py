@@ -34,7 +34,8 @@ from sparktrain.estimators.keywords import EstimatorKeywords, keyword_params
 from sparktrain.estimators.keras_saving import keras_module as _keras, load_model as _load_model, \
     loading_objects, model_bytes as _model_bytes, model_shapes
 from sparktrain.launch import KERAS_BACKENDS, load_backend
-from sparktrain.launch.barrier import RankContext, run_barrier
+from sparktrain.launch.barrier import RankContext
+from sparktrain.launch.elastic import for_rank
 from sparktrain.launch.environment import rank_environment
 from sparktrain.launch.tf_protocol import KerasTrainSpec
 from sparktrain.model_files import ModelFile
@@ -167,9 +168,19 @@ class KerasEstimator(EstimatorBase, KerasParams):
         return load_strategy(KERAS_STRATEGIES, self.getStrategy())
 
     def _check_strategy(self) -> Dict[str, Any]:
-        """``strategy``, its params, ``num_proc`` and ``backend`` fit together (the strategy
-        class says); the options the ranks get."""
-        return self._strategy_class().check(
+        """``strategy``, its params, ``num_proc``, ``min_num_proc`` and ``backend`` fit
+        together (the strategy class says); the options the ranks get."""
+        strategy = self._strategy_class()
+        if self.elastic_plan().elastic:
+            if self.getBackend() == "tfos":
+                raise ValueError("min_num_proc < num_proc (elastic training) needs "
+                                 "backend='tensorflow': TensorFlowOnSpark's cluster is "
+                                 "reserved once with num_proc nodes for the whole fit")
+            if not strategy.elastic:
+                raise ValueError(f"min_num_proc < num_proc (elastic training) is not "
+                                 f"available with strategy={self.getStrategy()!r}: "
+                                 f"{strategy.not_elastic_note}")
+        return strategy.check(
             self.getStrategy(), self.getBackend(), self.getNumProc(),
             {name: self.getOrDefault(name) for name in STRATEGY_PARAMS})
 
@@ -212,16 +223,15 @@ class KerasEstimator(EstimatorBase, KerasParams):
             strategy_options=self._check_strategy())
         compat.warn_ignored(self, ignored)
         launch = dict(description=f"sparktrain KerasEstimator {self.uid}",
-                      echo_logs=self.getVerbose() >= 1, on_progress=run.progress.update,
-                      max_attempts=self.getMaxAttempts())
+                      echo_logs=self.getVerbose() >= 1, max_attempts=self.getMaxAttempts())
         backend = load_backend(KERAS_BACKENDS, self.getBackend())
         with run.shipped(self._payload()) as (payload, where):
             if getattr(backend, "launches_itself", False):  # tfos: starts its own cluster
                 return backend.launch(run.spark, self.getNumProc(), spec, payload, run.use_gpu,
-                                      **launch, **where)
+                                      on_progress=run.progress.update, **launch, **where)
             task = functools.partial(_keras_rank, spec, dumps(self._strategy_class()), payload,
                                      run.use_gpu)
-            results = run_barrier(run.spark, self.getNumProc(), task, **launch, **where)
+            results = run.launch(task, **launch, **where)
         return results[0]
 
     def _check_session(self, spark: SparkSession) -> None:
@@ -281,7 +291,8 @@ def _keras_rank(spec: KerasTrainSpec, strategy: bytes, payload: Any, use_gpu: bo
     ``KerasStrategy`` class, which decides the task's role in the TensorFlow cluster)."""
     backend = load_backend(KERAS_BACKENDS, spec.backend)
     with rank_environment(spec.backend_env):  # the Keras worker process inherits it
-        return backend.run(ctx, spec, payload.value, use_gpu, cloudpickle.loads(strategy))
+        return backend.run(ctx, for_rank(spec, ctx), payload.value, use_gpu,
+                           cloudpickle.loads(strategy))
 
 
 class KerasModel(ModelBase):

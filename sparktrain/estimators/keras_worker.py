@@ -37,6 +37,7 @@ from sparktrain.estimators.keras_batch import batch_tensors, forward_stats, per_
     resolve_metrics
 from sparktrain.estimators.keras_inputs import keras_inputs
 from sparktrain.estimators.keras_saving import loading_objects
+from sparktrain.launch.elastic import REGROUP, Regroup
 from sparktrain.launch.faults import user_code, user_error_source
 from sparktrain.model_files import ModelFile
 from sparktrain.launch.tf_protocol import ERROR_FILE, PAYLOAD_FILE, \
@@ -302,7 +303,10 @@ def main(workdir: str) -> int:
         if spec.role:  # serves the strategy's cluster until its task kills it
             payload["strategy"](spec).serve(payload, workdir)
             return 0
-        result = train(spec, payload, workdir)
+        try:
+            result = train(spec, payload, workdir)
+        except Regroup:  # an elastic fit's generation ends after this epoch's checkpoint
+            result = REGROUP
         with open(os.path.join(workdir, RESULT_FILE), "wb") as f:
             pickle.dump(result, f)
         return 0

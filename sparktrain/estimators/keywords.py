@@ -66,6 +66,8 @@ class EstimatorKeywords(TypedDict, total=False):
     mixed_precision: Optional[str]
     max_time: Optional[float]
     max_attempts: Optional[int]
+    min_num_proc: Optional[int]
+    elastic_batch: Optional[str]
     label_shapes: Optional[List[List[int]]]
     loss_weights: Optional[List[float]]
     gradient_compression: Any

@@ -38,7 +38,7 @@ from sparktrain.estimators.torch_model import TorchModel, predict_device  # noqa
 from sparktrain.estimators.torch_schedule import check_scheduler
 from sparktrain.fine_tuning_params import ForwardParams, SchedulerParams
 from sparktrain.launch import TORCH_BACKENDS, load_backend
-from sparktrain.launch.barrier import RankContext, run_barrier
+from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.environment import rank_environment
 from sparktrain.model_files import ModelFile
 from sparktrain.params import TorchParams
@@ -389,12 +389,10 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
             f"{run.run_path}/_launch/weights-{uuid.uuid4().hex[:8]}.pt", run.store.storage_options)
         try:
             with run.shipped(self._payload(weights)) as (payload, where):
-                results = run_barrier(run.spark, self.getNumProc(),
-                                      functools.partial(_train_rank, spec, payload),
-                                      description=f"sparktrain TorchEstimator {self.uid}",
-                                      echo_logs=self.getVerbose() >= 1,
-                                      on_progress=run.progress.update,
-                                      max_attempts=self.getMaxAttempts(), **where)
+                results = run.launch(functools.partial(_train_rank, spec, payload),
+                                     description=f"sparktrain TorchEstimator {self.uid}",
+                                     echo_logs=self.getVerbose() >= 1,
+                                     max_attempts=self.getMaxAttempts(), **where)
         finally:
             if weights is not None:
                 weights.delete()

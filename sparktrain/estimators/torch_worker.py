@@ -39,6 +39,7 @@ from sparktrain.estimators.torch_losses import build_losses, named_metrics
 from sparktrain.estimators.torch_schedule import Schedule
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
+from sparktrain.launch.elastic import for_rank
 from sparktrain.launch.faults import mark_user_error, user_code
 from sparktrain.launch.gpus import rank_gpu
 from sparktrain.loop_spec import LoopSpec
@@ -408,6 +409,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     Resumes from the run's latest checkpoint when there is one (a retried attempt, or a fit
     with the ``run_id`` of an earlier run); rank 0 writes a checkpoint after every epoch.
     """
+    spec = for_rank(spec, ctx)  # an elastic generation's batch size
     if spec.seed is not None:
         torch.manual_seed(spec.seed)
         np.random.seed(spec.seed)

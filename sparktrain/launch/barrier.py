@@ -76,6 +76,7 @@ class RankContext:
     barrier: Any = field(repr=False)  # the pyspark BarrierTaskContext
     client: Optional[RankEvents] = field(default=None, repr=False)
     attempt: int = 0  # 0 on the first run of the stage, n on Spark's n-th retry
+    generation: Any = None  # an elastic fit's generation (sparktrain.launch.elastic)
 
     def log(self, text: str) -> None:
         """Send ``text`` to the client's log as ``[rank N] text``."""
@@ -151,7 +152,8 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
                 description: str = "sparktrain", echo_logs: bool = True,
                 on_progress: Optional[Callable[[Dict[str, Any]], None]] = None,
                 max_attempts: Optional[int] = None, workdir: Optional[str] = None,
-                storage_options: Optional[Dict[str, Any]] = None) -> List[Any]:
+                storage_options: Optional[Dict[str, Any]] = None,
+                tag: Optional[str] = None) -> List[Any]:
     """Run ``task(RankContext)`` in ``num_proc`` barrier tasks; results in rank order.
 
     ``task`` must be picklable with plain values only (no SparkSession, no ``self``). A failed
@@ -159,15 +161,16 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
     (default and upper bound: ``spark.stage.maxConsecutiveAttempts``). ``workdir`` is a
     directory in the store that the client and the executors both reach (default: under the
     default local store, which suits local masters); the launch's events and large results
-    pass through it and are deleted after. Raises :class:`TrainingError` with the first
-    failing rank's traceback.
+    pass through it and are deleted after. ``tag``: the Spark job tag (default: a new one),
+    for a caller that cancels the job itself (:mod:`.elastic`). Raises :class:`TrainingError`
+    with the first failing rank's traceback.
     """
     if num_proc < 1:
         raise ValueError(f"num_proc must be >= 1, got {num_proc}")
     check_slots(spark, num_proc)
     spark_limit = stage_attempts(spark)
     attempts = min(max_attempts or spark_limit, spark_limit)
-    tag = f"sparktrain-{uuid.uuid4().hex[:12]}"
+    tag = tag or f"sparktrain-{uuid.uuid4().hex[:12]}"
     launch_dir = f"{(workdir or Store.create(None).path('launches')).rstrip('/')}/{tag}"
     gave_up = threading.Event()
     reported: set = set()  # attempts already logged: one line per failed attempt
@@ -213,8 +216,10 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
                     if isinstance(exc, KeyboardInterrupt):
                         raise
                     watcher.poll()
-                    raise _training_error(watcher.first_error(), exc,
-                                          max(1, watcher.failed_attempts())) from None
+                    error = _training_error(watcher.first_error(), exc,
+                                            max(1, watcher.failed_attempts()))
+                    error.user_error = watcher.user_error()
+                    raise error from None
             results = {row["rank"]: _load_result(row, fs) for row in rows}
     finally:
         try:

@@ -212,6 +212,10 @@ class EventWatcher:
         _, attempt, rank, text, _ = min(self.errors, key=lambda e: (e[1], e[0]))
         return rank, text
 
+    def user_error(self) -> bool:
+        """Whether a rank reported an error in the user's code (``fatal``: never retried)."""
+        return any(error[4] for error in self.errors)
+
     def failed_attempts(self) -> int:
         """How many attempts failed: had a rank report an error, or ended silently before
         ranks gave up (``attempts_failed`` in their report)."""

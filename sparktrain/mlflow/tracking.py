@@ -93,6 +93,13 @@ class FitTracker(FitListener):
             step, stamp = int(event["epoch"]), int(time.time() * 1000)
             logs = dict(event.get("logs") or {})
             self.sender.submit(lambda: self._metrics(logs, step, stamp))
+        elif kind == "membership" and int(event.get("generation", 0)):
+            # an elastic fit's generation change: when, why, from how many ranks to how many
+            key = f"sparktrain.elastic.generation_{int(event['generation'])}"
+            text = (f"{event.get('from')} -> {event.get('to')} ranks at "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(event.get('time')))}: "
+                    f"{event.get('reason')}")
+            self.sender.submit(lambda: self.client.set_tag(self.run_id, key, text[:5000]))
         elif kind == "start" and int(event.get("first", 0)):
             first = int(event["first"])
             self.sender.submit(lambda: self.client.set_tag(

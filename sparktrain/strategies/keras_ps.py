@@ -56,6 +56,10 @@ class ParameterServer(KerasStrategy):
     backends_note = ("TensorFlowOnSpark runs its ps nodes in a forked process stopped through "
                      "its driver-side shutdown, which sparktrain replaces (see the README)")
     params = {"num_ps": "parameter servers"}
+    elastic = False
+    not_elastic_note = ("its tasks' roles (chief, workers, num_ps parameter servers holding the "
+                        "variables) are fixed for the fit; a lost parameter server takes its "
+                        "variables with it. Use strategy='multi_worker_mirrored'")
 
     @classmethod
     def check(cls, name: str, backend: str, num_proc: int,

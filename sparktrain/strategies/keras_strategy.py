@@ -59,6 +59,10 @@ class KerasStrategy:
     backends_note: str = ""
     #: KerasEstimator params of its own -> what they set up ("parameter servers")
     params: Dict[str, str] = {}
+    #: whether it trains with any number of ranks from one generation to the next
+    #: (``min_num_proc < num_proc``, :mod:`sparktrain.launch.elastic`); else why not
+    elastic: bool = True
+    not_elastic_note: str = ""
 
     def __init__(self, spec: KerasTrainSpec) -> None:
         self.spec = spec
