@@ -197,6 +197,9 @@ def faults(spark, workdir: str) -> Dict[str, Any]:
         linear_estimator(store, num_proc=3).fit(df)
     except RuntimeError as error:
         found["slots"] = {"message": str(error), "seconds": time.time() - started}
+    # elastic: the same num_proc=3 starts at once with the 2 slots the server has
+    elastic = linear_estimator(store, num_proc=3, min_num_proc=2, epochs=2).fit(df)
+    found["elastic_num_proc"] = elastic.getHistory()["num_proc"]
 
     import keras
 

@@ -73,6 +73,7 @@ def test_faults_over_connect_without_executors_reaching_the_client(connect_url, 
     assert "num_proc=3 needs 3 task slots" in slots["message"]
     assert "the cluster has 2" in slots["message"] and "local[3]" in slots["message"]
     assert slots["seconds"] < 10
+    assert found["elastic_num_proc"] == [2, 2]
     tfos = found["tfos"]
     assert "backend='tensorflow'" in tfos["message"] and "Spark Connect" in tfos["message"]
     assert tfos["seconds"] < 10

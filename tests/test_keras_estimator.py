@@ -111,7 +111,7 @@ def test_failing_worker_surfaces_its_traceback(spark, store, regression_df):
 
 
 def test_keras_input_checks_run_before_launch(store, regression_df, monkeypatch):
-    monkeypatch.setattr("sparktrain.estimators.keras.run_barrier",
+    monkeypatch.setattr("sparktrain.estimators.base.run_elastic",
                         lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
     net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     with pytest.raises(TypeError, match="model must be a keras.Model"):
@@ -123,6 +123,15 @@ def test_keras_input_checks_run_before_launch(store, regression_df, monkeypatch)
     with pytest.raises(TypeError, match="optimizer must be a keras optimizer"):
         KerasEstimator(num_proc=2, model=net, optimizer=3, loss="mse",
                        feature_cols=["features"], store=store).fit(regression_df)
+    # elastic training: not with fixed roles (parameter servers) or TFoS's reserved cluster
+    with pytest.raises(ValueError, match="not available with strategy='parameter_server': its "
+                                         "tasks' roles"):
+        KerasEstimator(num_proc=3, min_num_proc=2, model=net, optimizer="sgd", loss="mse",
+                       strategy="parameter_server", feature_cols=["features"],
+                       store=store).fit(regression_df)
+    with pytest.raises(ValueError, match="needs backend='tensorflow': TensorFlowOnSpark"):
+        KerasEstimator(num_proc=3, min_num_proc=2, model=net, optimizer="sgd", loss="mse",
+                       backend="tfos", feature_cols=["features"], store=store).fit(regression_df)
 
 
 @pytest.mark.slow  # Keras: TensorFlow rank processes of their own
@@ -179,17 +188,20 @@ def words_to_tokens(batch):
 @pytest.mark.slow  # Keras: TensorFlow rank processes of their own
 def test_dict_of_named_inputs_fits_and_transforms(spark, store):
     """Inputs by name, one of them made by transformation_fn from a text column (learned on
-    the driver): transform reads the text again."""
+    the driver): transform reads the text again. Also an elastic fit (num_proc=3 on local[2]):
+    it starts at once with the 2 slots there are, each rank taking 3/2 of the batch."""
     rng = np.random.default_rng(4)
     rows = [(" ".join(WORDS[i] for i in rng.integers(0, 10, size=6)),
              rng.normal(size=3).tolist(), float(rng.normal())) for _ in range(64)]
     df = spark.createDataFrame(rows, "text string, numbers array<double>, y double")
     keras.utils.set_random_seed(4)
-    est = KerasEstimator(num_proc=2, model=_named_inputs_model(), optimizer="adam", loss="mse",
-                         feature_cols=["tokens", "numbers"], label_cols=["y"], batch_size=16,
-                         epochs=2, store=store, verbose=0, transformation_fn=words_to_tokens)
+    est = KerasEstimator(num_proc=3, min_num_proc=2, model=_named_inputs_model(),
+                         optimizer="adam", loss="mse", feature_cols=["tokens", "numbers"],
+                         label_cols=["y"], batch_size=16, epochs=2, store=store, verbose=0,
+                         transformation_fn=words_to_tokens)
     model = est.fit(df)
     assert all(np.isfinite(model.getHistory()["loss"]))
+    assert model.getHistory()["num_proc"] == [2.0, 2.0]
     assert [c.name for c in model._input_specs()] == ["numbers", "text"]
     # one partition: one Python worker starts TensorFlow to predict, not two side by side
     out = model.transform(df.select("text", "numbers").coalesce(1)).select("y__output") \

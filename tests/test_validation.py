@@ -15,7 +15,7 @@ def no_training(monkeypatch):
     """Fail the test if a barrier (training) job would be launched."""
     def refuse(*args, **kwargs):
         raise AssertionError("a training job was launched for invalid input")
-    monkeypatch.setattr("sparktrain.estimators.torch.run_barrier", refuse)
+    monkeypatch.setattr("sparktrain.estimators.base.run_elastic", refuse)
 
 
 @pytest.fixture
@@ -62,6 +62,9 @@ SCHEMA_CASES = [
     (dict(feature_cols=["features"], label_cols=["features"]), "appear more than once"),
     (dict(use_gpu=True), "use_gpu=True but Spark gives tasks no GPUs: set "
                          "spark.task.resource.gpu.amount=1"),
+    (dict(min_num_proc=3), "min_num_proc must be between 1 and num_proc=2, got 3"),
+    (dict(num_proc=4, min_num_proc=3), r"min_num_proc=3 needs 3 task slots .* the cluster has "
+                                       r"2 \(master local\[2\]\)"),
 ]
 
 
@@ -70,7 +73,7 @@ def test_schema_and_param_errors_run_no_spark_job(spark, store, regression_df, n
                                                   spark_jobs, overrides, message):
     df = regression_df.withColumn("name", F.lit("a")).withColumn("label2", F.col("label"))
     with spark_jobs:
-        with pytest.raises((ValueError, TypeError), match=message):
+        with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
             estimator(store, **overrides).fit(df)
     assert spark_jobs.count() == 0
 

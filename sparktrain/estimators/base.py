@@ -272,7 +272,8 @@ class EstimatorBase(Estimator, EstimatorParams, ElasticParams, MLWritable, MLRea
             raise ValueError("mixed_precision='fp16' needs GPU ranks (CPU autocast supports "
                              "bfloat16 only); use mixed_precision='bf16' or train on GPUs")
         elastic = self.elastic_plan()
-        check_slots(spark, elastic.min_num_proc)
+        check_slots(spark, elastic.min_num_proc,
+                    name="min_num_proc" if elastic.elastic else "num_proc")
         with _FitLogging(self.getVerbose()):
             run_preflight(self, dataset, specs)
         check_executors(spark, self._executor_modules(),

@@ -110,10 +110,11 @@ def _slot_hint(spark: SparkSession, num_proc: int) -> str:
             f"enough")
 
 
-def check_slots(spark: SparkSession, num_proc: int,
-                wait_seconds: Optional[float] = None) -> Optional[int]:
+def check_slots(spark: SparkSession, num_proc: int, wait_seconds: Optional[float] = None,
+                name: str = "num_proc") -> Optional[int]:
     """Fail if fewer than ``num_proc`` barrier tasks can run at once; returns the slot count
-    (``None`` where the cluster cannot say: then Spark's own barrier check decides).
+    (``None`` where the cluster cannot say: then Spark's own barrier check decides). ``name``:
+    the param the error names (an elastic fit checks ``min_num_proc``).
 
     On a classic session with a cluster master, waits up to ``wait_seconds`` for executors to
     register first; local masters have all their slots from the start and are not waited for.
@@ -135,9 +136,9 @@ def check_slots(spark: SparkSession, num_proc: int,
     if slots < num_proc:
         waited = f", waited {wait_seconds:g}s for executors" if wait_seconds else ""
         raise RuntimeError(
-            f"num_proc={num_proc} needs {num_proc} task slots running at the same time (Spark "
+            f"{name}={num_proc} needs {num_proc} task slots running at the same time (Spark "
             f"barrier mode), but the cluster has {slots} (master {master(spark)}{waited}). "
-            f"Lower num_proc to {max(slots, 1)} or {_slot_hint(spark, num_proc)}."
+            f"Lower {name} to {max(slots, 1)} or {_slot_hint(spark, num_proc)}."
             + ("" if is_local_master(spark) or is_remote(spark) else
                f" ({SLOT_WAIT_CONF} sets how long to wait for executors.)"))
     return slots
@@ -153,7 +154,7 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
                 on_progress: Optional[Callable[[Dict[str, Any]], None]] = None,
                 max_attempts: Optional[int] = None, workdir: Optional[str] = None,
                 storage_options: Optional[Dict[str, Any]] = None,
-                tag: Optional[str] = None) -> List[Any]:
+                tag: Optional[str] = None, when_exhausted: str = "giving up") -> List[Any]:
     """Run ``task(RankContext)`` in ``num_proc`` barrier tasks; results in rank order.
 
     ``task`` must be picklable with plain values only (no SparkSession, no ``self``). A failed
@@ -162,7 +163,8 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
     directory in the store that the client and the executors both reach (default: under the
     default local store, which suits local masters); the launch's events and large results
     pass through it and are deleted after. ``tag``: the Spark job tag (default: a new one),
-    for a caller that cancels the job itself (:mod:`.elastic`). Raises :class:`TrainingError`
+    for a caller that cancels the job itself (:mod:`.elastic`); ``when_exhausted``: what the
+    log line of the last attempt's failure says happens next. Raises :class:`TrainingError`
     with the first failing rank's traceback.
     """
     if num_proc < 1:
@@ -187,8 +189,8 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
             cancel_tag(spark, tag)
         elif attempt + 1 >= attempts:
             gave_up.set()
-            log.error("rank %d failed on attempt %d of %d: %s; giving up", rank, attempt + 1,
-                      attempts, last)
+            log.error("rank %d failed on attempt %d of %d: %s; %s", rank, attempt + 1,
+                      attempts, last, when_exhausted)
             cancel_tag(spark, tag)
         else:
             log.warning("rank %d failed on attempt %d of %d: %s; Spark re-runs all ranks, "

@@ -246,7 +246,8 @@ def run_elastic(spark: Any, plan: ElasticPlan, task: Callable[[Any], Any],
             try:
                 with watch:
                     results = launch(ranks, functools.partial(_in_generation, task, generation),
-                                     max_attempts=1, tag=tag)
+                                     max_attempts=1, tag=tag,
+                                     when_exhausted="its generation of the elastic fit ends")
             except TrainingError as error:
                 if error.user_error:
                     raise

@@ -171,8 +171,12 @@ class TorchDDP:
         # buffer, frozen ones included (torch's DistributedDataParallel docs); a torch without
         # the option broadcasts, which costs memory, not correctness
         skip = not broadcast and "init_sync" in _DDP_OPTIONS
+        # torch >= 2.13 renamed the per-forward half of broadcast_buffers forward_sync_buffers
+        # (and deprecated the old name); init_sync above decides the start
+        sync = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_OPTIONS \
+            else "broadcast_buffers"
         ddp = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=ids, broadcast_buffers=has_state_buffers(model),
+            model, device_ids=ids, **{sync: has_state_buffers(model)},
             **({"init_sync": False} if skip else {}))
         if compression == "fp16":
             # PyTorch's built-in DDP communication hook: casts each gradient bucket to float16,

@@ -1,0 +1,212 @@
+"""Elastic fits on a Spark standalone cluster on loopback that gains and loses machines, run by
+tests/test_elastic_cluster.py in a process of its own (one SparkContext per process):
+
+    python tests/elastic_cluster.py WORKDIR      # prints "RESULT {json}" last
+
+* ``ddp``: ``num_proc=3, min_num_proc=2`` on 2 one-core Workers: the fit starts with 2 ranks;
+  a third Worker is started after epoch 1 and the fit grows to 3; once an epoch ran on 3 ranks
+  a Worker is SIGKILLed with its executor (a machine lost for good) and the fit finishes on 2.
+* ``too_few``: ``min_num_proc=3`` on the 2 Workers left fails at once, with the counts.
+* ``horovod`` and ``fsdp``: back to 3 Workers, each through one shrink (a Worker killed after
+  epoch 1).
+
+Epochs are paced by a callback (1 s each, until the changes a scenario waits for happened) so
+that the changes land mid-fit; a thread here watches the run's checkpoints, as an operator
+watches a dashboard, to act at the right epoch.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+from standalone import StandaloneCluster  # noqa: E402
+
+from sparktrain.callbacks import Callback  # noqa: E402
+
+
+class Pace(Callback):
+    """Makes every epoch last at least ``seconds`` (the data is tiny) until the file ``until``
+    exists (the scenario saw all it waited for: the rest trains at full speed)."""
+
+    def __init__(self, seconds: float, until: str) -> None:
+        self.seconds, self.until = seconds, until
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not os.path.exists(self.until):
+            time.sleep(self.seconds)
+        return False
+
+
+class Changes(logging.Handler):
+    """Times of sparktrain's log lines in the driver (membership changes, ranks' lines);
+    writes ``done`` once a line holds ``done_at`` (the pacing then stops)."""
+
+    def __init__(self, done: str) -> None:
+        super().__init__()
+        self.seen, self.done, self.done_at = [], done, None
+
+    def emit(self, record):
+        line = record.getMessage()
+        self.seen.append((time.time(), line))
+        if self.done_at and self.done_at in line:
+            open(self.done, "w").close()
+
+    def after(self, since: float, text: str):
+        """Seconds from ``since`` to the first line holding ``text`` after it (or None)."""
+        return next((t - since for t, line in self.seen if t > since and text in line), None)
+
+
+def latest(store: str, run_id: str):
+    from sparktrain.checkpoint import Checkpoints
+    from sparktrain.data.store import Store
+
+    return Checkpoints(Store.create(store).run_path(run_id)).latest()
+
+
+def act_when(store: str, run_id: str, ready, action, deadline: float = 300.0) -> threading.Thread:
+    """Run ``action()`` once the run's latest checkpoint satisfies ``ready(checkpoint)``."""
+    def watch():
+        stop = time.time() + deadline
+        while time.time() < stop:
+            found = latest(store, run_id)
+            if found is not None and ready(found):
+                action()
+                return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def estimator(store: str, run_id: str, epochs: int, paced_until: str, **params):
+    import torch
+
+    from sparktrain import TorchEstimator
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 1)
+    settings = dict(num_proc=3, min_num_proc=2, model=net,
+                    optimizer=torch.optim.SGD(net.parameters(), lr=0.02), loss=torch.nn.MSELoss(),
+                    feature_cols=["features"], label_cols=["label"], batch_size=16,
+                    epochs=epochs, random_seed=0, store=store, run_id=run_id,
+                    callbacks=[Pace(1.0, paced_until)], verbose=1)
+    return TorchEstimator(**{**settings, **params})
+
+
+def recovery(changes: Changes, killed: float) -> dict:
+    """Seconds from a Worker's SIGKILL to the next generation and to its ranks training."""
+    return {"to_next_generation": changes.after(killed, "elastic generation"),
+            "to_training": changes.after(killed, "resuming from the checkpoint")}
+
+
+def num_proc_of(checkpoint) -> list:
+    return checkpoint.meta["history"].get("num_proc", [])
+
+
+def main(workdir: str) -> dict:
+    from pyspark.sql import functions as F
+
+    from sparktrain import local_spark
+    from sparktrain.spark_jvm import max_concurrent_tasks
+
+    found: dict = {}
+    done = os.path.join(workdir, "seen-it-all")
+    changes = Changes(done)
+    changes.done_at = "elastic generation 2:"  # the shrink, after the growth
+    logging.getLogger("sparktrain").addHandler(changes)
+    logging.getLogger("sparktrain").setLevel(logging.INFO)
+    store = os.path.join(workdir, "store")
+    with StandaloneCluster(workdir) as cluster:
+        cluster.add_worker()
+        cluster.add_worker()
+        spark = local_spark(cluster.url, "sparktrain-elastic", conf={
+            "spark.driver.host": "127.0.0.1", "spark.executor.memory": "640m",
+            "spark.sparktrain.slotWaitSeconds": "60",
+            "spark.sparktrain.elastic.growAfterSeconds": "2"})
+        features = F.array(*[F.randn(seed=i) for i in range(4)]).alias("features")
+        df = spark.range(0, 3000, 1, 3).select(features)
+        df = df.withColumn("label", F.expr(
+            "features[0] - 2 * features[1] + 0.5 * features[2] + 3 * features[3] + 0.5")
+            + 0.3 * F.randn(seed=9))  # noise: the loss settles near 0.09
+        df = df.cache()
+        df.count()
+
+        # -- ddp: start with fewer, grow, lose a machine, finish -------------------------------
+        grown = act_when(store, "ddp", lambda c: c.epochs_done >= 1,
+                         lambda: cluster.add_worker(wait=0))
+        killed = {}
+
+        def kill():
+            killed["at"] = time.time()
+            cluster.kill_worker(0)
+
+        lost = act_when(store, "ddp", lambda c: num_proc_of(c)[-1:] == [3.0], kill)
+        started = time.time()
+        model = estimator(store, "ddp", epochs=30, paced_until=done).fit(df)
+        found["ddp"] = {"history": model.getHistory(), "seconds": time.time() - started,
+                        "changes": [(t - started, text) for t, text in changes.seen
+                                    if "elastic" in text or "regroup" in text]}
+        grown.join(1)
+        lost.join(1)
+        if killed:
+            found["ddp"].update(killed_after=killed["at"] - started,
+                                **recovery(changes, killed["at"]))
+        found["ddp"]["attempts"] = latest(store, "ddp").meta["attempts"]
+        found["ddp"]["predicted"] = model.transform(df.limit(20)).count()
+
+        # -- too few slots: fail fast ------------------------------------------------------------
+        spark.conf.set("spark.sparktrain.slotWaitSeconds", "2")  # no executor is coming
+        started = time.time()
+        try:
+            estimator(store, "too_few", epochs=1, paced_until=done, num_proc=4,
+                      min_num_proc=3).fit(df)
+            found["too_few"] = {"error": None}
+        except Exception as exc:  # noqa: BLE001 - the message is the finding
+            found["too_few"] = {"error": str(exc), "seconds": time.time() - started}
+
+        # -- horovod and fsdp: one shrink each ---------------------------------------------------
+        for name, params in (("horovod", {"backend": "horovod"}), ("fsdp", {"strategy": "fsdp"})):
+            if name == "horovod":
+                try:
+                    import horovod.torch  # noqa: F401
+                except ImportError:
+                    found[name] = {"skipped": "horovod is not installed"}
+                    continue
+            alive = sum(worker is not None for worker in cluster.workers)
+            while alive < 3:
+                cluster.add_worker()
+                alive += 1
+            deadline = time.time() + 60  # their executors registered
+            while (max_concurrent_tasks(spark.sparkContext) or 0) < 3 and time.time() < deadline:
+                time.sleep(0.3)
+            victim = next(i for i, w in enumerate(cluster.workers) if w is not None)
+            marks = {}
+
+            def kill_one(victim=victim, marks=marks):
+                marks["at"] = time.time()
+                cluster.kill_worker(victim)
+
+            shrink = act_when(store, name, lambda c: c.epochs_done >= 1, kill_one)
+            started, changes.done_at = time.time(), "elastic generation 1:"
+            if os.path.exists(done):
+                os.remove(done)
+            model = estimator(store, name, epochs=3, paced_until=done, **params).fit(df)
+            shrink.join(1)
+            found[name] = {"history": model.getHistory(), "seconds": time.time() - started,
+                           "predicted": model.transform(df.limit(20)).count(),
+                           **(recovery(changes, marks["at"]) if marks else {})}
+        spark.stop()
+    return found
+
+
+if __name__ == "__main__":
+    result = main(sys.argv[1])
+    print("RESULT " + json.dumps(result), flush=True)

@@ -1,0 +1,103 @@
+"""A real Spark standalone cluster on loopback for tests: a Master and 1-core Workers started
+from the pyspark install with ``spark-class`` (as Horovod's own Spark tests do). Workers can be
+added and SIGKILLed while an application runs, as a cluster gains and loses machines; only the
+processes started here are stopped.
+
+Example::
+
+    with StandaloneCluster(tmp_path) as cluster:
+        cluster.add_worker(); cluster.add_worker()
+        spark = SparkSession.builder.master(cluster.url).getOrCreate()
+        ...
+        cluster.kill_worker(1)     # the Worker JVM, its executors and their Python workers
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StandaloneCluster:
+    """See the module docstring; ``worker_env``: environment added to every Worker's."""
+
+    def __init__(self, workdir, worker_env: Optional[Dict[str, str]] = None) -> None:
+        import pyspark
+
+        self.workdir = Path(workdir)
+        self.spark_home = os.path.dirname(pyspark.__file__)
+        self.port = free_port()
+        self.url = f"spark://127.0.0.1:{self.port}"
+        self.env = dict(os.environ, SPARK_HOME=self.spark_home, SPARK_LOCAL_IP="127.0.0.1",
+                        SPARK_LOG_DIR=str(self.workdir / "logs"), SPARK_NO_DAEMONIZE="1",
+                        **(worker_env or {}))
+        self.master: Optional[subprocess.Popen] = None
+        self.workers: List[Optional[subprocess.Popen]] = []
+
+    def _start(self, name: str, args: List[str], env: Dict[str, str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "w")
+        # a session of its own: killpg reaches the Worker's executors and their Python workers
+        return subprocess.Popen([os.path.join(self.spark_home, "bin", "spark-class"), *args],
+                                env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def start(self) -> "StandaloneCluster":
+        self.master = self._start("master", [
+            "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port",
+            str(self.port), "--webui-port", str(free_port())], self.env)
+        return self
+
+    def registered(self) -> int:
+        """Workers the Master has registered so far (its log's count)."""
+        path = self.workdir / "master.log"
+        return path.read_text(errors="replace").count("Registering worker") if path.exists() else 0
+
+    def add_worker(self, env: Optional[Dict[str, str]] = None, wait: float = 90.0) -> int:
+        """Start a 1-core Worker; with ``wait`` > 0, until the Master registered it. Its index."""
+        index, before = len(self.workers), self.registered()
+        self.workers.append(self._start(f"worker{index}", [
+            "org.apache.spark.deploy.worker.Worker", self.url, "--host", "127.0.0.1",
+            "--cores", "1", "--memory", "1g", "--webui-port", str(free_port())],
+            dict(self.env, SPARK_WORKER_DIR=str(self.workdir / f"work{index}"), **(env or {}))))
+        deadline = time.time() + wait
+        while wait > 0 and self.registered() <= before:
+            if time.time() > deadline:
+                raise AssertionError((self.workdir / "master.log").read_text()[-3000:])
+            time.sleep(0.3)
+        return index
+
+    def kill_worker(self, index: int) -> None:
+        """SIGKILL Worker ``index`` with its executors: a machine lost for good."""
+        proc = self.workers[index]
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        self.workers[index] = None
+
+    def stop(self) -> None:
+        started = [p for p in [*self.workers, self.master] if p is not None]
+        for proc in started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in started:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def __enter__(self) -> "StandaloneCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
