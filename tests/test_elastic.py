@@ -39,6 +39,17 @@ def test_the_global_batch_and_every_row_once_per_epoch_across_a_change():
     assert Generation(0, most, 2, "rank").batch_size(batch) == batch
 
 
+def test_scale_learning_rate_scales_by_the_global_batchs_ranks():
+    from types import SimpleNamespace
+
+    from sparktrain.launch.elastic import scaling_ranks
+
+    assert scaling_ranks(SimpleNamespace(generation=None), 3) == 3  # not elastic
+    keep = Generation(1, 4, 2, "global").to_json()
+    assert scaling_ranks(SimpleNamespace(generation=keep), 2) == 4
+    assert scaling_ranks(SimpleNamespace(generation=Generation(1, 4, 2, "rank").to_json()), 2) == 2
+
+
 def test_a_rank_trains_its_generations_batch(tmp_path):
     from sparktrain.loop_spec import LoopSpec
 

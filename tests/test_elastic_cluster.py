@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def found(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("elastic"))
     script = os.path.join(HERE, "elastic_cluster.py")
-    code = (f"import sys; sys.argv = [{script!r}, {workdir!r}]; "
+    code = (f"import sys; sys.argv = [{script!r}, {workdir!r}]; __file__ = {script!r}; "
             f"exec(compile(open({script!r}).read(), {script!r}, 'exec'))")
     result, _ = run_reporting_script(code, timeout=540)
     print(result)

@@ -37,7 +37,7 @@ from sparktrain.estimators.keras_batch import batch_tensors, forward_stats, per_
     resolve_metrics
 from sparktrain.estimators.keras_inputs import keras_inputs
 from sparktrain.estimators.keras_saving import loading_objects
-from sparktrain.launch.elastic import REGROUP, Regroup
+from sparktrain.launch.elastic import REGROUP, Regroup, scaling_ranks
 from sparktrain.launch.faults import user_code, user_error_source
 from sparktrain.model_files import ModelFile
 from sparktrain.launch.tf_protocol import ERROR_FILE, PAYLOAD_FILE, \
@@ -112,7 +112,8 @@ def _load(keras: Any, spec: KerasTrainSpec, payload: Dict[str, Any], custom: Dic
                 not hasattr(optimizer.learning_rate, "assign"):
             raise TypeError("scale_learning_rate needs a constant learning rate, not a "
                             "schedule; scale the schedule yourself")
-        optimizer.learning_rate = float(optimizer.learning_rate) * spec.world_size
+        optimizer.learning_rate = float(optimizer.learning_rate) * \
+            scaling_ranks(spec, spec.world_size)
     return model, optimizer
 
 

@@ -39,7 +39,7 @@ from sparktrain.estimators.torch_losses import build_losses, named_metrics
 from sparktrain.estimators.torch_schedule import Schedule
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
-from sparktrain.launch.elastic import for_rank
+from sparktrain.launch.elastic import for_rank, scaling_ranks
 from sparktrain.launch.faults import mark_user_error, user_code
 from sparktrain.launch.gpus import rank_gpu
 from sparktrain.loop_spec import LoopSpec
@@ -450,7 +450,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         resumed = driver.resume_bytes()
         state = restore(resumed, model, optimizer) if resumed is not None else {}
         if resumed is None and spec.scale_learning_rate:
-            factor = ctx.world_size * spec.backward_passes_per_step
+            factor = scaling_ranks(spec, ctx.world_size) * spec.backward_passes_per_step
             for group in optimizer.param_groups:
                 group["lr"] = group["lr"] * factor
         recompute = extras.get("activation_checkpointing")

@@ -110,6 +110,16 @@ def for_rank(spec: Any, ctx: Any) -> Any:
                    generation=generation.to_json())
 
 
+def scaling_ranks(spec: Any, world_size: int) -> int:
+    """The ranks ``scale_learning_rate`` multiplies the learning rate by: ``num_proc`` in an
+    elastic fit that keeps the global batch (the rate then fits every generation), else the
+    ranks training now."""
+    generation = Generation.from_json(getattr(spec, "generation", None))
+    if generation is not None and generation.batch == "global":
+        return generation.num_proc
+    return world_size
+
+
 @dataclass(frozen=True)
 class ElasticPlan:
     """The driver's rules: ``num_proc`` ranks at most, ``min_num_proc`` at least."""
