@@ -28,8 +28,9 @@ from the run's last checkpoint (an epoch boundary) with the ranks that can run n
   batch shrinks with the ranks; the learning rate is left alone).
 
 The slot count is Spark's own (``maxNumConcurrentTasks``) on a classic session. A Spark Connect
-client has none: it starts with what the cluster's settings promise and shrinks when a rank
-reports a lost peer; it does not see slots come back, so it does not grow.
+client has none: it starts with what the cluster's settings promise, and after a failed
+generation the next has one rank fewer (it cannot tell whether the slot came back); it does not
+grow.
 
 Example::
 
@@ -244,15 +245,20 @@ def run_elastic(spark: Any, plan: ElasticPlan, task: Callable[[Any], Any],
     fs.makedirs(local_root, exist_ok=True)
     max_failures = max_attempts or plan.max_failures
     failures, before, why, index = 0, 0, "start", 0
-    slots = (lambda: None) if is_remote(spark) else (lambda: task_slots(spark))
+    remote = is_remote(spark)
+    live = (lambda: None) if remote else (lambda: task_slots(spark))
+    most = plan.num_proc  # a Connect client cannot see slots return: each failure lowers it
     try:
         while True:
-            ranks = plan.ranks(task_slots(spark))
+            slots = task_slots(spark)
+            if remote:  # what the cluster's settings promise, less what failures took
+                slots = min(plan.num_proc if slots is None else slots, most)
+            ranks = plan.ranks(slots)
             generation = Generation(index, plan.num_proc, ranks, plan.batch,
                                     f"{root}/regroup-{index}", storage_options)
             _announce(generation, before, why, on_progress)
             tag = f"sparktrain-{uuid.uuid4().hex[:12]}"
-            watch = _SlotWatch(spark, plan, generation, tag, slots)
+            watch = _SlotWatch(spark, plan, generation, tag, live)
             try:
                 with watch:
                     results = launch(ranks, functools.partial(_in_generation, task, generation),
@@ -270,6 +276,8 @@ def run_elastic(spark: Any, plan: ElasticPlan, task: Callable[[Any], Any],
                                         failures) from None
                 log.warning("generation %d (%d ranks) failed: %s; the next starts from the last "
                             "checkpoint with the ranks that can run now", index, ranks, why)
+                if remote:
+                    most = max(plan.min_num_proc, ranks - 1)
             else:
                 if not results or results[0] != REGROUP:
                     return results
