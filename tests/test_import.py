@@ -128,7 +128,7 @@ LAYERS = (
                                    "sparktrain.estimators.keras_saving")),
     ("params", ("sparktrain.params", "sparktrain.param_converters", "sparktrain.param_accessors",
                 "sparktrain.compat", "sparktrain.persistence", "sparktrain.session",
-                "sparktrain.fine_tuning_params")),
+                "sparktrain.fine_tuning_params", "sparktrain.elastic_params")),
     ("estimators", ("sparktrain.estimators",)),
     ("plug-ins", ("sparktrain.mlflow",)),
 )
