@@ -111,7 +111,7 @@ def test_failing_worker_surfaces_its_traceback(spark, store, regression_df):
 
 
 def test_keras_input_checks_run_before_launch(store, regression_df, monkeypatch):
-    monkeypatch.setattr("sparktrain.estimators.base.run_elastic",
+    monkeypatch.setattr("sparktrain.estimators.fit_run.run_elastic",
                         lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
     net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     with pytest.raises(TypeError, match="model must be a keras.Model"):

@@ -15,7 +15,7 @@ def no_training(monkeypatch):
     """Fail the test if a barrier (training) job would be launched."""
     def refuse(*args, **kwargs):
         raise AssertionError("a training job was launched for invalid input")
-    monkeypatch.setattr("sparktrain.estimators.base.run_elastic", refuse)
+    monkeypatch.setattr("sparktrain.estimators.fit_run.run_elastic", refuse)
 
 
 @pytest.fixture

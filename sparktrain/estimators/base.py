@@ -15,8 +15,7 @@ import logging
 import time
 import uuid
 import warnings
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from contextlib import ExitStack
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import cloudpickle
@@ -34,15 +33,15 @@ from sparktrain.data.materialize import MaterializedDataset, lease_seconds, mate
 from sparktrain.data.run_lock import run_lock
 from sparktrain.data.schema import ARRAY, BINARY, IMAGE, RAW_KINDS, STRING, VARLEN, \
     VECTOR, ColumnSpec, check_validation_column, column_spec, training_columns
-from sparktrain.data.store import Store, StoredBytes
+from sparktrain.data.store import Store
 from sparktrain.elastic_params import ElasticParams
 from sparktrain.estimators.prediction import as_model_input, feature_expr as _feature_expr, \
     output_series, predict_columns, series_to_numpy, series_values  # noqa: F401 - re-exported
+from sparktrain.estimators.fit_run import FitRun
 from sparktrain.estimators.preflight import run_preflight, transformation_columns
 from sparktrain.fit_hooks import FitListener, fit_hooks
 from sparktrain.launch import check_backend
 from sparktrain.launch.barrier import check_slots
-from sparktrain.launch.elastic import ElasticPlan, run_elastic
 from sparktrain.launch.executor_env import RANK_MODULES, check_executors
 from sparktrain.launch.gpus import check_gpu_conf
 from sparktrain.model_files import ModelFile
@@ -88,47 +87,6 @@ class _FitLogging:
         if self.handler is not None:
             log.removeHandler(self.handler)
             log.setLevel(self._level)
-
-
-@dataclass
-class FitRun:
-    """Everything one fit's launch needs, decided on the driver before training starts."""
-
-    spark: SparkSession
-    data: MaterializedDataset
-    store: Store
-    use_gpu: bool
-    run_id: str
-    progress: FitProgress
-    started: float  # time.time() when fit began: max_time counts from here, across retries
-    elastic: ElasticPlan  # how many ranks (num_proc, min_num_proc: launch.elastic)
-    # one fit, whatever its attempts: an early stop it checkpointed holds for its retries only
-    fit_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-    @property
-    def run_path(self) -> str:
-        """The run's directory in the store (checkpoints, TensorBoard events)."""
-        return self.store.run_path(self.run_id)
-
-    def launch(self, task: Callable[[Any], Any], **options: Any) -> List[Any]:
-        """Run ``task`` on the fit's ranks, in generations when the fit is elastic; results in
-        rank order (``options``: :func:`~sparktrain.launch.barrier.run_barrier`'s)."""
-        return run_elastic(self.spark, self.elastic, task, on_progress=self.progress.update,
-                           **options)
-
-    @contextmanager
-    def shipped(self, payload: bytes) -> Iterator[Tuple[StoredBytes, Dict[str, Any]]]:
-        """``payload`` (the pickled model, optimizer, loss...) written to the run's directory
-        in the store for the ranks to read, and the :func:`~sparktrain.launch.barrier.
-        run_barrier` options that put the launch's events next to it; both deleted after."""
-        workdir = f"{self.run_path}/_launch"
-        options = self.store.storage_options
-        stored = StoredBytes.put(f"{workdir}/payload-{uuid.uuid4().hex[:8]}.pkl", payload,
-                                 options)
-        try:
-            yield stored, {"workdir": workdir, "storage_options": options}
-        finally:
-            stored.delete()
 
 
 class EstimatorBase(Estimator, EstimatorParams, ElasticParams, MLWritable, MLReadable):

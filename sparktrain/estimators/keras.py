@@ -28,7 +28,8 @@ from pyspark.sql import SparkSession
 from sparktrain import compat
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.materialize import MaterializedDataset
-from sparktrain.estimators.base import EstimatorBase, FitRun, ModelBase
+from sparktrain.estimators.base import EstimatorBase, ModelBase
+from sparktrain.estimators.fit_run import FitRun
 from sparktrain.estimators.keras_inputs import in_feature_order, keras_inputs
 from sparktrain.estimators.keywords import EstimatorKeywords, keyword_params
 from sparktrain.estimators.keras_saving import keras_module as _keras, load_model as _load_model, \

@@ -30,7 +30,8 @@ from pyspark import keyword_only
 from sparktrain import compat
 from sparktrain.checkpoint import Checkpoints
 from sparktrain.data.materialize import MaterializedDataset
-from sparktrain.estimators.base import EstimatorBase, FitRun
+from sparktrain.estimators.base import EstimatorBase
+from sparktrain.estimators.fit_run import FitRun
 from sparktrain.estimators.keywords import EstimatorKeywords, keyword_params
 from sparktrain.estimators.torch_forward import takes_labels
 # TorchModel (and predict_device): importable from here as before
