@@ -258,10 +258,10 @@ def test_keras_worker_process_trains_checkpoints_and_resumes(dataset, tmp_path):
                                                         1, {}),
         run_path=run, rank=0, world_size=1)
 
-    def fit(epochs: int, workdir: str):
+    def fit(epochs: int, workdir: str, **changes):
         """The child process as ``spawn_keras_worker`` starts it (one-worker TF_CONFIG)."""
         os.makedirs(workdir)
-        write_inputs(workdir, replace(spec, epochs=epochs), payload)
+        write_inputs(workdir, replace(spec, epochs=epochs, **changes), payload)
         env = child_environment(tf_config([f"127.0.0.1:{_free_port()}"], 0), None)
         done = subprocess.run([sys.executable, "-m", WORKER_MODULE, workdir], env=env,
                               capture_output=True, text=True, timeout=150)
@@ -295,3 +295,14 @@ def test_keras_worker_process_trains_checkpoints_and_resumes(dataset, tmp_path):
     x = np.random.default_rng(2).normal(size=(8, 4)).astype(np.float32)
     mean_error = lambda model: np.abs(model(x).numpy().ravel() - (x @ WEIGHTS + 0.5)).mean()
     assert mean_error(fitted) < 0.5 * mean_error(net)
+
+    # an elastic generation asked to regroup: the child checkpoints its epoch and says so
+    from sparktrain.launch.elastic import REGROUP, Generation
+
+    flag = tmp_path / "regroup-1"
+    flag.write_text("regroup")
+    generation = Generation(1, 2, 1, "global", str(flag)).to_json()
+    third, out = fit(5, str(tmp_path / "third"), generation=generation)
+    assert third == REGROUP and "regrouping after epoch 4" in out
+    latest = Checkpoints(run).latest()
+    assert latest.epochs_done == 4 and latest.meta["history"]["num_proc"] == [1.0]
