@@ -49,6 +49,7 @@ def _rank(rank, name, folder):
     ctx = SimpleNamespace(rank=rank, world_size=WORLD, hosts=["127.0.0.1"] * WORLD,
                           all_gather=_file_all_gather(folder, rank, WORLD))
     dist = TorchDDP(ctx, torch.device("cpu"))
+    trained = step = None
     try:
         model, x, y = _model_and_data()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -71,6 +72,10 @@ def _rank(rank, name, folder):
         else:
             assert not weights and not optimizer_state  # full copies are rank 0's only
     finally:
+        # a DDP reducer holds the process group: release it before the group is destroyed, as
+        # the rank loop does (one rank aborted at exit once, "terminate called without an
+        # active exception", under a loaded machine)
+        trained = step = None
         dist.close()
 
 
