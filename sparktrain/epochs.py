@@ -12,11 +12,12 @@ driver owns the rest, identical for every framework and strategy:
 * the history, the TensorBoard writer (rank 0 of a run with a run directory);
 * checkpoints after every epoch, with the metadata a resumed attempt and the driver read;
 * stopping early: a callback's request or the ``max_time`` deadline, voted over the ranks so
-  that all stop after the same epoch; in an elastic fit (:mod:`sparktrain.launch.elastic`),
-  the driver's request to regroup, which ends the generation after the epoch's checkpoint
-  (:class:`~sparktrain.launch.elastic.Regroup`), and ``num_proc`` in every epoch's logs. The stop is written into that epoch's checkpoint, so a
+  that all stop after the same epoch. The stop is written into that epoch's checkpoint, so a
   retried attempt of the same fit (``fit_id``) stops there too instead of training on; a new
-  fit with the run's ``run_id`` continues (what ``max_time``'s warning tells users to do).
+  fit with the run's ``run_id`` continues (what ``max_time``'s warning tells users to do);
+* an elastic fit's generations (:mod:`sparktrain.launch.elastic`): the driver's request to
+  regroup joins the same vote and ends the generation after the epoch's checkpoint
+  (:class:`~sparktrain.launch.elastic.Regroup`); ``num_proc`` goes into every epoch's logs.
 
 Example (rank side)::
 
