@@ -165,6 +165,34 @@ def _in_generation(task: Callable[[Any], Any], generation: Generation, ctx: Any)
         return REGROUP
 
 
+class _SlotCount:
+    """The task slots a generation may use: Spark's live count on a classic session; over
+    Spark Connect (no live count) what the cluster's settings promise, less one rank for each
+    failed generation, since the client cannot see whether the lost slot came back."""
+
+    def __init__(self, spark: Any, plan: ElasticPlan) -> None:
+        from sparktrain.spark_api import is_remote
+
+        self.spark, self.plan, self.remote = spark, plan, is_remote(spark)
+        self.most = plan.num_proc
+
+    def now(self) -> Optional[int]:
+        from sparktrain.spark_api import task_slots
+
+        slots = task_slots(self.spark)
+        if not self.remote:
+            return slots
+        return min(self.plan.num_proc if slots is None else slots, self.most)
+
+    def live(self) -> Optional[int]:
+        """The count a watcher can follow while a generation runs (``None``: none)."""
+        return None if self.remote else self.now()
+
+    def failed(self, ranks: int) -> None:
+        if self.remote:
+            self.most = max(self.plan.min_num_proc, ranks - 1)
+
+
 class _SlotWatch:
     """Polls the cluster's slot count while a generation runs (classic sessions): cancels the
     generation when slots drop below its ranks (a lost executor: the barrier stage cannot
@@ -230,7 +258,7 @@ def run_elastic(spark: Any, plan: ElasticPlan, task: Callable[[Any], Any],
     """
     from sparktrain.data.store import Store
     from sparktrain.launch.barrier import run_barrier
-    from sparktrain.spark_api import conf_value, is_remote, task_slots
+    from sparktrain.spark_api import conf_value
 
     def launch(ranks: int, work: Callable[[Any], Any], **more: Any) -> List[Any]:
         return run_barrier(spark, ranks, work, on_progress=on_progress, workdir=workdir,
@@ -245,20 +273,15 @@ def run_elastic(spark: Any, plan: ElasticPlan, task: Callable[[Any], Any],
     fs.makedirs(local_root, exist_ok=True)
     max_failures = max_attempts or plan.max_failures
     failures, before, why, index = 0, 0, "start", 0
-    remote = is_remote(spark)
-    live = (lambda: None) if remote else (lambda: task_slots(spark))
-    most = plan.num_proc  # a Connect client cannot see slots return: each failure lowers it
+    slots = _SlotCount(spark, plan)
     try:
         while True:
-            slots = task_slots(spark)
-            if remote:  # what the cluster's settings promise, less what failures took
-                slots = min(plan.num_proc if slots is None else slots, most)
-            ranks = plan.ranks(slots)
+            ranks = plan.ranks(slots.now())
             generation = Generation(index, plan.num_proc, ranks, plan.batch,
                                     f"{root}/regroup-{index}", storage_options)
             _announce(generation, before, why, on_progress)
             tag = f"sparktrain-{uuid.uuid4().hex[:12]}"
-            watch = _SlotWatch(spark, plan, generation, tag, live)
+            watch = _SlotWatch(spark, plan, generation, tag, slots.live)
             try:
                 with watch:
                     results = launch(ranks, functools.partial(_in_generation, task, generation),
@@ -276,8 +299,7 @@ def run_elastic(spark: Any, plan: ElasticPlan, task: Callable[[Any], Any],
                                         failures) from None
                 log.warning("generation %d (%d ranks) failed: %s; the next starts from the last "
                             "checkpoint with the ranks that can run now", index, ranks, why)
-                if remote:
-                    most = max(plan.min_num_proc, ranks - 1)
+                slots.failed(ranks)
             else:
                 if not results or results[0] != REGROUP:
                     return results
@@ -297,8 +319,8 @@ def _last_line(error: TrainingError) -> str:
 
 def _announce(generation: Generation, before: int, why: str,
               on_progress: Optional[Callable[[Dict[str, Any]], None]]) -> None:
-    """Log a membership change and send it as a ``membership`` progress event (MLflow tags it,
-    the progress display prints it)."""
+    """Log a membership change and send it as a ``membership`` progress event (the MLflow
+    plug-in tags the run with it)."""
     if generation.index == 0:
         if generation.world_size < generation.num_proc:
             log.warning("elastic fit starts with %d of num_proc=%d ranks (the free task "
