@@ -150,7 +150,7 @@ def main(workdir: str) -> dict:
 
         lost = act_when(store, "ddp", lambda c: num_proc_of(c)[-1:] == [3.0], kill)
         started = time.time()
-        model = estimator(store, "ddp", epochs=30, paced_until=done).fit(df)
+        model = estimator(store, "ddp", epochs=60, paced_until=done).fit(df)
         found["ddp"] = {"history": model.getHistory(), "seconds": time.time() - started,
                         "changes": [(t - started, text) for t, text in changes.seen
                                     if "elastic" in text or "regroup" in text]}
