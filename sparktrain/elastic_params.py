@@ -9,7 +9,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from pyspark.ml.param import Param, Params, TypeConverters
 
