@@ -25,7 +25,7 @@ LONGEST_FILES = {
     "test_connect.py": 400, "test_tfos.py": 284, "test_mlflow.py": 269, "test_jobs.py": 240,
     "test_parameter_server.py": 237, "test_unstructured.py": 196,
     "test_horovod_parity.py": 194, "test_keras_estimator.py": 185,
-    "test_elastic_cluster.py": 178, "test_gpu_inference.py": 142,
+    "test_elastic_cluster.py": 240, "test_gpu_inference.py": 142,
     "test_keras_fault_tolerance.py": 138, "test_concurrency.py": 137,
     "test_big_models.py": 121, "test_torch_estimator.py": 106, "test_retries.py": 98,
     "test_notebook.py": 89, "test_standalone_cluster.py": 80, "test_fault_tolerance.py": 71,

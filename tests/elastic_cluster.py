@@ -7,8 +7,8 @@ tests/test_elastic_cluster.py in a process of its own (one SparkContext per proc
   a third Worker is started after epoch 1 and the fit grows to 3; once an epoch ran on 3 ranks
   a Worker is SIGKILLed with its executor (a machine lost for good) and the fit finishes on 2.
 * ``too_few``: ``min_num_proc=3`` on the 2 Workers left fails at once, with the counts.
-* ``horovod`` and ``fsdp``: back to 3 Workers, each through one shrink (a Worker killed after
-  epoch 1).
+* ``horovod``, ``fsdp`` and ``keras`` (multi-worker mirrored): back to 3 Workers, each through
+  one shrink (a Worker killed after epoch 1).
 
 Epochs are paced by a callback (1 s each, until the changes a scenario waits for happened) so
 that the changes land mid-fit; a thread here watches the run's checkpoints, as an operator
@@ -101,6 +101,26 @@ def estimator(store: str, run_id: str, epochs: int, paced_until: str, **params):
     return TorchEstimator(**{**settings, **params})
 
 
+def keras_estimator(store: str, run_id: str, epochs: int, paced_until: str):
+    """The same fit with Keras (MultiWorkerMirroredStrategy, a TensorFlow process per rank)."""
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    import keras
+
+    from sparktrain import KerasEstimator
+
+    class KerasPace(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            Pace(1.0, paced_until).on_epoch_end(epoch)
+
+    keras.utils.set_random_seed(0)
+    return KerasEstimator(num_proc=3, min_num_proc=2,
+                          model=keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
+                          optimizer=keras.optimizers.SGD(0.02), loss="mse",
+                          feature_cols=["features"], label_cols=["label"], batch_size=16,
+                          epochs=epochs, random_seed=0, store=store, run_id=run_id,
+                          callbacks=[KerasPace()], verbose=1)
+
+
 def recovery(changes: Changes, killed: float) -> dict:
     """Seconds from a Worker's SIGKILL to the next generation and to its ranks training."""
     return {"to_next_generation": changes.after(killed, "elastic generation"),
@@ -172,8 +192,9 @@ def main(workdir: str) -> dict:
         except Exception as exc:  # noqa: BLE001 - the message is the finding
             found["too_few"] = {"error": str(exc), "seconds": time.time() - started}
 
-        # -- horovod and fsdp: one shrink each ---------------------------------------------------
-        for name, params in (("horovod", {"backend": "horovod"}), ("fsdp", {"strategy": "fsdp"})):
+        # -- horovod, fsdp and keras: one shrink each ---------------------------------------------
+        for name, params in (("horovod", {"backend": "horovod"}), ("fsdp", {"strategy": "fsdp"}),
+                             ("keras", {})):
             if name == "horovod":
                 try:
                     import horovod.torch  # noqa: F401
@@ -198,7 +219,8 @@ def main(workdir: str) -> dict:
             started, changes.done_at = time.time(), "elastic generation 1:"
             if os.path.exists(done):
                 os.remove(done)
-            model = estimator(store, name, epochs=3, paced_until=done, **params).fit(df)
+            build = keras_estimator if name == "keras" else estimator
+            model = build(store, name, epochs=3, paced_until=done, **params).fit(df)
             shrink.join(1)
             found[name] = {"history": model.getHistory(), "seconds": time.time() - started,
                            "predicted": model.transform(df.limit(20)).count(),
