@@ -34,7 +34,7 @@ import socket
 from collections import deque
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Deque, Iterator, Optional, Tuple
+from typing import Any, Deque, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -126,6 +126,18 @@ def has_state_buffers(model: torch.nn.Module) -> bool:
     return any(name in state for name, _ in model.named_buffers())
 
 
+def _buffer_options(model: torch.nn.Module) -> Dict[str, bool]:
+    """DDP's keyword that turns off the buffer broadcast before every forward, for a model
+    whose buffers are all constants (:func:`has_state_buffers`); ``{}`` (DDP's defaults) for a
+    model without buffers or with state buffers. torch >= 2.13 renamed the per-forward half of
+    ``broadcast_buffers`` ``forward_sync_buffers`` and deprecated the old name."""
+    if not any(True for _ in model.buffers()) or has_state_buffers(model):
+        return {}
+    name = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_OPTIONS \
+        else "broadcast_buffers"
+    return {name: False}
+
+
 class TorchDDP:
     """Process group + ``DistributedDataParallel`` wrapping for one rank."""
 
@@ -171,12 +183,8 @@ class TorchDDP:
         # buffer, frozen ones included (torch's DistributedDataParallel docs); a torch without
         # the option broadcasts, which costs memory, not correctness
         skip = not broadcast and "init_sync" in _DDP_OPTIONS
-        # torch >= 2.13 renamed the per-forward half of broadcast_buffers forward_sync_buffers
-        # (and deprecated the old name); init_sync above decides the start
-        sync = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_OPTIONS \
-            else "broadcast_buffers"
         ddp = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=ids, **{sync: has_state_buffers(model)},
+            model, device_ids=ids, **_buffer_options(model),
             **({"init_sync": False} if skip else {}))
         if compression == "fp16":
             # PyTorch's built-in DDP communication hook: casts each gradient bucket to float16,
