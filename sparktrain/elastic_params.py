@@ -9,17 +9,10 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any
-
 from pyspark.ml.param import Param, Params, TypeConverters
 
 from sparktrain.launch.elastic import BATCH_RULES, ElasticPlan
-
-
-def _to_batch_rule(value: Any) -> str:
-    if value not in BATCH_RULES:
-        raise TypeError(f"elastic_batch must be one of {list(BATCH_RULES)}, got {value!r}")
-    return value
+from sparktrain.param_converters import to_choice
 
 
 class ElasticParams(Params):
@@ -33,7 +26,7 @@ class ElasticParams(Params):
     elastic_batch = Param(Params._dummy(), "elastic_batch",
                           "'global' (default): a generation with fewer ranks keeps the global "
                           "batch batch_size * num_proc (larger batches per rank); 'rank': it "
-                          "keeps batch_size per rank", _to_batch_rule)
+                          "keeps batch_size per rank", to_choice("elastic_batch", BATCH_RULES))
 
     def __init__(self) -> None:
         super().__init__()
