@@ -29,13 +29,18 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import IO, Any, Callable, Dict, List, Optional, Tuple, Union
 
+from sparktrain.launch import zygote
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.faults import mark_user_error
 from sparktrain.launch.gpus import gpu_environment, rank_gpu
 from sparktrain.launch.tf_protocol import ERROR_FILE, PROGRESS_PREFIX, RESULT_FILE, \
     USER_ERROR_FILE, WORKER_MODULE, KerasTrainSpec, write_inputs
+
+
+# What the template imports: TensorFlow and Keras are ~9 CPU-s of a fresh worker's start.
+TEMPLATE_PRELOAD = ("tensorflow", "keras", WORKER_MODULE)
 
 
 def _free_port(host: str) -> int:
@@ -85,6 +90,25 @@ def child_environment(config: str, gpu: Optional[str]) -> Dict[str, str]:
     return env
 
 
+def start_tf_child(workdir: str, config: str, gpu: Optional[str],
+                   stdout: Union[int, IO[Any]]) -> Any:
+    """Start ``keras_worker`` on ``workdir`` with ``TF_CONFIG=config``, its output to ``stdout``
+    (``subprocess.PIPE``: text lines in ``child.stdout``). CPU ranks fork from a template that
+    has TensorFlow imported (:mod:`.zygote`); GPU ranks, or where templates are off or fail to
+    start, a fresh ``python -m``. Returns a ``Popen`` (or its template twin)."""
+    env = child_environment(config, gpu)
+    if gpu is None and zygote.enabled():
+        try:
+            return zygote.start_python(WORKER_MODULE, [workdir], env, TEMPLATE_PRELOAD, stdout)
+        except OSError as exc:
+            print(f"sparktrain: no TensorFlow fork template ({exc}); starting a fresh process",
+                  file=sys.stderr, flush=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", WORKER_MODULE, workdir], env=env,
+        stdout=stdout, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+
+
 @dataclass
 class TFTask:
     """One barrier task's place in the TensorFlow cluster, handed to ``KerasStrategy.run_task``."""
@@ -132,11 +156,7 @@ def spawn_keras_worker(rank: int, world_size: int, config: str, spec: KerasTrain
     workdir = tempfile.mkdtemp(prefix=f"sparktrain-tf-rank{rank}-")
     try:
         write_inputs(workdir, replace(spec, rank=rank, world_size=world_size), payload)
-        child = subprocess.Popen(
-            [sys.executable, "-m", WORKER_MODULE, workdir],
-            env=child_environment(config, gpu),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+        child = start_tf_child(workdir, config, gpu, subprocess.PIPE)
         try:
             for line in child.stdout:
                 if line.startswith(PROGRESS_PREFIX):

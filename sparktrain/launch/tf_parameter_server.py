@@ -29,7 +29,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -38,9 +37,9 @@ from typing import Any, List, Optional
 
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.faults import mark_user_error
-from sparktrain.launch.tf_multiworker import TFTask, die_with_parent, child_environment
+from sparktrain.launch.tf_multiworker import TFTask, start_tf_child
 from sparktrain.launch.tf_protocol import ERROR_FILE, READY, SHARD_INFO, USER_ERROR_FILE, \
-    WORKER_MODULE, KerasTrainSpec, write_inputs
+    KerasTrainSpec, write_inputs
 
 STOP_SECONDS = 10.0  # SIGTERM, then SIGKILL after this long
 
@@ -54,10 +53,7 @@ class _Server:
         self.workdir = tempfile.mkdtemp(prefix=f"sparktrain-tf-{role}-")
         write_inputs(self.workdir, replace(spec, role=role), payload)
         self.log = open(os.path.join(self.workdir, "server.log"), "w")
-        self.child = subprocess.Popen(
-            [sys.executable, "-m", WORKER_MODULE, self.workdir],
-            env=child_environment(config, gpu), stdout=self.log, stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+        self.child = start_tf_child(self.workdir, config, gpu, self.log)
 
     def check(self) -> None:
         """Raise if the child has exited (a server never does on its own)."""
