@@ -18,6 +18,8 @@ from typing import Dict, Optional
 
 from pyspark.sql import SparkSession
 
+from sparktrain.launch.worker_daemon import DAEMON_CONF
+
 
 def local_spark(master: Optional[str] = "local[*]", app_name: str = "sparktrain",
                 conf: Optional[Dict[str, str]] = None) -> SparkSession:
@@ -26,6 +28,8 @@ def local_spark(master: Optional[str] = "local[*]", app_name: str = "sparktrain"
 
     Sets ``PYSPARK_PYTHON`` to this interpreter (unless set) so tasks can import torch and
     sparktrain, keeps local-mode traffic on 127.0.0.1, enables Arrow, and quiets Spark's logs.
+    Local masters' Python workers fork from a daemon that has torch, pandas and pyarrow
+    imported (:mod:`sparktrain.launch.worker_daemon`).
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -38,9 +42,11 @@ def local_spark(master: Optional[str] = "local[*]", app_name: str = "sparktrain"
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "8")
                .config("spark.sql.debug.maxToStringFields", "1000"))
-    if local:
+    if local:  # the executors run this Python, which has sparktrain: workers fork preloaded
         builder = builder.config("spark.driver.host", "127.0.0.1") \
                          .config("spark.driver.bindAddress", "127.0.0.1")
+        for key, value in DAEMON_CONF.items():
+            builder = builder.config(key, value)
     for key, value in (conf or {}).items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
@@ -96,7 +102,8 @@ class ConnectServer:
                 "spark.connect.grpc.binding.port": str(self.port),
                 "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
                 "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
-                "spark.sql.execution.arrow.pyspark.enabled": "true", **self.conf}
+                "spark.sql.execution.arrow.pyspark.enabled": "true",
+                **(DAEMON_CONF if self.master.startswith("local") else {}), **self.conf}
         command = [os.path.join(spark_home, "bin", "spark-submit"), "--master", self.master,
                    "--class", "org.apache.spark.sql.connect.service.SparkConnectServer"]
         for key, value in conf.items():

@@ -135,6 +135,7 @@ def main(workdir: str) -> dict:
     from pyspark.sql import functions as F
 
     from sparktrain import local_spark
+    from sparktrain.launch.worker_daemon import DAEMON_CONF
     from sparktrain.spark_jvm import max_concurrent_tasks
 
     found: dict = {}
@@ -150,7 +151,7 @@ def main(workdir: str) -> dict:
         spark = local_spark(cluster.url, "sparktrain-elastic", conf={
             "spark.driver.host": "127.0.0.1", "spark.executor.memory": "640m",
             "spark.sparktrain.slotWaitSeconds": "60",
-            "spark.sparktrain.elastic.growAfterSeconds": "2"})
+            "spark.sparktrain.elastic.growAfterSeconds": "2", **DAEMON_CONF})
         features = F.array(*[F.randn(seed=i) for i in range(4)]).alias("features")
         df = spark.range(0, 3000, 1, 3).select(features)
         df = df.withColumn("label", F.expr(

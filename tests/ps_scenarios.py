@@ -5,13 +5,15 @@
 
 fit: 1 ps + 1 chief + 1 worker on digits with validation, metrics, callbacks and TensorBoard;
 transform, save, load; then a fit whose worker fails in transformation_fn; after each, the
-processes the fits started (found by a marker in their environment) are listed.
+processes the fits started (fresh ones by a marker in their environment, children of fork
+templates by their parent) are listed.
 kill: the coordinator's callback SIGKILLs the worker's TensorFlow server at the start of epoch 2;
 the fit must resume from the checkpoint of epoch 1.
 """
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import sys
@@ -26,27 +28,43 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
 MARKER = "SPARKTRAIN_PS_SCENARIO"
+ZYGOTE = "sparktrain.launch.zygote"
 
 
-def marked_processes(marker: str) -> list:
-    """``[(pid, TF job)]`` of live processes whose environment carries ``marker``."""
+def marked_processes(marker: str, root: int) -> list:
+    """``[(pid, TF job)]`` of the live TensorFlow processes a fit started: fresh ``keras_worker``
+    processes whose environment carries ``marker``, and children of fork templates
+    (``sparktrain.launch.zygote``) under ``root``, this scenario's process. /proc shows a forked
+    child the environment its template was started with, so a child's job is read from where
+    its output goes: a server's ``sparktrain-tf-<job>-*/server.log``, else the coordinator."""
     found = []
-    for proc in psutil.process_iter(["pid"]):
+    for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
+            if "keras_worker" not in " ".join(proc.info["cmdline"] or []):
+                continue
             env = proc.environ()
+            if env.get(MARKER) == marker and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append((proc.pid, json.loads(env["TF_CONFIG"])["task"]["type"]))
+        except (psutil.Error, OSError, KeyError):
+            continue
+    for proc in psutil.Process(root).children(recursive=True):
+        try:
+            if ZYGOTE not in " ".join(proc.cmdline()) or \
+                    ZYGOTE not in " ".join(proc.parent().cmdline()) or \
+                    proc.status() == psutil.STATUS_ZOMBIE:
+                continue  # not a template's child
+            output = re.search(r"sparktrain-tf-(ps|worker)-", os.readlink(f"/proc/{proc.pid}/fd/1"))
+            found.append((proc.pid, output.group(1) if output else "chief"))
         except (psutil.Error, OSError):
             continue
-        if env.get(MARKER) == marker and proc.status() != psutil.STATUS_ZOMBIE:
-            job = json.loads(env["TF_CONFIG"])["task"]["type"] if "TF_CONFIG" in env else ""
-            found.append((proc.pid, job))
     return found
 
 
 def settled(marker: str, seconds: float = 15.0) -> list:
-    """The marked TensorFlow processes still alive after up to ``seconds``."""
+    """The TensorFlow processes of this scenario's fits still alive after up to ``seconds``."""
     deadline = time.time() + seconds
     while True:
-        left = [p for p in marked_processes(marker) if p[1]]
+        left = marked_processes(marker, os.getpid())
         if not left or time.time() > deadline:
             return left
         time.sleep(0.5)
@@ -67,10 +85,11 @@ class KillWorkerServer(keras.callbacks.Callback):
     def __init__(self, marker: str, done_file: str) -> None:
         super().__init__()
         self.marker, self.done_file = marker, done_file
+        self.root = os.getpid()  # the scenario's process: its fits' processes are under it
 
     def on_epoch_begin(self, epoch, logs=None):
         if epoch == 1 and not os.path.exists(self.done_file):
-            for pid, job in marked_processes(self.marker):
+            for pid, job in marked_processes(self.marker, self.root):
                 if job == "worker":
                     open(self.done_file, "w").close()
                     os.kill(pid, signal.SIGKILL)

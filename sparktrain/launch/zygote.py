@@ -44,16 +44,18 @@ from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Union
 IDLE_SECONDS = 300.0
 SWITCH = "SPARKTRAIN_FORK_TEMPLATE"
 # Variables read when TensorFlow, Keras, NumPy or Python start: a template serves only requests
-# whose environment has the values it started with (TF_CONFIG is read later, per child).
+# whose environment has the values it started with. TF_CONFIG is read later, by each child,
+# and a template starts without it.
 _IMPORT_TIME_VARIABLES = ("TF_", "KERAS_", "PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_",
                           "CUDA_", "XLA_")
+_PER_CHILD = ("TF_CONFIG",)
 _MESSAGE_BYTES = 1 << 20
 
 
 def import_time_environment(env: Dict[str, str]) -> Tuple[Tuple[str, str], ...]:
     """The part of ``env`` a process reads while importing (what a template must share)."""
     return tuple(sorted((k, v) for k, v in env.items()
-                        if k.startswith(_IMPORT_TIME_VARIABLES) and k != "TF_CONFIG"))
+                        if k.startswith(_IMPORT_TIME_VARIABLES) and k not in _PER_CHILD))
 
 
 def enabled() -> bool:
@@ -117,7 +119,8 @@ class _Template:
         with theirs:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", __name__, str(theirs.fileno()), *preload],
-                env=env, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                env={k: v for k, v in env.items() if k not in _PER_CHILD},
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.control = ours
 
