@@ -42,9 +42,10 @@ def local_spark(master: Optional[str] = "local[*]", app_name: str = "sparktrain"
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "8")
                .config("spark.sql.debug.maxToStringFields", "1000"))
-    if local:  # the executors run this Python, which has sparktrain: workers fork preloaded
+    if local:
         builder = builder.config("spark.driver.host", "127.0.0.1") \
                          .config("spark.driver.bindAddress", "127.0.0.1")
+    if local and _executors_run_this_python(conf or {}):  # it has sparktrain: preloaded workers
         for key, value in DAEMON_CONF.items():
             builder = builder.config(key, value)
     for key, value in (conf or {}).items():
@@ -52,6 +53,13 @@ def local_spark(master: Optional[str] = "local[*]", app_name: str = "sparktrain"
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("SPARKTRAIN_SPARK_LOG_LEVEL", "WARN"))
     return spark
+
+
+def _executors_run_this_python(conf: Dict[str, str]) -> bool:
+    """Whether the executors' Python is this one (the preloading daemon needs sparktrain
+    there; another Python may lack it, and sparktrain's check of it must run first)."""
+    python = conf.get("spark.pyspark.python") or os.environ.get("PYSPARK_PYTHON", "")
+    return os.path.abspath(python) == os.path.abspath(sys.executable)
 
 
 def remote_spark(url: str, app_name: str = "sparktrain",
