@@ -34,28 +34,33 @@ ZYGOTE = "sparktrain.launch.zygote"
 def marked_processes(marker: str, root: int) -> list:
     """``[(pid, TF job)]`` of the live TensorFlow processes a fit started: fresh ``keras_worker``
     processes whose environment carries ``marker``, and children of fork templates
-    (``sparktrain.launch.zygote``) under ``root``, this scenario's process. /proc shows a forked
+    (``sparktrain.launch.zygote``) owned by a process under ``root``, this scenario's process
+    (a template's owner is the executor's Python daemon). /proc shows a forked
     child the environment its template was started with, so a child's job is read from where
     its output goes: a server's ``sparktrain-tf-<job>-*/server.log``, else the coordinator."""
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if "keras_worker" not in " ".join(proc.info["cmdline"] or []):
+            command = " ".join(proc.info["cmdline"] or [])
+            if "keras_worker" not in command or ZYGOTE in command:  # templates: below
                 continue
             env = proc.environ()
             if env.get(MARKER) == marker and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append((proc.pid, json.loads(env["TF_CONFIG"])["task"]["type"]))
         except (psutil.Error, OSError, KeyError):
             continue
-    for proc in psutil.Process(root).children(recursive=True):
+    ours = {root} | {p.pid for p in psutil.Process(root).children(recursive=True)}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
-            if ZYGOTE not in " ".join(proc.cmdline()) or \
-                    ZYGOTE not in " ".join(proc.parent().cmdline()) or \
-                    proc.status() == psutil.STATUS_ZOMBIE:
-                continue  # not a template's child
+            template = proc.parent().cmdline() if proc.parent() else []
+            # a template's child, the template's owner (its argv after the name) one of ours
+            if ZYGOTE not in " ".join(proc.info["cmdline"] or []) or ZYGOTE not in template \
+                    or int(template[template.index(ZYGOTE) + 2]) not in ours \
+                    or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
             output = re.search(r"sparktrain-tf-(ps|worker)-", os.readlink(f"/proc/{proc.pid}/fd/1"))
             found.append((proc.pid, output.group(1) if output else "chief"))
-        except (psutil.Error, OSError):
+        except (psutil.Error, OSError, ValueError, IndexError):
             continue
     return found
 

@@ -1,6 +1,8 @@
 """Children forked from a template process (sparktrain.launch.zygote), without Spark."""
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -15,19 +17,20 @@ PRELOAD = ("numpy", "zygote_target")
 
 
 def _env(**extra):
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, *sys.path]), **extra)
+    # a variable of this module's own: its templates are not other tests' (nor other workers')
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, *sys.path]),
+                PYTHON_ZYGOTE_TEST=str(os.getpid()), **extra)
 
 
 def _run(*args, env=None, stdout=subprocess.PIPE):
     return zygote.start_python("zygote_target", list(args), env or _env(), PRELOAD, stdout)
 
 
-@pytest.fixture(autouse=True)
-def _no_templates_left():
-    yield
-    for template in list(zygote._templates):
-        template.close()
-    zygote._templates.clear()
+def _describe(env=None):
+    child = _run("describe", env=env)
+    found = child.stdout.read().split()
+    assert child.wait() == 0
+    return found
 
 
 def test_child_runs_main_with_its_output_and_status():
@@ -42,23 +45,19 @@ def test_child_runs_main_with_its_output_and_status():
 
 
 def test_children_share_one_template_and_get_their_own_environment(tmp_path):
-    outputs = []
-    for value in ("a", "b"):
-        os.chdir(tmp_path)
-        child = _run("describe", env=_env(CHILD_VAR=value))
-        outputs.append(child.stdout.read().split())
-        assert child.wait() == 0
-    (cwd1, var1, parent1, draw1), (cwd2, var2, parent2, draw2) = outputs
+    os.chdir(tmp_path)
+    (cwd1, var1, parent1, draw1), (cwd2, var2, parent2, draw2) = \
+        _describe(_env(CHILD_VAR="a")), _describe(_env(CHILD_VAR="b"))
     assert cwd1 == cwd2 == str(tmp_path) and (var1, var2) == ("a", "b")
-    [template] = zygote._templates
-    assert int(parent1) == int(parent2) == template.process.pid
+    assert parent1 == parent2 != str(os.getpid())  # one template, not this process
+    with open(f"/proc/{parent1}/cmdline") as f:
+        assert "sparktrain.launch.zygote" in f.read()
     assert draw1 != draw2  # NumPy's global generator is seeded again in each child
 
 
 def test_an_import_time_variable_gets_a_template_of_its_own():
-    for threads in ("1", "2", "1"):
-        assert _run("exit", "0", env=_env(OMP_NUM_THREADS=threads)).wait() == 0
-    assert len(zygote._templates) == 2
+    parents = [_describe(_env(OMP_NUM_THREADS=n))[2] for n in ("1", "2", "1")]
+    assert parents[0] == parents[2] != parents[1]
 
 
 def test_kill_wait_timeout_and_output_to_a_file(tmp_path):
@@ -72,24 +71,48 @@ def test_kill_wait_timeout_and_output_to_a_file(tmp_path):
     assert (tmp_path / "log").read_text() == "sleeping\n"
 
 
-def test_children_die_with_their_requester_and_templates_with_their_creator(tmp_path):
-    script = textwrap.dedent(f"""
-        import os, subprocess, sys
+def test_a_child_dies_with_its_requester_and_the_template_with_its_owner():
+    """owner (a process) -> requester (its child) -> child forked by the owner's template."""
+    requester = textwrap.dedent(f"""
+        import os, sys, time
         sys.path.insert(0, {HERE!r})
         from sparktrain.launch import zygote
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([{HERE!r}, *sys.path]))
         child = zygote.start_python("zygote_target", ["sleep", "60"], env, ("zygote_target",))
         assert child.stdout.readline() == "sleeping\\n"
-        print(child.pid, zygote._templates[0].process.pid, flush=True)
-        os.kill(os.getpid(), 9)
+        with open(f"/proc/{{child.pid}}/stat") as f:
+            template = f.read().split(") ")[1].split()[1]
+        print(child.pid, template, flush=True)
+        time.sleep(60)
     """)
-    requester = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                               timeout=60)
-    assert requester.returncode == -9, requester.stderr
-    child, template = map(int, requester.stdout.split())
-    deadline = time.monotonic() + 10
-    while _alive(child) or _alive(template):
-        assert time.monotonic() < deadline, "the child or its template outlived the requester"
+    owner = textwrap.dedent(f"""
+        import subprocess, sys
+        requester = subprocess.Popen([sys.executable, "-c", {requester!r}],
+                                     stdout=subprocess.PIPE, text=True)
+        print(requester.stdout.readline().strip(), requester.pid, flush=True)
+        sys.stdin.readline()         # the test has looked: SIGKILL the requester
+        requester.kill()
+        requester.wait()
+        sys.stdin.readline()         # the test saw the child die: the owner exits
+    """)
+    process = subprocess.Popen([sys.executable, "-c", owner], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    child, template, requester = map(int, process.stdout.readline().split())
+    assert _alive(child) and _alive(template) and _alive(requester)
+    process.stdin.write("\n")
+    process.stdin.flush()
+    _wait_dead(child, "the child outlived its requester")
+    assert _alive(template), "the template must outlive one requester"
+    process.stdin.write("\n")
+    process.stdin.flush()
+    assert process.wait(timeout=30) == 0
+    _wait_dead(template, "the template outlived its owner")
+
+
+def _wait_dead(pid, message, seconds=15):
+    deadline = time.monotonic() + seconds
+    while _alive(pid):
+        assert time.monotonic() < deadline, message
         time.sleep(0.05)
 
 
@@ -101,6 +124,32 @@ def _alive(pid):
         return False
 
 
-def test_templates_are_off_with_the_switch(monkeypatch):
+def test_only_the_same_user_is_served_and_templates_can_be_switched_off(monkeypatch):
+    _describe()  # the template is up
+    name = zygote.template_name(PRELOAD, _env(), os.getppid())
+    if os.getuid() == 0:  # another user asks it for a child: refused, nothing forked
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # only system calls here, then _exit
+            try:
+                os.setuid(65534)
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                sock.connect(name)
+                request = {"module": "zygote_target", "args": ["exit", "0"], "env": {},
+                           "cwd": "/"}
+                socket.send_fds(sock, [json.dumps(request).encode()], [1])
+                os.write(write_end, sock.recv(4096) or b"refused")
+            except (BrokenPipeError, ConnectionResetError):  # closed before the request
+                os.write(write_end, b"refused")
+            except BaseException as exc:
+                os.write(write_end, repr(exc).encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        os.waitpid(pid, 0)
+        assert os.read(read_end, 4096) == b"refused"
+    assert name.startswith(f"\0sparktrain-template-{os.getuid()}-{os.getppid()}-")
+    assert zygote.template_name(PRELOAD, _env(OMP_NUM_THREADS="3"), os.getppid()) != name
+    assert zygote.template_name(PRELOAD, _env(TF_CONFIG="{}"), os.getppid()) == name
     monkeypatch.setenv(zygote.SWITCH, "0")
     assert not zygote.enabled()

@@ -4,23 +4,29 @@ Every Keras rank trains in a child process of its barrier task (TensorFlow's dis
 cannot start twice in one process, :mod:`.tf_multiworker`). A fresh ``python`` spends ~9 CPU-s
 importing TensorFlow and Keras before its first step (measured on a 2-core machine), and every
 fit of a ``CrossValidator``, every elastic generation and every retried stage paid it again,
-for each rank. Instead, the task's Python worker keeps a *template* process (a "zygote", as
-Android and Chromium call theirs) that imported them once; each rank is ``fork()``-ed from it
-in milliseconds, with the environment, working directory and output the caller gives.
+for each rank. Instead, each executor keeps a *template* process (a "zygote", as Android and
+Chromium call theirs) that imported them once; each rank is ``fork()``-ed from it in
+milliseconds, with the environment, working directory and output its task gives.
 
 Why forking it is safe: ``fork()`` copies only the calling thread, so a process must not fork
 while other threads hold state. The template imports modules and runs nothing else: no
 TensorFlow op, context, thread pool, session or gRPC channel exists yet (TensorFlow creates
-them at the first op); the only other threads are OpenBLAS's and jemalloc's, which both
-re-initialize after ``fork`` (``pthread_atfork``). The template is single-threaded Python: it
-waits in a ``select`` loop. GPU ranks start fresh processes (CUDA is never initialized in the
-template, but this was not verified on a GPU machine).
+them at the first op); the only other threads are OpenBLAS's and Arrow's jemalloc background
+thread, which both re-initialize after ``fork`` (``pthread_atfork``). The template is
+single-threaded Python waiting in a ``select`` loop. GPU ranks start fresh processes (CUDA is
+never initialized in the template, but this was not verified on a GPU machine).
 
-Lifetimes: the template exits when its creator's end of the control socket closes (the Python
-worker exited or was killed) or after ``IDLE_SECONDS`` without children; a child is killed when
-its requester's socket closes (the task died) and dies with the template
-(``PR_SET_PDEATHSIG``). ``SPARKTRAIN_FORK_TEMPLATE=0`` in the executors' environment turns
-templates off (every child is a fresh ``python -m``).
+Which template: the one of the requesting process's parent (a Spark Python worker's parent is
+its executor's daemon, so all of an executor's workers share one), for the same Python, the
+same modules and the same import-time environment (``TF_*``, ``KERAS_*``, ``PYTHON*``, ...);
+it listens on an abstract Unix socket named after them and serves only its own user
+(``SO_PEERCRED``). The first request starts it.
+
+Lifetimes: the template exits when its owner (that parent) is gone or after ``IDLE_SECONDS``
+without children; a child is killed when its requester's connection closes (the task died) and
+dies with the template (``PR_SET_PDEATHSIG``). /proc shows a child the environment its template
+started with (``os.environ`` is the requested one). ``SPARKTRAIN_FORK_TEMPLATE=0`` in the
+executors' environment turns templates off (every child is a fresh ``python -m``).
 
 Example (what :func:`~.tf_multiworker.start_tf_child` does)::
 
@@ -31,6 +37,7 @@ Example (what :func:`~.tf_multiworker.start_tf_child` does)::
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import selectors
@@ -38,10 +45,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
+import struct
+import time
 from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 IDLE_SECONDS = 300.0
+OWNER_POLL_SECONDS = 2.0
+START_SECONDS = 30.0
 SWITCH = "SPARKTRAIN_FORK_TEMPLATE"
 # Variables read when TensorFlow, Keras, NumPy or Python start: a template serves only requests
 # whose environment has the values it started with. TF_CONFIG is read later, by each child,
@@ -109,74 +119,81 @@ class TemplateChild:
         self.send_signal(signal.SIGKILL)
 
 
-class _Template:
-    """This process's handle on one template: its control socket and what it preloaded."""
-
-    def __init__(self, preload: Tuple[str, ...], env: Dict[str, str]) -> None:
-        self.preload = preload
-        self.environment = import_time_environment(env)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with theirs:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), *preload],
-                env={k: v for k, v in env.items() if k not in _PER_CHILD},
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.control = ours
-
-    def fits(self, preload: Tuple[str, ...], env: Dict[str, str]) -> bool:
-        return self.process.poll() is None and preload == self.preload and \
-            import_time_environment(env) == self.environment
-
-    def fork(self, module: str, args: List[str], env: Dict[str, str], out_fd: int) -> \
-            Tuple[int, socket.socket]:
-        """Ask for a child; return its pid and the socket its exit status arrives on."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with theirs:
-            request = json.dumps({"module": module, "args": args, "env": env,
-                                  "cwd": os.getcwd()}).encode()
-            socket.send_fds(self.control, [request], [out_fd, theirs.fileno()])
-        data = ours.recv(_MESSAGE_BYTES)  # blocks while the template is still importing
-        if not data:
-            ours.close()
-            raise OSError("the fork template exited")
-        return json.loads(data)["pid"], ours
-
-    def close(self) -> None:
-        self.control.close()
-        self.process.wait()
+def template_name(preload: Sequence[str], env: Dict[str, str], owner: int) -> str:
+    """The abstract Unix socket name of the template for ``owner``, ``preload`` and ``env``'s
+    import-time part (one per executor: the owner of a Spark Python worker is its daemon)."""
+    key = json.dumps([sys.executable, list(preload), import_time_environment(env)])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return f"\0sparktrain-template-{os.getuid()}-{owner}-{digest}"
 
 
-_templates: List[_Template] = []
-_lock = threading.Lock()
+def _connect(name: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.connect(name)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _start_template(name: str, preload: Sequence[str], env: Dict[str, str],
+                    owner: int) -> socket.socket:
+    """Start a template listening on ``name`` (or find the one a racing process started) and
+    return a connection to it."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", __name__, name[1:], str(owner), *preload],
+        env={k: v for k, v in env.items() if k not in _PER_CHILD}, start_new_session=True,
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + START_SECONDS
+    while True:  # it listens before importing anything: milliseconds
+        try:
+            return _connect(name)
+        except OSError:
+            if time.monotonic() > deadline or \
+                    (process.poll() is not None and process.returncode != 0):
+                raise OSError(f"the fork template did not start (exit code "
+                              f"{process.poll()})") from None
+            time.sleep(0.01)
+
+
+def _fork(connection: socket.socket, module: str, args: List[str], env: Dict[str, str],
+          out_fd: int) -> int:
+    """Ask for a child on ``connection``; return its pid (its exit status comes later on the
+    same connection)."""
+    request = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd()})
+    socket.send_fds(connection, [request.encode()], [out_fd])
+    data = connection.recv(_MESSAGE_BYTES)  # waits while the template is still importing
+    if not data:
+        raise OSError("the fork template exited")
+    return json.loads(data)["pid"]
 
 
 def start_python(module: str, args: List[str], env: Dict[str, str], preload: Sequence[str],
                  stdout: Union[int, IO[Any]] = subprocess.PIPE) -> TemplateChild:
     """Run ``module.main(*args)`` in a child forked from a template that imported ``preload``
-    (started on first use, with ``env``), with ``env`` as its environment and its output
-    (stdout and stderr) to ``stdout``: ``subprocess.PIPE`` (read it from ``child.stdout``) or
-    an open file. ``module`` must define ``main`` returning the exit status."""
-    key = tuple(preload)
+    (the template of this process's parent: started on first use, with ``env``), with ``env``
+    as its environment and its output (stdout and stderr) to ``stdout``: ``subprocess.PIPE``
+    (read it from ``child.stdout``) or an open file. ``module`` must define ``main``
+    returning the exit status."""
+    name = template_name(preload, env, os.getppid())
     if stdout == subprocess.PIPE:
         read_fd, out_fd = os.pipe()
     else:
         read_fd, out_fd = None, stdout.fileno()  # type: ignore[union-attr]
     try:
-        with _lock:
-            for attempt in range(2):  # an idle template may exit just as it is asked
-                template = next((t for t in _templates if t.fits(key, env)), None)
-                if template is None:
-                    template = _Template(key, env)
-                    _templates.append(template)
-                try:
-                    pid, reply = template.fork(module, args, env, out_fd)
-                    break
-                except OSError:
-                    _templates.remove(template)
-                    template.close()
-                    if attempt:
-                        raise
+        for attempt in range(2):  # an idle template may exit just as it is asked
+            try:
+                connection = _connect(name)
+            except OSError:
+                connection = _start_template(name, preload, env, os.getppid())
+            try:
+                pid = _fork(connection, module, args, env, out_fd)
+                break
+            except OSError:
+                connection.close()
+                if attempt:
+                    raise
     except BaseException:
         if read_fd is not None:
             os.close(read_fd)
@@ -185,7 +202,7 @@ def start_python(module: str, args: List[str], env: Dict[str, str], preload: Seq
         if read_fd is not None:
             os.close(out_fd)
     text = os.fdopen(read_fd, "r", buffering=1) if read_fd is not None else None
-    return TemplateChild(pid, reply, text)
+    return TemplateChild(pid, connection, text)
 
 
 # --- the template process (python -m sparktrain.launch.zygote FD MODULE...) ------------------
@@ -235,74 +252,118 @@ def _run_child(request: Dict[str, Any], out_fd: int, template_pid: int) -> None:
             os._exit(code)
 
 
-def _serve(control: socket.socket, preload: List[str]) -> None:
+class _Server:
+    """The template's loop: accept requesters (same user only), fork a child per request, send
+    its pid and later its exit status; kill a child whose requester went away; stop when the
+    owner process is gone or after ``IDLE_SECONDS`` without children."""
+
+    def __init__(self, listener: socket.socket, owner: int) -> None:
+        self.listener, self.owner = listener, owner
+        self.selector = selectors.DefaultSelector()
+        self.children: Dict[int, socket.socket] = {}  # pid -> its requester's connection
+        self.wakeup_r, wakeup_w = os.pipe()
+        os.set_blocking(wakeup_w, False)
+        signal.set_wakeup_fd(wakeup_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.selector.register(listener, selectors.EVENT_READ, "accept")
+        self.selector.register(self.wakeup_r, selectors.EVENT_READ, "signal")
+        self.idle_since = time.monotonic()
+
+    def serve(self) -> None:
+        while self._owner_alive() and \
+                (self.children or time.monotonic() - self.idle_since < IDLE_SECONDS):
+            for key, _ in self.selector.select(timeout=OWNER_POLL_SECONDS):
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "signal":
+                    os.read(self.wakeup_r, 512)
+                elif key.data == "request":
+                    self._request(key.fileobj)  # type: ignore[arg-type]
+                else:  # a requester's connection closed: it died, its child with it
+                    self.selector.unregister(key.fileobj)
+                    os.kill(key.data, signal.SIGKILL)  # not reaped yet: still its pid
+            self._reap()
+        for pid in self.children:
+            os.kill(pid, signal.SIGKILL)
+
+    def _owner_alive(self) -> bool:
+        try:
+            os.kill(self.owner, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def _accept(self) -> None:
+        connection, _ = self.listener.accept()
+        credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                            struct.calcsize("3i"))
+        if struct.unpack("3i", credentials)[1] != os.getuid():  # (pid, uid, gid)
+            connection.close()
+            return
+        self.selector.register(connection, selectors.EVENT_READ, "request")
+
+    def _request(self, connection: socket.socket) -> None:
+        self.selector.unregister(connection)
+        try:
+            message, fds, _, _ = socket.recv_fds(connection, _MESSAGE_BYTES, 1)
+        except OSError:
+            message, fds = b"", []
+        if not message or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            connection.close()
+            return
+        template_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            self.selector.close()
+            for sock in (self.listener, connection, *self.children.values()):
+                sock.close()
+            os.close(self.wakeup_r)
+            _run_child(json.loads(message), fds[0], template_pid)
+        os.close(fds[0])
+        try:
+            connection.send(json.dumps({"pid": pid}).encode())
+        except OSError:
+            pass  # its requester is gone: the next select sees the closed connection
+        self.children[pid] = connection
+        self.selector.register(connection, selectors.EVENT_READ, pid)
+
+    def _reap(self) -> None:
+        """Send the exit status of every child that ended to its requester."""
+        while self.children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                return
+            connection = self.children.pop(pid, None)
+            if connection is None:
+                continue
+            if connection.fileno() in self.selector.get_map():
+                self.selector.unregister(connection)
+            try:
+                connection.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
+            except OSError:
+                pass
+            connection.close()
+            if not self.children:
+                self.idle_since = time.monotonic()
+
+
+def _main(name: str, owner: int, preload: List[str]) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        listener.bind("\0" + name)
+    except OSError:  # another requester started this template first
+        return
+    listener.listen(64)  # requesters may connect now; they wait while the imports run
     import importlib
 
-    for name in preload:
-        importlib.import_module(name)
-    wakeup_r, wakeup_w = os.pipe()
-    os.set_blocking(wakeup_w, False)
-    signal.set_wakeup_fd(wakeup_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    selector = selectors.DefaultSelector()
-    selector.register(control, selectors.EVENT_READ, "control")
-    selector.register(wakeup_r, selectors.EVENT_READ, "signal")
-    children: Dict[int, socket.socket] = {}
-    me = os.getpid()
-    while True:
-        events = selector.select(timeout=None if children else IDLE_SECONDS)
-        if not events and not children:
-            return  # idle
-        for key, _ in events:
-            if key.data == "control":
-                try:
-                    message, fds, _, _ = socket.recv_fds(control, _MESSAGE_BYTES, 2)
-                except OSError:
-                    message, fds = b"", []
-                if not message:  # our creator is gone: so are we, and our children
-                    for pid in children:
-                        os.kill(pid, signal.SIGKILL)
-                    return
-                out_fd, reply_fd = fds
-                reply = socket.socket(fileno=reply_fd)
-                pid = os.fork()
-                if pid == 0:
-                    selector.close()
-                    for s in (control, *children.values(), reply):
-                        s.close()
-                    os.close(wakeup_r)
-                    os.close(wakeup_w)
-                    _run_child(json.loads(message), out_fd, me)
-                os.close(out_fd)
-                reply.send(json.dumps({"pid": pid}).encode())
-                children[pid] = reply
-                selector.register(reply, selectors.EVENT_READ, pid)
-            elif key.data == "signal":
-                os.read(wakeup_r, 512)
-                _reap(children, selector)
-            else:  # a requester's socket: it never writes, so this is its end (it died)
-                selector.unregister(key.fileobj)
-                os.kill(key.data, signal.SIGKILL)  # not reaped yet, so the pid is still its
-        _reap(children, selector)
-
-
-def _reap(children: Dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
-    """Send the exit status of every child that ended to its requester."""
-    while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            return
-        reply = children.pop(pid, None)
-        if reply is None:
-            continue
-        if reply.fileno() in selector.get_map():
-            selector.unregister(reply)
-        try:
-            reply.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
-        except OSError:
-            pass
-        reply.close()
+    for module in preload:
+        importlib.import_module(module)
+    _Server(listener, owner).serve()
 
 
 if __name__ == "__main__":
-    _serve(socket.socket(fileno=int(sys.argv[1])), sys.argv[2:])
+    _main(sys.argv[1], int(sys.argv[2]), sys.argv[3:])
