@@ -52,6 +52,7 @@ from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Union
 IDLE_SECONDS = 300.0
 OWNER_POLL_SECONDS = 2.0
 START_SECONDS = 30.0
+IMPORT_SECONDS = 300.0  # a template importing longer counts as broken: a fresh process then
 SWITCH = "SPARKTRAIN_FORK_TEMPLATE"
 # Variables read when TensorFlow, Keras, NumPy or Python start: a template serves only requests
 # whose environment has the values it started with. TF_CONFIG is read later, by each child,
@@ -109,7 +110,7 @@ class TemplateChild:
         return code
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
+        if self.poll() is None:  # not reaped by its template yet: the pid is still its
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
@@ -163,7 +164,8 @@ def _fork(connection: socket.socket, module: str, args: List[str], env: Dict[str
     same connection)."""
     request = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd()})
     socket.send_fds(connection, [request.encode()], [out_fd])
-    data = connection.recv(_MESSAGE_BYTES)  # waits while the template is still importing
+    connection.settimeout(IMPORT_SECONDS)  # waits while the template is still importing
+    data = connection.recv(_MESSAGE_BYTES)
     if not data:
         raise OSError("the fork template exited")
     return json.loads(data)["pid"]
