@@ -16,20 +16,19 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1")
 
 # Seconds the longest test files took in a 2-worker run on 2 cores (2026-11-26, summed test
-# durations). pytest-xdist hands whole files (`--dist loadfile`) to whichever worker is free,
-# in collection order (`--no-loadscope-reorder` in pytest.ini; its default orders files by
+# durations, with the preloading worker daemon and the TensorFlow fork templates). pytest-xdist
+# hands whole files (`--dist loadfile`) to whichever worker is free, in collection order (`--no-loadscope-reorder` in pytest.ini; its default orders files by
 # test count): the longest go first and the short ones fill the gaps at the end, so no worker
 # is left alone with a long file while the other idles (longest-processing-time-first).
 # Unlisted files count as short.
 LONGEST_FILES = {
-    "test_connect.py": 400, "test_tfos.py": 284, "test_mlflow.py": 269, "test_jobs.py": 240,
-    "test_parameter_server.py": 237, "test_unstructured.py": 196,
-    "test_horovod_parity.py": 194, "test_keras_estimator.py": 185,
-    "test_elastic_cluster.py": 240, "test_gpu_inference.py": 142,
-    "test_keras_fault_tolerance.py": 138, "test_concurrency.py": 137,
-    "test_big_models.py": 121, "test_torch_estimator.py": 106, "test_retries.py": 98,
-    "test_notebook.py": 89, "test_standalone_cluster.py": 80, "test_fault_tolerance.py": 71,
-    "test_fsdp.py": 59,
+    "test_connect.py": 324, "test_jobs.py": 249, "test_elastic_cluster.py": 202,
+    "test_mlflow.py": 179, "test_tfos.py": 172, "test_parameter_server.py": 170,
+    "test_unstructured.py": 139, "test_concurrency.py": 129, "test_horovod_parity.py": 111,
+    "test_gpu_inference.py": 98, "test_retries.py": 90, "test_notebook.py": 86,
+    "test_keras_estimator.py": 78, "test_torch_estimator.py": 65,
+    "test_standalone_cluster.py": 65, "test_fsdp.py": 47, "test_big_models.py": 44,
+    "test_progress_lines.py": 44,
 }
 
 
