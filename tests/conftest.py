@@ -17,9 +17,10 @@ os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1")
 
 # Seconds the longest test files took in a 2-worker run on 2 cores (2026-11-26, summed test
 # durations, with the preloading worker daemon and the TensorFlow fork templates). pytest-xdist
-# hands whole files (`--dist loadfile`) to whichever worker is free, in collection order (`--no-loadscope-reorder` in pytest.ini; its default orders files by
-# test count): the longest go first and the short ones fill the gaps at the end, so no worker
-# is left alone with a long file while the other idles (longest-processing-time-first).
+# hands whole files (`--dist loadfile`) to whichever worker is free, in collection order
+# (`--no-loadscope-reorder` in pytest.ini; its default orders files by test count): the
+# longest go first and the short ones fill the gaps at the end, so no worker is left alone
+# with a long file while the other idles (longest-processing-time-first).
 # Unlisted files count as short.
 LONGEST_FILES = {
     "test_connect.py": 324, "test_jobs.py": 249, "test_elastic_cluster.py": 202,
