@@ -23,7 +23,6 @@ import json
 import os
 import pickle
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import IO, Any, Callable, Dict, List, Optional, Tuple, Union
 
 from sparktrain.launch import zygote
+from sparktrain.launch.zygote import die_with_parent
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.faults import mark_user_error
 from sparktrain.launch.gpus import gpu_environment, rank_gpu
@@ -68,15 +68,6 @@ def _noise(line: str, gpu: Any) -> bool:
     """TensorFlow start-up lines that say nothing to a user (and, on CPU ranks, CUDA probes)."""
     return line.startswith(("WARNING: All log messages before absl", "I0000 ")) or \
         (gpu is None and "cuInit" in line)
-
-
-def die_with_parent() -> None:  # runs in the child between fork and exec (Linux)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def child_environment(config: str, gpu: Optional[str]) -> Dict[str, str]:

@@ -209,10 +209,15 @@ def start_python(module: str, args: List[str], env: Dict[str, str], preload: Seq
 
 # --- the template process (python -m sparktrain.launch.zygote FD MODULE...) ------------------
 
-def _die_with_parent() -> None:
-    import ctypes
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent exits (Linux ``PR_SET_PDEATHSIG``); used by forked
+    children and as ``preexec_fn`` of ``subprocess.Popen``."""
+    try:
+        import ctypes
 
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def _run_child(request: Dict[str, Any], out_fd: int, template_pid: int) -> None:
@@ -222,7 +227,7 @@ def _run_child(request: Dict[str, Any], out_fd: int, template_pid: int) -> None:
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
             signal.signal(sig, signal.SIG_DFL)
-        _die_with_parent()
+        die_with_parent()
         if os.getppid() != template_pid:  # the template died between fork and prctl
             os._exit(1)
         os.dup2(out_fd, 1)
