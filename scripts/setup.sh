@@ -81,8 +81,15 @@ for part in $parts; do
   case " $installed_parts " in *" $part "*) ;; *) missing="$missing $part" ;; esac
 done
 mlflow_ready() { [ -z "$want_tests" ] || [ "$stack" != spark4 ] || [ -x "$mlflow_venv/bin/mlflow" ]; }
+# The class-data sharing archive local Spark JVMs start from (sparktrain/launch/jvm_archive.py):
+# built once per Java and Spark install (~30 s), a no-op after.
+jvm_archive() {
+  "$venv/bin/python" -m sparktrain.launch.jvm_archive | sed 's/^sparktrain: /[setup] /' \
+    || say "warning: no JVM class archive; Spark JVMs start without it (slower, nothing else)"
+}
 if [ -z "$missing" ] && mlflow_ready; then
   say "environment up to date ($venv: $installed_parts)"
+  jvm_archive
   exit 0
 fi
 
@@ -203,4 +210,5 @@ imports="import sparktrain, pyspark, torch, tensorflow, keras, tensorflowonspark
 TF_CPP_MIN_LOG_LEVEL=3 "$venv/bin/python" -c "$imports" 2> >(grep -v "^WARNING: All log messages\|oneDNN\|cpu_feature_guard\|rebuild TensorFlow" >&2 || true) \
   || die "the installed stack does not import"
 printf '%s\n%s\n' "$inputs" "$parts" > "$stamp_file"
+jvm_archive
 say "done ($stack stack in $venv: $parts): $("$venv/bin/python" -c 'import pyspark, torch, pyarrow, numpy; print("pyspark", pyspark.__version__, "| numpy", numpy.__version__, "| pyarrow", pyarrow.__version__, "| torch", torch.__version__)')"

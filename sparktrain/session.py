@@ -18,6 +18,7 @@ from typing import Dict, Optional
 
 from pyspark.sql import SparkSession
 
+from sparktrain.launch.jvm_archive import driver_conf
 from sparktrain.launch.worker_daemon import DAEMON_CONF
 
 
@@ -29,7 +30,8 @@ def local_spark(master: Optional[str] = "local[*]", app_name: str = "sparktrain"
     Sets ``PYSPARK_PYTHON`` to this interpreter (unless set) so tasks can import torch and
     sparktrain, keeps local-mode traffic on 127.0.0.1, enables Arrow, and quiets Spark's logs.
     Local masters' Python workers fork from a daemon that has torch, pandas and pyarrow
-    imported (:mod:`sparktrain.launch.worker_daemon`).
+    imported (:mod:`sparktrain.launch.worker_daemon`), and their JVM maps the class archive
+    where one was built (:mod:`sparktrain.launch.jvm_archive`).
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -48,7 +50,7 @@ def local_spark(master: Optional[str] = "local[*]", app_name: str = "sparktrain"
     if local and _executors_run_this_python(conf or {}):  # it has sparktrain: preloaded workers
         for key, value in DAEMON_CONF.items():
             builder = builder.config(key, value)
-    for key, value in (conf or {}).items():
+    for key, value in (driver_conf(conf or {}) if local else conf or {}).items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("SPARKTRAIN_SPARK_LOG_LEVEL", "WARN"))
@@ -112,6 +114,8 @@ class ConnectServer:
                 "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
                 "spark.sql.execution.arrow.pyspark.enabled": "true",
                 **(DAEMON_CONF if self.master.startswith("local") else {}), **self.conf}
+        if self.master.startswith("local"):
+            conf = driver_conf(conf)
         command = [os.path.join(spark_home, "bin", "spark-submit"), "--master", self.master,
                    "--class", "org.apache.spark.sql.connect.service.SparkConnectServer"]
         for key, value in conf.items():
