@@ -1,6 +1,7 @@
 """The class-data sharing archive local Spark JVMs start from (``launch/jvm_archive.py``)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -82,3 +83,15 @@ def test_local_spark_maps_spark_classes_from_the_archive(tmp_path):
     loaded = [line for line in log.read_text().splitlines()
               if "org.apache.spark.SparkContext " in line]
     assert loaded and "shared objects file (top)" in loaded[0], loaded
+
+
+def test_archives_of_removed_installations_are_pruned(installs, tmp_path):
+    _, spark, cache = installs
+    os.makedirs(cache)
+    kept, gone = os.path.join(cache, "spark-a.jsa"), os.path.join(cache, "spark-b.jsa")
+    for path, home in ((kept, str(spark)), (gone, str(tmp_path / "deleted-venv"))):
+        open(path, "wb").close()
+        with open(path + ".json", "w") as f:
+            json.dump({"spark_home": home, "java_home": str(tmp_path)}, f)
+    jvm_archive._prune(cache)
+    assert sorted(os.listdir(cache)) == ["spark-a.jsa", "spark-a.jsa.json"]

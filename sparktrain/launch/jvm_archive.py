@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import glob
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -156,7 +157,24 @@ def build(path: Optional[str] = None, timeout: float = 300.0) -> str:
         raise RuntimeError(f"the run writing the JVM class archive failed (exit "
                            f"{run.returncode}):\n{run.stdout[-3000:]}")
     os.replace(partial, path)
+    with open(path + ".json", "w") as f:  # for pruning: whose archive it is
+        json.dump({"spark_home": spark_home(), "java_home": java_home()}, f)
+    _prune(os.path.dirname(path))
     return path
+
+
+def _prune(folder: str) -> None:
+    """Remove the archives of Spark or Java installations that are gone (a deleted venv)."""
+    for meta in glob.glob(os.path.join(folder, "spark-*.jsa.json")):
+        try:
+            with open(meta) as f:
+                homes = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not all(os.path.isdir(home or "") for home in homes.values()):
+            for stale in (meta[:-len(".json")], meta):
+                if os.path.exists(stale):
+                    os.remove(stale)
 
 
 def main(argv: Optional[list] = None) -> int:
