@@ -41,7 +41,7 @@ from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.elastic import for_rank, scaling_ranks
 from sparktrain.launch.faults import mark_user_error, user_code
-from sparktrain.launch.gpus import rank_gpu
+from sparktrain.launch.gpus import cuda_ordinal, rank_gpu
 from sparktrain.loop_spec import LoopSpec
 from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
 from sparktrain.strategies.torch_blocks import blocks, checkpoint_activations
@@ -69,7 +69,8 @@ def select_device(ctx: RankContext, use_gpu: bool) -> torch.device:
         raise RuntimeError(f"Spark assigned GPU {address} to rank {ctx.rank}, but torch "
                            f"{torch.__version__} cannot use CUDA here; install a CUDA build of "
                            f"torch or pass use_gpu=False")
-    device = torch.device("cuda", int(address))
+    device = torch.device("cuda", cuda_ordinal(address, torch.cuda.device_count(),
+                                               f"torch {torch.__version__}"))
     torch.cuda.set_device(device)
     return device
 
