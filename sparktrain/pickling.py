@@ -4,7 +4,11 @@ cloudpickle pickles classes and functions from importable modules *by reference*
 (and whoever loads a saved model later) must be able to import the same module. A model class
 defined in the user's script, notebook helper file or test module usually is not importable
 there. ``dumps`` therefore pickles *by value* every module that the objects' classes and
-functions come from, unless it is installed (site-packages) or part of Python itself.
+functions come from, unless it is installed or part of Python itself. Installed means in a
+``site-packages`` or ``dist-packages`` folder, wherever it is: the interpreter's own, a user
+site (``pip install --user``), Debian's ``dist-packages``, or one added to ``sys.path`` later
+(Databricks' notebook-scoped libraries, ``%pip install``). Libraries there must not travel by
+value: transformers' classes, for one, cannot be pickled that way.
 
 Code pickled by value keeps its source file's name: cloudpickle >= 3.1.2 writes
 ``<dynamic-code>`` instead (for byte-identical payloads, cloudpipe/cloudpickle#558), which
@@ -30,10 +34,15 @@ from typing import Any, Callable, Iterable, Optional, Set
 
 import cloudpickle
 
-_INSTALLED = tuple(os.path.realpath(p) for p in {
-    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"],
-    sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+_PYTHON = tuple(os.path.realpath(sysconfig.get_paths()[key]) + os.sep for key in
+                ("stdlib", "platstdlib", "purelib", "platlib"))
+_PACKAGE_FOLDERS = {"site-packages", "dist-packages"}
 _OWN = ("sparktrain", "torch", "pyspark", "tensorflow", "keras", "tf_keras", "horovod", "numpy")
+
+
+def _is_installed(path: str) -> bool:
+    real = os.path.realpath(path)
+    return real.startswith(_PYTHON) or not _PACKAGE_FOLDERS.isdisjoint(real.split(os.sep)[:-1])
 
 
 def _is_user_module(module: ModuleType) -> bool:
@@ -41,7 +50,7 @@ def _is_user_module(module: ModuleType) -> bool:
     path = getattr(module, "__file__", None)
     if name == "__main__" or not path or name.split(".")[0] in _OWN:
         return False  # __main__ is pickled by value by cloudpickle already
-    return not os.path.realpath(path).startswith(_INSTALLED)
+    return not _is_installed(path)
 
 
 def _code_objects(obj: Any) -> Iterable[Any]:
