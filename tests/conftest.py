@@ -21,20 +21,20 @@ from sparktrain.launch.jvm_archive import java_options  # noqa: E402 - after the
 os.environ.setdefault("JAVA_TOOL_OPTIONS", f"-XX:TieredStopAtLevel=1 {java_options()}".strip())
 
 # Seconds the longest test files took in a 2-worker run on 2 cores (2026-11-26, summed test
-# durations, with the preloading worker daemon and the TensorFlow fork templates). pytest-xdist
-# hands whole files (`--dist loadfile`) to whichever worker is free, in collection order
+# durations, with bytecode precompiled and the JVM class archive). pytest-xdist hands whole
+# files (`--dist loadfile`) to whichever worker is free, in collection order
 # (`--no-loadscope-reorder` in pytest.ini; its default orders files by test count): the
 # longest go first and the short ones fill the gaps at the end, so no worker is left alone
 # with a long file while the other idles (longest-processing-time-first).
 # Unlisted files count as short.
 LONGEST_FILES = {
-    "test_connect.py": 324, "test_jobs.py": 249, "test_elastic_cluster.py": 202,
-    "test_mlflow.py": 179, "test_tfos.py": 172, "test_parameter_server.py": 170,
-    "test_unstructured.py": 139, "test_concurrency.py": 129, "test_horovod_parity.py": 111,
-    "test_gpu_inference.py": 98, "test_retries.py": 90, "test_notebook.py": 86,
-    "test_keras_estimator.py": 78, "test_torch_estimator.py": 65,
-    "test_standalone_cluster.py": 65, "test_fsdp.py": 47, "test_big_models.py": 44,
-    "test_progress_lines.py": 44,
+    "test_connect.py": 191, "test_elastic_cluster.py": 136, "test_mlflow.py": 110,
+    "test_jobs.py": 109, "test_tfos.py": 109, "test_unstructured.py": 107,
+    "test_parameter_server.py": 85, "test_horovod_parity.py": 76, "test_concurrency.py": 73,
+    "test_notebook.py": 62, "test_torch_estimator.py": 58, "test_retries.py": 45,
+    "test_gpu_inference.py": 44, "test_standalone_cluster.py": 41, "test_fsdp.py": 41,
+    "test_keras_estimator.py": 37, "test_keras_fault_tolerance.py": 25,
+    "test_progress_lines.py": 25, "test_huggingface.py": 25, "test_loop_features.py": 25,
 }
 
 
