@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Process start-up: sparktrain's preloading worker daemon and Keras fork templates vs Spark's.
+"""Process start-up: sparktrain's worker daemon, Keras fork templates, JVM class archive and
+installed bytecode vs what a user gets without them.
 
 Figures (each variant in a process of its own with a local[2] session; medians; ratios are
 the alternative's seconds / sparktrain's, so above 1 is faster):
@@ -10,6 +11,13 @@ the alternative's seconds / sparktrain's, so above 1 is faster):
 - ``keras_refit``: a 2-rank ``KerasEstimator`` fit (1 epoch, 400 rows) after a first fit in the
   same session, ranks forked from a TensorFlow template (:mod:`sparktrain.launch.zygote`) vs
   fresh ``python -m`` processes (``SPARKTRAIN_FORK_TEMPLATE=0``).
+- ``jvm_start``: a fresh process starting ``local_spark("local[2]")``, running a small job and
+  stopping, its JVM mapping the class archive (:mod:`sparktrain.launch.jvm_archive`) vs not
+  (``SPARKTRAIN_JVM_ARCHIVE_DIR`` empty); the JVMs with the user's default options.
+- ``python_start``: a fresh Python importing what a rank imports (torch, pandas, pyarrow,
+  pyspark, the torch rank loop) from installed bytecode (what ``scripts/setup.sh`` installs)
+  vs compiling it from source (no bytecode and ``PYTHONDONTWRITEBYTECODE=1``, as after a
+  ``uv pip install`` without ``--compile-bytecode`` in such a container).
 
     .venv/bin/python bench/bench_starts.py [--repeats 5]
 """
@@ -32,6 +40,18 @@ sys.path.insert(0, REPO)
 VARIANTS = {
     "worker_start": {"sparktrain": {}, "baseline": {"daemon": "pyspark.daemon"}},
     "keras_refit": {"sparktrain": {}, "baseline": {"SPARKTRAIN_FORK_TEMPLATE": "0"}},
+    "jvm_start": {"sparktrain": {}, "baseline": {"SPARKTRAIN_JVM_ARCHIVE_DIR": "<empty>"}},
+    "python_start": {"sparktrain": {}, "baseline": {"PYTHONPYCACHEPREFIX": "<empty>",
+                                                    "PYTHONDONTWRITEBYTECODE": "1"}},
+}
+# What each fresh process of jvm_start / python_start runs.
+FRESH = {
+    "jvm_start": "from sparktrain import local_spark\n"
+                 "spark = local_spark('local[2]', conf={'spark.ui.enabled': 'false'})\n"
+                 "assert spark.range(1000).selectExpr('sum(id)').first()[0] == 499500\n"
+                 "spark.stop()",
+    "python_start": "import torch, pandas, pyarrow, pyspark.sql\n"
+                    "import sparktrain.estimators.torch_worker",
 }
 
 
@@ -86,10 +106,25 @@ def keras_refit(repeats: int) -> List[float]:
     return times[1:]
 
 
+def fresh_processes(figure: str, repeats: int) -> List[float]:
+    """Seconds of ``repeats`` fresh processes running ``FRESH[figure]`` (the tests' JVM
+    options left out: the user's defaults)."""
+    env = {k: v for k, v in os.environ.items() if k != "JAVA_TOOL_OPTIONS"}
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", FRESH[figure]], env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def run_variant(figure: str, variant: str, repeats: int) -> List[float]:
     """One variant in a fresh process; its timed runs."""
     settings = VARIANTS[figure][variant]
-    env = dict(os.environ, **{k: v for k, v in settings.items() if k.isupper()})
+    empty = tempfile.mkdtemp(prefix="bench-starts-empty-")
+    env = dict(os.environ, **{k: v.replace("<empty>", empty) for k, v in settings.items()
+                              if k.isupper()})
     command = [sys.executable, __file__, "--child", figure, "--repeats", str(repeats)]
     if "daemon" in settings:
         command += ["--daemon", settings["daemon"]]
@@ -108,8 +143,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--daemon", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        times = worker_start(args.repeats, args.daemon) if args.child == "worker_start" \
-            else keras_refit(args.repeats)
+        if args.child in FRESH:
+            times = fresh_processes(args.child, args.repeats)
+        elif args.child == "worker_start":
+            times = worker_start(args.repeats, args.daemon)
+        else:
+            times = keras_refit(args.repeats)
         print(json.dumps(times))
         return 0
     results: Dict[str, Dict[str, object]] = {}
