@@ -102,6 +102,7 @@ class Sizes:
 GPU_SIZES = Sizes(mlp_rows=8192, hidden=1024, infer_rows=100_000, tput_rows=65_536)
 CPU_SIZES = Sizes(mlp_rows=4096, hidden=128, infer_rows=20_000, tput_rows=16_384)
 FEATURES, CLASSES, ARROW_BATCH = 64, 10, 10_000
+INFERENCE_BATCH_SIZES = (4096, 10_000)  # gpu_inference on a GPU, besides the param's default
 
 
 @dataclass
@@ -447,10 +448,12 @@ def check_inference(env: Env) -> Dict[str, Any]:
     rows, width = env.sizes.infer_rows, 256
     net = mlp(width, 1024).eval()
     model = TorchModel(model=net, feature_columns=["features"], label_columns=["label"])
-    udf = _prediction_udf("gpu-check", model._predict_fn_factory(),
-                          [ColumnSpec("features", VECTOR, "float32", width)],
-                          [model._output_type([CLASSES])], model.getBatchSize(), None,
-                          ["features"])
+    def prediction_udf(batch_size: int) -> Any:
+        return _prediction_udf("gpu-check", model._predict_fn_factory(),
+                               [ColumnSpec("features", VECTOR, "float32", width)],
+                               [model._output_type([CLASSES])], batch_size, None, ["features"])
+
+    udf = prediction_udf(model.getBatchSize())
     x = np.random.default_rng(5).normal(size=(rows, width)).astype(np.float32)
     # what Arrow hands the UDF for an array<float> column: a Series of numpy arrays per batch
     batches = [pa.array(list(x[i:i + ARROW_BATCH]), type=pa.list_(pa.float32())).to_pandas()
@@ -482,6 +485,11 @@ def check_inference(env: Env) -> Dict[str, Any]:
         figures.update(gpu_first_batch_s=round(first, 3), max_abs_error=f"{error:.2e}",
                        speedup=round(figures["gpu_rows_s"] / figures["cpu_rows_s"], 2))
         expect(error < 1e-4, f"GPU predictions differ from the CPU module's by {error:.2e}")
+        default_udf = udf
+        for size in INFERENCE_BATCH_SIZES:  # what a larger batchSize param would give
+            udf = prediction_udf(size)
+            figures[f"gpu_rows_s_batch_{size}"] = round(predict(["0"])[2])
+        udf = default_udf
     for key in ("cpu_rows_s", "gpu_rows_s"):
         if key in figures:
             figures[key] = round(figures[key])
