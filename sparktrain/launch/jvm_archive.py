@@ -8,13 +8,13 @@ dynamic CDS archives). Measured on 2 cores: a ``local[2]`` session running two s
 
 An archive fits one JVM and one class path: a JVM given another checks that and loads from the
 jars as before. The archive's name is therefore a hash of the Java installation and of Spark's
-jars (``~/.cache/sparktrain/jvm/spark-<hash>.jsa``, ~150 MB), so an upgrade of either simply
+jars (``~/.cache/sparktrain/jvm/spark-<hash>.jsa``, ~180 MiB), so an upgrade of either simply
 finds none. It is built once, explicitly (``scripts/setup.sh`` does), and used by
 :func:`sparktrain.local_spark` and :class:`sparktrain.session.ConnectServer` where it exists.
 
 Example::
 
-    python -m sparktrain.launch.jvm_archive     # build it for this Java and Spark (~15 s)
+    python -m sparktrain.launch.jvm_archive     # build it for this Java and Spark (~30 s)
     java_options()     # '-XX:SharedArchiveFile=/root/.cache/sparktrain/jvm/spark-1a2b.jsa ...'
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 CACHE_ENV = "SPARKTRAIN_JVM_ARCHIVE_DIR"
 # A JVM whose class path differs from the archive's warns that it cannot use it and goes on
@@ -177,7 +177,7 @@ def _prune(folder: str) -> None:
                     os.remove(stale)
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sparktrain.launch.jvm_archive",
         description="Build the class-data sharing archive local Spark JVMs start from.")
