@@ -84,7 +84,7 @@ mlflow_ready() { [ -z "$want_tests" ] || [ "$stack" != spark4 ] || [ -x "$mlflow
 # The class-data sharing archive local Spark JVMs start from (sparktrain/launch/jvm_archive.py):
 # built once per Java and Spark install (~30 s), a no-op after.
 jvm_archive() {
-  "$venv/bin/python" -m sparktrain.launch.jvm_archive | sed 's/^sparktrain: /[setup] /' \
+  "$venv/bin/python" -m sparktrain.launch.jvm_archive \
     || say "warning: no JVM class archive; Spark JVMs start without it (slower, nothing else)"
 }
 if [ -z "$missing" ] && mlflow_ready; then
