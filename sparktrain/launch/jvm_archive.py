@@ -97,18 +97,14 @@ def java_options(cache_dir: Optional[str] = None) -> str:
     return f"-XX:SharedArchiveFile={path} {QUIET}"
 
 
-def with_archive(options: str, cache_dir: Optional[str] = None) -> str:
-    """``options`` (a JVM options string, perhaps empty) with the archive's options first;
-    ``options`` alone where they name an archive themselves."""
-    if "SharedArchiveFile" in options or "ArchiveClassesAtExit" in options:
-        return options
-    return " ".join(part for part in (java_options(cache_dir), options) if part)
-
-
 def driver_conf(conf: Mapping[str, str], cache_dir: Optional[str] = None) -> Dict[str, str]:
-    """Spark ``conf`` whose driver JVM maps the archive (where one exists)."""
-    options = with_archive(conf.get(DRIVER_OPTIONS, ""), cache_dir)
-    return {**conf, DRIVER_OPTIONS: options} if options else dict(conf)
+    """Spark ``conf`` whose driver JVM maps the archive (where one exists) before the user's
+    own ``spark.driver.extraJavaOptions``; left as it is where those name an archive."""
+    own = conf.get(DRIVER_OPTIONS, "")
+    archive = java_options(cache_dir)
+    if not archive or "SharedArchiveFile" in own or "ArchiveClassesAtExit" in own:
+        return dict(conf)
+    return {**conf, DRIVER_OPTIONS: f"{archive} {own}".strip()}
 
 
 # What the archive's run does: what a fit asks of the driver (Arrow to and from pandas, Parquet
