@@ -34,12 +34,11 @@ import statistics
 import sys
 import tempfile
 import threading
-import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from common import (add_common_args, cached, figure, guarded, hang_extras, make_frame,
-                    parse_common, print_json_lines, print_table, progress, remove_tmp, versions,
-                    write_results)
+from common import (add_common_args, cached, figure, guarded, hang_extras, load_meta, load_note,
+                    make_frame, new_parser, parse_common, progress, quiet_warnings, remove_tmp,
+                    report, spark_conf, sparktrain_logs, versions)
 
 FIGURES = ("throughput", "overhead")
 # Backends measured (TorchEstimator's torch/horovod, KerasEstimator's tensorflow/tfos); "torch"
@@ -484,8 +483,7 @@ def bench_overhead(spark, tmp: str, args, state: Dict[str, Any]) -> Dict[str, An
 
 # -- main ---------------------------------------------------------------------------------------
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--rows", type=int, default=200_000, help="rows of the throughput frame")
     parser.add_argument("--features", type=int, default=32, help="floats per row")
     parser.add_argument("--partitions", type=int, default=2, help="partitions of the frame")
@@ -533,59 +531,39 @@ def run_figures(spark, tmp: str, args, state: Dict[str, Any],
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    quiet_warnings()
 
     from sparktrain import local_spark
 
-    # sparktrain's INFO lines ("fit done in ...") to stderr; rank lines captured, not printed
-    fit_log = logging.StreamHandler(sys.stderr)
-    fit_log.setFormatter(logging.Formatter("[sparktrain] %(message)s"))
-    sparktrain_logger = logging.getLogger("sparktrain")
-    sparktrain_logger.addHandler(fit_log)
-    sparktrain_logger.setLevel(logging.INFO)
-    sparktrain_logger.propagate = False  # horovod.spark.run configures the root logger
     rank_log = RankLog()
-    rank_logger = logging.getLogger("sparktrain.rank")
-    rank_logger.addHandler(rank_log)
-    rank_logger.setLevel(logging.INFO)
-    rank_logger.propagate = False
-
-    tmp = tempfile.mkdtemp(prefix="sparktrain-bench-")
-    progress(f"temp dir {tmp}; starting Spark {args.master}")
-    spark = local_spark(args.master, "sparktrain-bench-backends", conf={
-        "spark.driver.memory": "4g",
-        "spark.ui.enabled": "false",
-        "spark.local.dir": os.path.join(tmp, "spark-local")})
     state: Dict[str, Any] = {"hangs": [], "rank_log": rank_log}
     results: List[Dict[str, Any]] = []
-    load_before = os.getloadavg()
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # stdout is for the table and JSON lines
-            run_figures(spark, tmp, args, state, results)
-    finally:
-        spark.stop()
-        rank_logger.removeHandler(rank_log)
-        sparktrain_logger.removeHandler(fit_log)
-        remove_tmp(tmp, args.keep_tmp)
+    # sparktrain's INFO lines ("fit done in ...") to stderr; rank lines captured, not printed
+    with sparktrain_logs(rank_log):
+        tmp = tempfile.mkdtemp(prefix="sparktrain-bench-")
+        progress(f"temp dir {tmp}; starting Spark {args.master}")
+        spark = local_spark(args.master, "sparktrain-bench-backends", conf=spark_conf(tmp))
+        load_before = os.getloadavg()
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # stdout: the table and JSON lines
+                run_figures(spark, tmp, args, state, results)
+        finally:
+            spark.stop()
+            remove_tmp(tmp, args.keep_tmp)
 
-    print()
-    print(f"sparktrain backends benchmark: {args.rows:,} rows x {args.features} features, "
-          f"{args.epochs} epochs, batch {args.batch_size}/rank, {args.master}, "
-          f"{os.cpu_count()} CPUs, load avg {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}")
-    print_table(results)
-    print_json_lines(results)
-
-    if args.json_out:
+    def meta() -> Dict[str, Any]:
         import horovod
 
-        meta = {"rows": args.rows, "features": args.features, "partitions": args.partitions,
+        return {"rows": args.rows, "features": args.features, "partitions": args.partitions,
                 "batch_size": args.batch_size, "epochs": args.epochs,
                 "step_batch": args.step_batch, "repeats": args.repeats, "master": args.master,
-                "skipped": sorted(args.skip), "load_avg_before": load_before,
-                "load_avg_after": os.getloadavg(), "horovod": horovod.__version__, **versions()}
-        write_results(args.json_out, meta, results)
+                "skipped": sorted(args.skip), **load_meta(load_before),
+                "horovod": horovod.__version__, **versions()}
+
+    report(results, args.json_out, meta,
+           f"sparktrain backends benchmark: {args.rows:,} rows x {args.features} features, "
+           f"{args.epochs} epochs, batch {args.batch_size}/rank, {args.master}, "
+           f"{load_note(load_before)}")
     return 0
 
 

@@ -31,7 +31,6 @@ tables as markdown next to it (.md).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -40,8 +39,8 @@ import time
 import warnings
 from typing import Any, Dict, List, Optional
 
-from common import (add_common_args, figure, guarded, hang_extras, parse_common, print_json_lines,
-                    print_table, progress, remove_tmp, versions, write_results)
+from common import (add_common_args, figure, guarded, hang_extras, load_meta, load_note,
+                    new_parser, parse_common, progress, remove_tmp, report, spark_conf, versions)
 
 FIGURES: List[str] = []  # the two figures always run; --skip has nothing to skip
 MIB = 2 ** 20
@@ -313,8 +312,7 @@ RSS_NOTE = (
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--rows", type=int, default=320, help="training rows (both ranks)")
     parser.add_argument("--features", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=4096)
@@ -334,8 +332,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     probe_dir, store = os.path.join(tmp, "probe"), os.path.join(tmp, "store")
     progress(f"temp dir {tmp}; starting Spark {args.master}")
     spark = local_spark(args.master, "sparktrain-bench-fsdp", conf={
-        "spark.driver.memory": "4g", "spark.ui.enabled": "false",
-        "spark.local.dir": os.path.join(tmp, "spark-local"),
+        **spark_conf(tmp),
         # every fit's ranks in fresh Python workers: a reused one would carry the previous
         # fit's RSS high-water mark and whatever its allocator kept
         "spark.python.worker.reuse": "false"})
@@ -395,25 +392,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     ]
     results[0]["extras"]["runs"] = runs
 
-    md = [f"# bench_fsdp: {measure}", "",
-          f"{os.cpu_count()} CPUs, load avg {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}, "
-          f"bench {total:.0f} s", ""]
+    md = [f"# bench_fsdp: {measure}", "", f"{load_note(load_before)}, bench {total:.0f} s", ""]
     for tag, run in runs.items():
         md += [f"## {tag} (fit {run['fit_seconds']:.1f} s, loss "
                f"{' -> '.join(f'{v:.4f}' for v in run['loss'])})", ""] + markdown_table(run) + [""]
     md += ["## ratios", ""] + ratio_lines(runs) + ["", RSS_NOTE, ""]
-    print()
-    print("\n".join(md))
-    print_table(results)
-    print_json_lines(results)
+    report(results, args.json_out, lambda: {
+        "rows": args.rows, "features": args.features, "hidden": args.hidden,
+        "layers": args.layers, "classes": args.classes, "params": params,
+        "batch_size": args.batch_size, "epochs": args.epochs, "master": args.master,
+        "activation_checkpointing_run": args.activation_checkpointing, "bench_seconds": total,
+        "rss_note": RSS_NOTE, **load_meta(load_before), **versions()}, "\n".join(md))
     if args.json_out:
-        meta = {"rows": args.rows, "features": args.features, "hidden": args.hidden,
-                "layers": args.layers, "classes": args.classes, "params": params,
-                "batch_size": args.batch_size, "epochs": args.epochs, "master": args.master,
-                "activation_checkpointing_run": args.activation_checkpointing,
-                "bench_seconds": total, "rss_note": RSS_NOTE,
-                "load_avg_before": load_before, "load_avg_after": os.getloadavg(), **versions()}
-        write_results(args.json_out, meta, results)
         md_path = os.path.splitext(args.json_out)[0] + ".md"
         with open(md_path, "w") as f:
             f.write("\n".join(md))

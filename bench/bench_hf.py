@@ -44,9 +44,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from bench_backends import RankLog
-from common import (add_common_args, cached, figure, guarded, hang_extras, parse_common,
-                    print_json_lines, print_table, progress, remove_tmp, timed, versions,
-                    write_results)
+from common import (add_common_args, cached, figure, guarded, hang_extras, load_meta, load_note,
+                    new_parser, parse_common, progress, remove_tmp, report, spark_conf,
+                    sparktrain_logs, timed, versions)
 
 FIGURES = ("sparktrain", "trainer", "reference")
 CONTENDERS = FIGURES
@@ -754,8 +754,7 @@ def make_figures(args, found: Dict[str, Any], steps: Dict[str, int]) -> List[Dic
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--rows", type=int, default=None, help="training rows (default 20,000)")
     parser.add_argument("--test-rows", type=int, default=None,
                         help="held-out rows (default 2,000)")
@@ -798,54 +797,35 @@ def main(argv: Optional[List[str]] = None) -> int:
     from sparktrain import local_spark
 
     # sparktrain's INFO lines to stderr; rank lines captured (epoch timing), not printed
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("[sparktrain] %(message)s"))
-    st_logger = logging.getLogger("sparktrain")
-    st_logger.addHandler(handler)
-    args.fit_log = _FitLog()
-    st_logger.addHandler(args.fit_log)
-    st_logger.setLevel(logging.INFO)
-    st_logger.propagate = False
-    args.rank_log = RankLog()
-    rank_logger = logging.getLogger("sparktrain.rank")
-    rank_logger.addHandler(args.rank_log)
-    rank_logger.setLevel(logging.INFO)
-    rank_logger.propagate = False
+    args.fit_log, args.rank_log = _FitLog(), RankLog()
+    with sparktrain_logs(args.rank_log, args.fit_log):
+        tmp = tempfile.mkdtemp(prefix="sparktrain-bench-hf-")
+        progress(f"temp dir {tmp}; starting Spark {args.master}")
+        spark = local_spark(args.master, "sparktrain-bench-hf", conf=spark_conf(tmp))
+        load_before = os.getloadavg()
+        try:
+            results, run_meta = main_run(args, spark, tmp)
+        finally:
+            spark.stop()
+            remove_tmp(tmp, args.keep_tmp)
 
-    tmp = tempfile.mkdtemp(prefix="sparktrain-bench-hf-")
-    progress(f"temp dir {tmp}; starting Spark {args.master}")
-    spark = local_spark(args.master, "sparktrain-bench-hf", conf={
-        "spark.driver.memory": "4g", "spark.ui.enabled": "false",
-        "spark.local.dir": os.path.join(tmp, "spark-local")})
-    load_before = os.getloadavg()
-    try:
-        results, meta = main_run(args, spark, tmp)
-    finally:
-        spark.stop()
-        remove_tmp(tmp, args.keep_tmp)
-
-    print()
-    print(f"sparktrain Hugging Face benchmark: {args.rows:,} + {args.test_rows:,} rows, "
-          f"{args.epochs} epoch(s), batch {args.batch_size}/rank, sparktrain reader pool "
-          f"{args.reader_pool!r}, {args.master}, "
-          f"{os.cpu_count()} CPUs, load avg {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}")
-    print_table(results)
-    print_json_lines(results)
-    if args.json_out:
+    def meta() -> Dict[str, Any]:
         import datasets
         import tokenizers
         import transformers
 
-        meta.update({"rows": args.rows, "test_rows": args.test_rows, "epochs": args.epochs,
-                     "batch_size": args.batch_size, "max_length": args.max_length,
-                     "lr": args.lr, "warmup_ratio": args.warmup_ratio, "repeats": args.repeats,
-                     "master": args.master, "skipped": sorted(args.skip), "quick": args.quick,
-                     "reader_pool": args.reader_pool,
-                     "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-                     "transformers": transformers.__version__,
-                     "tokenizers": tokenizers.__version__, "datasets": datasets.__version__,
-                     **versions()})
-        write_results(args.json_out, meta, results)
+        return {**run_meta, "rows": args.rows, "test_rows": args.test_rows,
+                "epochs": args.epochs, "batch_size": args.batch_size,
+                "max_length": args.max_length, "lr": args.lr, "warmup_ratio": args.warmup_ratio,
+                "repeats": args.repeats, "master": args.master, "skipped": sorted(args.skip),
+                "quick": args.quick, "reader_pool": args.reader_pool, **load_meta(load_before),
+                "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+                "datasets": datasets.__version__, **versions()}
+
+    report(results, args.json_out, meta,
+           f"sparktrain Hugging Face benchmark: {args.rows:,} + {args.test_rows:,} rows, "
+           f"{args.epochs} epoch(s), batch {args.batch_size}/rank, sparktrain reader pool "
+           f"{args.reader_pool!r}, {args.master}, {load_note(load_before)}")
     return 0
 
 

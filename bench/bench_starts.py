@@ -7,12 +7,12 @@ the alternative's seconds / sparktrain's, so above 1 is faster):
 
 - ``worker_start``: a 2-task job on fresh Python workers (``spark.python.worker.reuse=false``)
   whose tasks import torch, pandas and pyarrow, with ``spark.python.daemon.module`` =
-  ``sparktrain.launch.worker_daemon`` vs PySpark's own ``pyspark.daemon``.
+  ``sparktrain.session.worker_daemon`` vs PySpark's own ``pyspark.daemon``.
 - ``keras_refit``: a 2-rank ``KerasEstimator`` fit (1 epoch, 400 rows) after a first fit in the
   same session, ranks forked from a TensorFlow template (:mod:`sparktrain.launch.zygote`) vs
   fresh ``python -m`` processes (``SPARKTRAIN_FORK_TEMPLATE=0``).
 - ``jvm_start``: a fresh process starting ``local_spark("local[2]")``, running a small job and
-  stopping, its JVM mapping the class archive (:mod:`sparktrain.launch.jvm_archive`) vs not
+  stopping, its JVM mapping the class archive (:mod:`sparktrain.session.jvm_archive`) vs not
   (``SPARKTRAIN_JVM_ARCHIVE_DIR`` empty); the JVMs with the user's default options.
 - ``python_start``: a fresh Python importing what a rank imports (torch, pandas, pyarrow,
   pyspark, the torch rank loop) from installed bytecode (what ``scripts/setup.sh`` installs)
@@ -51,7 +51,7 @@ FRESH = {
                  "assert spark.range(1000).selectExpr('sum(id)').first()[0] == 499500\n"
                  "spark.stop()",
     "python_start": "import torch, pandas, pyarrow, pyspark.sql\n"
-                    "import sparktrain.estimators.torch_worker",
+                    "import sparktrain.loop.torch_loop",
 }
 
 

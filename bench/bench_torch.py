@@ -29,14 +29,14 @@ import shutil
 import statistics
 import sys
 import tempfile
-import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from common import (add_common_args, bench_session, cached, figure, guarded, hang_extras,
-                    make_frame, parse_common, print_json_lines, print_table, progress,
-                    session_kind, timed, versions, write_results)
+from common import (add_common_args, bench_session, cached, figure, guarded, guarded_runs,
+                    hang_extras, load_meta, load_note, make_frame, new_parser, parse_common,
+                    progress, quiet_warnings, remove_tmp, report, session_kind, spark_conf,
+                    timed, versions)
 
 FIGURES = ("read", "materialize", "fit", "inference")
 READ_BATCH = 1024
@@ -329,13 +329,9 @@ def bench_fit(spark, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict[str,
     # TorchDistributor's as RDD tasks; Spark keeps separate Python worker pools for the two, and
     # a TorchDistributor run leaves sparktrain's pool without warm workers (measured: a fit
     # right after one takes 7.7 s instead of 2.6 s), so interleaving would time a cold start.
-    st_times, td_times = [], []
     progress("fit: warm-up sparktrain fit (materializes the tiny frame)")
     guarded(spark, st_fit, limit, "fit: sparktrain warm-up fit", hangs)
-    for i in range(repeats):
-        seconds, _ = guarded(spark, st_fit, limit, f"fit: sparktrain fit {i + 1}", hangs)
-        st_times.append(seconds)
-        progress(f"fit: sparktrain fit {i + 1}/{repeats}: {seconds:.2f}s")
+    st_times = guarded_runs(spark, st_fit, repeats, limit, "fit: sparktrain fit", hangs)
     from sparktrain.estimators.preflight import run_preflight
 
     specs = estimator._check_params(tiny)
@@ -344,10 +340,7 @@ def bench_fit(spark, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict[str,
     progress(f"fit: preflight alone {statistics.median(preflight_times):.3f}s (median)")
     progress("fit: warm-up TorchDistributor run")
     guarded(spark, td_run, limit, "fit: TorchDistributor warm-up run", hangs)
-    for i in range(repeats):
-        seconds, _ = guarded(spark, td_run, limit, f"fit: TorchDistributor run {i + 1}", hangs)
-        td_times.append(seconds)
-        progress(f"fit: TorchDistributor run {i + 1}/{repeats}: {seconds:.2f}s")
+    td_times = guarded_runs(spark, td_run, repeats, limit, "fit: TorchDistributor run", hangs)
     progress("fit: one more sparktrain fit right after TorchDistributor (not in the ratio)")
     after_td, _ = guarded(spark, st_fit, limit, "fit: sparktrain fit after TorchDistributor",
                           hangs)
@@ -385,7 +378,7 @@ def handwritten_udf(spark, module, features: int, chunk: int):
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
-    from sparktrain.spark_api import is_remote
+    from sparktrain.session.spark_api import is_remote
 
     state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
     # a broadcast where there is one; over Spark Connect the weights travel in the closure
@@ -466,8 +459,7 @@ def bench_inference(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) ->
 
 # -- main ---------------------------------------------------------------------------------------
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows of the main frame")
     parser.add_argument("--features", type=int, default=32, help="floats per row")
     parser.add_argument("--partitions", type=int, default=2, help="partitions of the main frame")
@@ -480,16 +472,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    quiet_warnings()
 
     tmp = tempfile.mkdtemp(prefix="sparktrain-bench-")
     progress(f"temp dir {tmp}; starting Spark {args.master} ({session_kind(args)})")
-    conf = {"spark.driver.memory": "4g", "spark.ui.enabled": "false",
-            "spark.local.dir": os.path.join(tmp, "spark-local")}
     try:
-        with bench_session(args, "sparktrain-bench", conf) as spark:
+        with bench_session(args, "sparktrain-bench", spark_conf(tmp)) as spark:
             state: Dict[str, Any] = {"rows": args.rows, "features": args.features,
                                      "seed": args.seed, "fit_timeout": args.fit_timeout,
                                      "hangs": []}
@@ -521,27 +509,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 f"sparktrain's time"}
             df.unpersist()
     finally:
-        if args.keep_tmp:
-            progress(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        remove_tmp(tmp, args.keep_tmp)
 
     order = {name: i for i, name in enumerate(("read", "read:pyarrow", "materialize", "fit",
                                                "inference"))}
     results.sort(key=lambda r: order[r["figure"]])
-    print()
-    print(f"sparktrain torch benchmark: {args.rows:,} rows x {args.features} features, "
-          f"{args.master}, {session_kind(args)}, {os.cpu_count()} CPUs, load avg "
-          f"{load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}")
-    print_table(results)
-    print_json_lines(results)
-
-    if args.json_out:
-        meta = {"rows": args.rows, "features": args.features, "partitions": args.partitions,
-                "repeats": args.repeats, "master": args.master,
-                "session": session_kind(args), "skipped": sorted(args.skip),
-                "load_avg_before": load_before, "load_avg_after": os.getloadavg(), **versions()}
-        write_results(args.json_out, meta, results)
+    title = (f"sparktrain torch benchmark: {args.rows:,} rows x {args.features} features, "
+             f"{args.master}, {session_kind(args)}, {load_note(load_before)}")
+    report(results, args.json_out, lambda: {
+        "rows": args.rows, "features": args.features, "partitions": args.partitions,
+        "repeats": args.repeats, "master": args.master, "session": session_kind(args),
+        "skipped": sorted(args.skip), **load_meta(load_before), **versions()}, title)
     return 0
 
 

@@ -1,7 +1,8 @@
-"""Helpers shared by the benchmarks in this directory (``bench_torch.py``, ``bench_backends.py``).
+"""Helpers shared by the benchmarks in this directory (``bench_*.py``).
 
-Only driver-side code lives here: progress lines, timing, the hang watchdog for fits, the
-generated DataFrame, result records and their table / JSON-lines / JSON-file output. Functions
+Only driver-side code lives here: the parser, progress lines, logging, timing, the hang watchdog
+for fits, the ``--child`` entry point, the generated DataFrame, result records and their table /
+JSON-lines / JSON-file output. Functions
 that Spark ships to executors (training functions for TorchDistributor, ``horovod.spark.run``,
 UDFs) stay in the benchmark scripts themselves: run as ``__main__``, cloudpickle sends them *by
 value*, whereas a function from this module would be pickled by reference and the executors,
@@ -9,9 +10,12 @@ which do not have ``bench/`` on their path, could not import it.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import os
 import platform
+import subprocess
 import sys
 import threading
 import time
@@ -24,6 +28,12 @@ if REPO not in sys.path:  # normally installed editable in .venv; this makes a b
     sys.path.insert(0, REPO)
 
 _T0 = time.perf_counter()
+
+
+def new_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser whose description is the first paragraph of ``doc`` (the script's docstring)."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def add_common_args(parser, figures: List[str], json_name: str, fit_timeout: float,
@@ -64,6 +74,41 @@ def progress(message: str) -> None:
     print(f"[bench {time.perf_counter() - _T0:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
+def quiet_warnings() -> None:
+    """Silence the warnings torch, pyarrow and Petastorm print on every batch or call."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+@contextmanager
+def sparktrain_logs(rank_log: logging.Handler, *more: logging.Handler) -> Iterator[None]:
+    """In the block, sparktrain's INFO lines go to stderr (and to ``more``), not to the root
+    logger (``horovod.spark.run`` configures that one); rank lines (``sparktrain.rank``) go to
+    ``rank_log`` only."""
+    to_stderr = logging.StreamHandler(sys.stderr)
+    to_stderr.setFormatter(logging.Formatter("[sparktrain] %(message)s"))
+    added = [(logging.getLogger("sparktrain"), h) for h in (to_stderr, *more)]
+    added.append((logging.getLogger("sparktrain.rank"), rank_log))
+    for logger, handler in added:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, handler in added:
+            logger.removeHandler(handler)
+
+
+def spark_conf(tmp: str, memory: str = "4g") -> Dict[str, str]:
+    """The local Spark conf of a benchmark: driver memory, no UI, scratch space under ``tmp``."""
+    return {"spark.driver.memory": memory, "spark.ui.enabled": "false",
+            "spark.local.dir": os.path.join(tmp, "spark-local")}
+
+
 def remove_tmp(tmp: str, keep: bool) -> None:
     """Delete the benchmark's temporary directory, or say where it is (``--keep-tmp``)."""
     import shutil
@@ -80,9 +125,21 @@ def timed(fn: Callable[[], Any]) -> tuple:
     return time.perf_counter() - start, value
 
 
+def guarded_runs(spark, fn: Callable[[], Any], repeats: int, timeout: float, label: str,
+                 hangs: List[Dict[str, Any]]) -> List[float]:
+    """``repeats`` runs of ``fn`` under ``guarded`` (labelled ``label 1``, ``label 2``...); their
+    seconds."""
+    times = []
+    for i in range(repeats):
+        seconds, _ = guarded(spark, fn, timeout, f"{label} {i + 1}", hangs)
+        times.append(seconds)
+        progress(f"{label} {i + 1}/{repeats}: {seconds:.2f}s")
+    return times
+
+
 def cancel_all(spark) -> None:
     """Cancel every running Spark job of ``spark`` (classic or Connect)."""
-    from sparktrain.spark_api import is_remote
+    from sparktrain.session.spark_api import is_remote
 
     if is_remote(spark):
         spark.interruptAll()
@@ -166,6 +223,26 @@ def hang_extras(hangs: List[Dict[str, Any]], prefix: str) -> Dict[str, Any]:
     return {"HANGS (cancelled and retried, not timed)": {
                 "value": None, "note": f"{len(mine)}: " + "; ".join(h["what"] for h in mine)},
             "hangs": mine}
+
+
+# -- child processes ----------------------------------------------------------------------------
+def run_child(script: str, spec: Dict[str, Any], timeout: float, what: str) -> Dict[str, Any]:
+    """``script --child JSON`` in a fresh interpreter (nothing of this process's memory counts);
+    the JSON object it printed last. ``what`` names it in the error if it fails."""
+    done = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=os.path.dirname(script))
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def child_entry(fn: Callable[[Dict[str, Any]], Dict[str, Any]]) -> None:
+    """The ``--child JSON`` entry point: if the script was started so, print ``fn(spec)`` as JSON
+    and exit."""
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        print(json.dumps(fn(json.loads(sys.argv[2]))))
+        sys.exit(0)
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -269,3 +346,26 @@ def write_results(path: str, meta: Dict[str, Any], results: List[Dict[str, Any]]
     with open(path, "w") as f:
         json.dump({"meta": meta, "figures": results}, f, indent=2)
     progress(f"wrote {path}")
+
+
+def load_note(load_before: tuple) -> str:
+    """``N CPUs, load avg BEFORE -> NOW`` for a benchmark's title line."""
+    return f"{os.cpu_count()} CPUs, load avg {load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}"
+
+
+def load_meta(load_before: tuple) -> Dict[str, Any]:
+    """The load averages before and after, for the results file's meta."""
+    return {"load_avg_before": load_before, "load_avg_after": os.getloadavg()}
+
+
+def report(results: List[Dict[str, Any]], json_out: Optional[str],
+           meta: Callable[[], Dict[str, Any]], title: Optional[str] = None) -> None:
+    """Print ``title`` (after a blank line), the table and the JSON lines; then, if ``json_out``,
+    write ``meta()`` and the results there."""
+    if title is not None:
+        print()
+        print(title)
+    print_table(results)
+    print_json_lines(results)
+    if json_out:
+        write_results(json_out, meta(), results)

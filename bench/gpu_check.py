@@ -183,7 +183,7 @@ def train_rank(env: Env, spec: Any, payload: bytes) -> Tuple[Dict[str, Any], Dic
     """``torch_worker.train`` as rank 0 of 1 on ``env``'s device; ``(its result, what the Probe
     saw)``. The task's GPU comes as Spark hands it (``resources``), the rendezvous through the
     one-rank barrier (``TorchDDP`` opens its own ``TCPStore``: no MASTER_ADDR/PORT)."""
-    from sparktrain.estimators.torch_worker import train
+    from sparktrain.loop.torch_loop import train
     from sparktrain.launch.barrier import RankContext
 
     job = rank_loops._OneRank()
@@ -215,7 +215,7 @@ def payload(net: torch.nn.Module, optimizer: Any, loss: Any, callbacks: List[Any
             metrics: List[Callable] = (), transform: Any = None, strategy: str = "ddp",
             options: Optional[Dict[str, Any]] = None) -> bytes:
     """What ``TorchEstimator._payload`` ships (``test_rank_loops.torch_payload`` for any model)."""
-    from sparktrain.estimators.torch_files import ShippedModule, save_weights
+    from sparktrain.loop.torch_files import ShippedModule, save_weights
     from sparktrain.pickling import dumps
     from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
 

@@ -81,10 +81,10 @@ for part in $parts; do
   case " $installed_parts " in *" $part "*) ;; *) missing="$missing $part" ;; esac
 done
 mlflow_ready() { [ -z "$want_tests" ] || [ "$stack" != spark4 ] || [ -x "$mlflow_venv/bin/mlflow" ]; }
-# The class-data sharing archive local Spark JVMs start from (sparktrain/launch/jvm_archive.py):
+# The class-data sharing archive local Spark JVMs start from (sparktrain/session/jvm_archive.py):
 # built once per Java and Spark install (~30 s), a no-op after.
 jvm_archive() {
-  "$venv/bin/python" -m sparktrain.launch.jvm_archive \
+  "$venv/bin/python" -m sparktrain.session.jvm_archive \
     || say "warning: no JVM class archive; Spark JVMs start without it (slower, nothing else)"
 }
 if [ -z "$missing" ] && mlflow_ready; then

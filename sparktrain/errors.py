@@ -10,7 +10,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 
 class TrainingError(RuntimeError):
@@ -31,3 +31,20 @@ class PreflightError(ValueError):
 
 class IgnoredParamWarning(UserWarning):
     """A Horovod param that has no equivalent in sparktrain was set; it is ignored."""
+
+
+class ExecutorEnvironmentError(TrainingError):
+    """The executors' Python cannot run a rank: ``missing`` modules, or the wrong ``python``.
+
+    A :class:`TrainingError`, so code catching fit failures as ``TrainingError`` keeps doing
+    so."""
+
+    def __init__(self, message: str, python: Optional[str] = None,
+                 missing: Sequence[str] = (), attempts: int = 1) -> None:
+        super().__init__(message, attempts=attempts)
+        self.python = python
+        self.missing = list(missing)
+
+
+class RunInUseError(RuntimeError):
+    """Another fit is training with the same ``run_id`` right now."""

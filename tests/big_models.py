@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from sparktrain.callbacks import Callback
+from sparktrain.loop.callbacks import Callback
 
 
 class FrozenTable(torch.nn.Module):

@@ -9,14 +9,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from sparktrain.launch.jvm_archive import java_options  # noqa: E402 - after the path
+from sparktrain.session.jvm_archive import java_options  # noqa: E402 - after the path
 
 # Every JVM the tests start (Spark drivers and executors, Connect servers, standalone Masters
 # and Workers) compiles with C1 only: they live seconds to minutes on tiny data, and C2's
 # compiler threads were most of their CPU. Measured: a local[2] session running a few small
 # jobs used 16 CPU-s by default and 9.7 CPU-s with this (the suite is CPU-bound on 2 cores).
 # They also map Spark's classes from the class-data sharing archive `scripts/setup.sh` built
-# (sparktrain/launch/jvm_archive.py) rather than loading them from the jars: ~3.5 CPU-s less
+# (sparktrain/session/jvm_archive.py) rather than loading them from the jars: ~3.5 CPU-s less
 # per JVM again. A JVM with another class path (spark-submit's launcher) goes on without it.
 os.environ.setdefault("JAVA_TOOL_OPTIONS", f"-XX:TieredStopAtLevel=1 {java_options()}".strip())
 

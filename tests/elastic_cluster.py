@@ -28,7 +28,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 from standalone import StandaloneCluster  # noqa: E402
 
-from sparktrain.callbacks import Callback  # noqa: E402
+from sparktrain.loop.callbacks import Callback  # noqa: E402
 
 
 class Pace(Callback):
@@ -64,7 +64,7 @@ class Changes(logging.Handler):
 
 
 def latest(store: str, run_id: str):
-    from sparktrain.checkpoint import Checkpoints
+    from sparktrain.loop.checkpoint import Checkpoints
     from sparktrain.data.store import Store
 
     return Checkpoints(Store.create(store).run_path(run_id)).latest()
@@ -135,8 +135,8 @@ def main(workdir: str) -> dict:
     from pyspark.sql import functions as F
 
     from sparktrain import local_spark
-    from sparktrain.launch.worker_daemon import DAEMON_CONF
-    from sparktrain.spark_jvm import max_concurrent_tasks
+    from sparktrain.session.worker_daemon import DAEMON_CONF
+    from sparktrain.session.spark_jvm import max_concurrent_tasks
 
     found: dict = {}
     done = os.path.join(workdir, "seen-it-all")

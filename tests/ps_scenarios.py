@@ -176,7 +176,7 @@ def fit_scenario(spark, workdir) -> dict:
 
 
 def kill_scenario(spark, workdir) -> dict:
-    from sparktrain.checkpoint import Checkpoints
+    from sparktrain.loop.checkpoint import Checkpoints
     from sparktrain.data.store import Store
 
     train, test = digits(spark)

@@ -70,7 +70,7 @@ def test_decode_workers_by_default_only_for_heavy_columns():
     """Bytes, images and sequences get decode worker processes by default; text alone is
     tokenized in the training thread (bench_hf.py: faster end to end)."""
     from sparktrain import TorchEstimator
-    from sparktrain.compat import reader_options
+    from sparktrain.options.horovod import reader_options
 
     text, label = ColumnSpec("text", STRING, "str", 1), ColumnSpec("y", SCALAR, "int64", 1)
     assert not heavy_decoding([text, label])

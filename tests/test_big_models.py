@@ -19,7 +19,7 @@ from big_models import DirtyWeightPages, FrozenTable  # noqa: E402 - after the s
 
 
 def test_the_pickle_refers_to_weights_by_key_and_keeps_ties_and_the_optimizer(tmp_path):
-    from sparktrain.estimators.torch_files import ShippedModule, dumps_without_weights, \
+    from sparktrain.loop.torch_files import ShippedModule, dumps_without_weights, \
         load_module, load_weights, save_weights
 
     net = torch.nn.Sequential(torch.nn.Embedding(50_000, 64), torch.nn.Linear(64, 50_000))
@@ -46,7 +46,7 @@ def test_a_module_pickled_with_meta_tensors_still_loads(tmp_path):
     import copy
     import io
 
-    from sparktrain.estimators.torch_files import load_module
+    from sparktrain.loop.torch_files import load_module
     from sparktrain.pickling import dumps
 
     net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from sparktrain.checkpoint import Checkpoints
+from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.reader import shard_range, steps_per_epoch
-from sparktrain.epochs import EpochDriver
+from sparktrain.loop.epochs import EpochDriver
 from sparktrain.launch.elastic import ElasticPlan, Generation, Regroup, for_rank
 from sparktrain.launch.barrier import RankContext
 
@@ -51,7 +51,7 @@ def test_scale_learning_rate_scales_by_the_global_batchs_ranks():
 
 
 def test_a_rank_trains_its_generations_batch(tmp_path):
-    from sparktrain.loop_spec import LoopSpec
+    from sparktrain.loop.spec import LoopSpec
 
     spec = LoopSpec(dataset_root="", layouts={}, columns=[], feature_cols=["x"],
                     label_cols=["y"], batch_size=32, val_batch_size=32, epochs=2, shuffle=False,

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from sparktrain.checkpoint import Checkpoints
-from sparktrain.epochs import EpochBoard, EpochDriver, StepReporter
-from sparktrain.launch.faults import is_user_error
-from sparktrain.loop_spec import LoopSpec
+from sparktrain.loop.checkpoint import Checkpoints
+from sparktrain.loop.epochs import EpochBoard, EpochDriver, StepReporter
+from sparktrain.faults import is_user_error
+from sparktrain.loop.spec import LoopSpec
 
 
 class Scripted:

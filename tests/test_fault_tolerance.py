@@ -8,7 +8,7 @@ import pytest
 
 from helpers import KillRankOnce, linear_estimator
 from sparktrain import TrainingError
-from sparktrain.checkpoint import Checkpoints
+from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.store import Store
 
 

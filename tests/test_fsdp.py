@@ -11,7 +11,7 @@ import pytest
 
 from helpers import KillRankOnce
 from sparktrain import TorchEstimator, TorchModel
-from sparktrain.checkpoint import Checkpoints
+from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.store import Store
 
 

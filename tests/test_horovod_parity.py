@@ -17,7 +17,7 @@ import torch
 
 from helpers import linear_estimator
 from sparktrain import Store, TorchEstimator, TorchModel, TrainingError
-from sparktrain.compat import IgnoredParamWarning, reader_options, warn_ignored
+from sparktrain.options.horovod import IgnoredParamWarning, reader_options, warn_ignored
 
 # Every getter/setter and constructor param of Horovod 0.28.1's classes, from
 # horovod/spark/{common/params.py, torch/estimator.py, keras/estimator.py} at tag v0.28.1
@@ -474,8 +474,8 @@ def test_keras_horovod_params(spark, store, regression_df, tmp_path):
     import keras
 
     from sparktrain import KerasEstimator
-    from sparktrain.estimators.keras_worker import _read_checkpoint
-    from sparktrain.checkpoint import Checkpoints
+    from sparktrain.loop.keras_loop import _read_checkpoint
+    from sparktrain.loop.checkpoint import Checkpoints
 
     keras.utils.set_random_seed(0)
     net = keras.Sequential([keras.Input((2, 2)), keras.layers.Flatten(), keras.layers.Dense(1)])

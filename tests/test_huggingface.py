@@ -17,7 +17,7 @@ from sparktrain import TorchEstimator
 from sparktrain.data.transform_inputs import learn_inputs
 from sparktrain.errors import PreflightError
 from sparktrain.estimators.torch import TorchModel
-from sparktrain.estimators.torch_forward import ForwardRule
+from sparktrain.loop.torch_forward import ForwardRule
 
 pytest.importorskip("transformers")  # installed by the test set-up: never skipped there
 

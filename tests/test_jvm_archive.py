@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from sparktrain.launch import jvm_archive
+from sparktrain.session import jvm_archive
 
 
 @pytest.fixture

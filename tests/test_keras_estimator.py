@@ -161,7 +161,7 @@ def _named_inputs_model():
 
 def test_keras_inputs_rule():
     """Fed by name when the inputs' names are the feature columns, by position otherwise."""
-    from sparktrain.estimators.keras_inputs import in_feature_order, keras_inputs
+    from sparktrain.loop.keras_inputs import in_feature_order, keras_inputs
 
     net = _named_inputs_model()
     assert keras_inputs(net, ["tokens", "numbers"], ["t", "n"]) == {"tokens": "t", "numbers": "n"}

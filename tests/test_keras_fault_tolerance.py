@@ -11,7 +11,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 keras = pytest.importorskip("keras")
 
 from sparktrain import KerasEstimator, TrainingError  # noqa: E402
-from sparktrain.checkpoint import Checkpoints  # noqa: E402
+from sparktrain.loop.checkpoint import Checkpoints  # noqa: E402
 from sparktrain.data.store import Store  # noqa: E402
 
 

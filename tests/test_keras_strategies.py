@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from sparktrain.launch.tf_multiworker import TFTask, cluster_config, tf_config
-from sparktrain.launch.tf_protocol import KerasTrainSpec
+from sparktrain.loop.spec import KerasTrainSpec
 from sparktrain.strategies import KERAS_STRATEGIES, load_strategy, register_keras_strategy
 from sparktrain.strategies.keras_mirrored import MultiWorkerMirrored
 from sparktrain.strategies.keras_ps import ParameterServer, task_role
@@ -111,7 +111,7 @@ def test_default_run_task_trains_and_a_user_strategy_registers():
 
 def test_rank_side_modules_import_neither_tensorflow_nor_pyspark_ml():
     code = ("import sys\n"
-            "import sparktrain.estimators.keras_worker, sparktrain.strategies.keras_ps\n"
+            "import sparktrain.loop.keras_loop, sparktrain.strategies.keras_ps\n"
             "import sparktrain.strategies.keras_mirrored, sparktrain.launch.tf_parameter_server\n"
             "bad = [m for m in ('tensorflow', 'keras', 'pyspark.ml') if m in sys.modules]\n"
             "print(bad)\n")

@@ -1,4 +1,4 @@
-"""The estimators' constructor keywords (sparktrain.estimators.keywords), without Spark: the
+"""The estimators' constructor keywords (sparktrain.options.keywords), without Spark: the
 signature users see, the Params behind it, and what an unknown keyword does."""
 import inspect
 

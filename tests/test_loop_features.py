@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import linear_estimator
-from sparktrain.callbacks import EarlyStopping
+from sparktrain.loop.callbacks import EarlyStopping
 
 
 def _fit(df, store, lr=0.02, **kwargs):

@@ -10,7 +10,7 @@ import torch
 
 from sparktrain import TorchEstimator
 from sparktrain.launch.events import EventWatcher, RankEvents
-from sparktrain.progress import FitProgress
+from sparktrain.estimators.progress import FitProgress
 
 
 def _wait_for(predicate, seconds=5.0):

@@ -105,7 +105,7 @@ def torch_spec(dataset: Dict[str, Any], **changes: Any):
     """The spec ``TorchEstimator._train_spec`` builds for a fit of ``Linear(4, 1)`` with the
     params' defaults (reader options of ``compat.reader_options``, loop options of
     ``EstimatorBase._spec_fields``), plus ``changes``."""
-    from sparktrain.estimators.torch_worker import TorchTrainSpec
+    from sparktrain.loop.spec import TorchTrainSpec
 
     fields = dict(
         feature_cols=["features"], label_cols=["label"], sample_weight_col=None,
@@ -136,7 +136,7 @@ def torch_payload(callbacks: List[Any] = ()) -> bytes:
     them)."""
     import torch
 
-    from sparktrain.estimators.torch_files import ShippedModule, save_weights
+    from sparktrain.loop.torch_files import ShippedModule, save_weights
     from sparktrain.pickling import dumps
     from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
 
@@ -151,7 +151,7 @@ def torch_payload(callbacks: List[Any] = ()) -> bytes:
 
 def train_torch(spec: Any, payload: bytes):
     """``torch_worker.train`` as rank 0 of 1; ``(its result, the rank's log/progress)``."""
-    from sparktrain.estimators.torch_worker import train
+    from sparktrain.loop.torch_loop import train
     from sparktrain.launch.barrier import RankContext
 
     job = _OneRank()
@@ -188,7 +188,7 @@ def test_torch_loop_trains_validates_and_reports(dataset, torch_threads):
 
 
 def test_torch_loop_checkpoints_and_a_second_fit_resumes(dataset, tmp_path, torch_threads):
-    from sparktrain.checkpoint import Checkpoints
+    from sparktrain.loop.checkpoint import Checkpoints
 
     run = str(tmp_path / "run")
     first, _ = train_torch(torch_spec(dataset, epochs=3, run_path=run), torch_payload())
@@ -209,7 +209,7 @@ def test_torch_loop_checkpoints_and_a_second_fit_resumes(dataset, tmp_path, torc
 
 
 def test_a_torch_callback_stops_training_early(dataset, tmp_path, torch_threads):
-    from sparktrain.checkpoint import Checkpoints
+    from sparktrain.loop.checkpoint import Checkpoints
 
     run = str(tmp_path / "run")
     result, job = train_torch(torch_spec(dataset, epochs=5, run_path=run),
@@ -231,11 +231,12 @@ def _free_port() -> int:
 @pytest.mark.timeout(180)
 @pytest.mark.slow  # Keras: TensorFlow rank processes of their own
 def test_keras_worker_process_trains_checkpoints_and_resumes(dataset, tmp_path):
-    from sparktrain.estimators.keras_saving import keras_module, model_bytes
+    from sparktrain.loop.keras_saving import keras_module, model_bytes
     from sparktrain.launch.tf_multiworker import child_environment, tf_config
     from sparktrain.launch.tf_protocol import ERROR_FILE, PROGRESS_PREFIX, RESULT_FILE, \
-        WORKER_MODULE, KerasTrainSpec, write_inputs
-    from sparktrain.checkpoint import Checkpoints
+        WORKER_MODULE, write_inputs
+    from sparktrain.loop.spec import KerasTrainSpec
+    from sparktrain.loop.checkpoint import Checkpoints
     from sparktrain.pickling import dumps
     from sparktrain.strategies import KERAS_STRATEGIES, load_strategy
 

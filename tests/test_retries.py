@@ -10,9 +10,9 @@ import pytest
 
 from helpers import linear_estimator, run_reporting_script
 from sparktrain import TrainingError
-from sparktrain.checkpoint import Checkpoints
+from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.store import Store
-from sparktrain.launch.faults import is_fault, is_user_error, user_code
+from sparktrain.faults import is_fault, is_user_error, user_code
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -117,7 +117,7 @@ KILL_EXECUTOR_SCRIPT = textwrap.dedent('''
     est = linear_estimator({store!r}, run_id="lost-executor", epochs=3, batch_size=100,
                            transformation_fn=kill_my_executor, verbose=1)
     model = est.fit(df)
-    from sparktrain.checkpoint import Checkpoints
+    from sparktrain.loop.checkpoint import Checkpoints
     from sparktrain.data.store import Store
     latest = Checkpoints(Store.create({store!r}).run_path("lost-executor")).latest()
     print("RESULT " + json.dumps({{"killed": os.path.exists(MARKER),

@@ -40,7 +40,7 @@ def test_spark_submit_to_standalone_cluster(standalone_cluster, tmp_path, spark)
         "--conf", "spark.worker.resource.gpu.amount=1",
         "--conf", "spark.task.resource.gpu.amount=1",
         "--conf", f"spark.pyspark.python={sys.executable}",
-        "--conf", "spark.python.daemon.module=sparktrain.launch.worker_daemon",
+        "--conf", "spark.python.daemon.module=sparktrain.session.worker_daemon",
         "--conf", "spark.driver.host=127.0.0.1",
         "--conf", "spark.sparktrain.slotWaitSeconds=60",
         "--driver-java-options", f"-Dlog4j.configurationFile={ROOT}/conf/log4j2.properties",

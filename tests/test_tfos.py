@@ -135,7 +135,7 @@ def test_retried_attempt_gets_a_fresh_cluster_and_resumes(spark, store, regressi
                                                           caplog):
     """Spark re-runs the failed stage; the second attempt forms a new TFoS cluster (new
     reservation server, new ports) and resumes from the checkpoint of epoch 1."""
-    from sparktrain.checkpoint import Checkpoints
+    from sparktrain.loop.checkpoint import Checkpoints
     from sparktrain.data.store import Store
 
     keras.utils.set_random_seed(2)

@@ -41,7 +41,7 @@ def _model_and_data():
 
 
 def _rank(rank, name, folder):
-    from sparktrain.estimators.torch_worker import _Step
+    from sparktrain.loop.torch_loop import _Step
     from sparktrain.launch.torch_ddp import TorchDDP
     from sparktrain.strategies.torch_strategy import StrategyConfig
 

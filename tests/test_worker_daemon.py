@@ -1,13 +1,13 @@
-"""Python workers fork from sparktrain's preloading daemon (sparktrain.launch.worker_daemon)."""
+"""Python workers fork from sparktrain's preloading daemon (sparktrain.session.worker_daemon)."""
 import pandas as pd
 import pytest
 
-from sparktrain.launch import worker_daemon
+from sparktrain.session import worker_daemon
 
 
 @pytest.mark.stack  # runs pyspark.daemon, whose arguments differ between Spark versions
 def test_python_workers_fork_from_the_preloading_daemon(spark):
-    assert spark.conf.get("spark.python.daemon.module") == "sparktrain.launch.worker_daemon"
+    assert spark.conf.get("spark.python.daemon.module") == "sparktrain.session.worker_daemon"
 
     def probe(batches):
         import os
@@ -21,7 +21,7 @@ def test_python_workers_fork_from_the_preloading_daemon(spark):
 
     rows = spark.range(4).repartition(2).mapInPandas(probe, "parent string, preloaded boolean") \
         .collect()
-    assert rows and all("sparktrain.launch.worker_daemon" in r.parent for r in rows), rows
+    assert rows and all("sparktrain.session.worker_daemon" in r.parent for r in rows), rows
     assert all(r.preloaded for r in rows)
 
 

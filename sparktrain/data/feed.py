@@ -5,7 +5,7 @@ in the training thread; ``"process"`` in decode worker processes (:mod:`sparktra
 workers`), started once per split and kept for the whole fit. Every batch then goes through
 :func:`sparktrain.data.batch.model_ready`: what reaches the model is numeric, one shape per
 column, or the fit fails on the first batch naming the column (not retried: the user's code
-or data are wrong, see :mod:`sparktrain.launch.faults`).
+or data are wrong, see :mod:`sparktrain.faults`).
 
 Example (rank side)::
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence
 
 from sparktrain.data.batch import Batch, model_ready
-from sparktrain.launch.faults import mark_user_error, user_code
-from sparktrain.loop_spec import LoopSpec
+from sparktrain.faults import mark_user_error, user_code
+from sparktrain.loop.spec import LoopSpec
 
 #: decoded bytes the queue between decode workers and the training loop may hold, per split
 DECODE_QUEUE_BYTES = 256 << 20

@@ -33,7 +33,7 @@ from sparktrain.data.batch import values_to_numpy
 from sparktrain.data.columns import (ARRAY, BINARY, IMAGE, IMAGE_FIELDS, SCALAR, STRING, VARLEN,
                                      VECTOR, ColumnSpec)
 from sparktrain.data.store import Store
-from sparktrain.spark_api import conf_value, plan_fingerprint
+from sparktrain.session.spark_api import conf_value, plan_fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ import numpy as np
 from sparktrain.data.batch import arrow_to_numpy
 from sparktrain.data.columns import ColumnSpec
 from sparktrain.fs import filesystem
-from sparktrain.loop_spec import LoopSpec
+from sparktrain.loop.spec import LoopSpec
 
 Batch = Dict[str, np.ndarray]
 

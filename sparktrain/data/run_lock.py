@@ -18,10 +18,7 @@ from typing import Iterator
 
 from sparktrain.data.lease import DEFAULT_TTL_SECONDS, Lease
 from sparktrain.data.store import Store
-
-
-class RunInUseError(RuntimeError):
-    """Another fit is training with the same ``run_id`` right now."""
+from sparktrain.errors import RunInUseError
 
 
 @contextmanager

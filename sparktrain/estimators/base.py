@@ -26,15 +26,15 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from sparktrain import compat
-from sparktrain.checkpoint import Checkpoints
+from sparktrain.options import horovod as compat
+from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.batch import heavy_decoding
 from sparktrain.data.materialize import MaterializedDataset, lease_seconds, materialize
 from sparktrain.data.run_lock import run_lock
 from sparktrain.data.schema import ARRAY, BINARY, IMAGE, RAW_KINDS, STRING, VARLEN, \
     VECTOR, ColumnSpec, check_validation_column, column_spec, training_columns
 from sparktrain.data.store import Store
-from sparktrain.elastic_params import ElasticParams
+from sparktrain.options.elastic import ElasticParams
 from sparktrain.estimators.prediction import as_model_input, feature_expr as _feature_expr, \
     output_series, predict_columns, series_to_numpy, series_values  # noqa: F401 - re-exported
 from sparktrain.estimators.fit_run import FitRun
@@ -45,11 +45,11 @@ from sparktrain.launch.barrier import check_slots
 from sparktrain.launch.executor_env import RANK_MODULES, check_executors
 from sparktrain.launch.gpus import check_gpu_conf
 from sparktrain.model_files import ModelFile
-from sparktrain.params import EstimatorParams, ModelParams
-from sparktrain.persistence import EstimatorReader, EstimatorWriter, ModelReader, ModelWriter
+from sparktrain.options.params import EstimatorParams, ModelParams
+from sparktrain.estimators.persistence import EstimatorReader, EstimatorWriter, ModelReader, ModelWriter
 from sparktrain.pickling import dumps
-from sparktrain.progress import FitProgress, TqdmLogHandler, interval_from_conf
-from sparktrain.spark_api import all_conf, check_store_shared, master
+from sparktrain.estimators.progress import FitProgress, TqdmLogHandler, interval_from_conf
+from sparktrain.session.spark_api import all_conf, check_store_shared, master
 
 log = logging.getLogger("sparktrain")
 
@@ -69,7 +69,7 @@ def _family(kind: str) -> str:
 class _FitLogging:
     """Show sparktrain's INFO lines (epoch progress, rank logs) on stderr during a fit with
     ``verbose >= 1`` when the application has not configured logging itself (printed above
-    the progress bar; off a terminal they are the progress, see :mod:`sparktrain.progress`)."""
+    the progress bar; off a terminal they are the progress, see :mod:`sparktrain.estimators.progress`)."""
 
     def __init__(self, verbose: int) -> None:
         self.handler: Optional[logging.Handler] = None
@@ -125,7 +125,7 @@ class EstimatorBase(Estimator, EstimatorParams, ElasticParams, MLWritable, MLRea
                                                      else [])
 
     def _spec_fields(self, run: Optional[FitRun] = None) -> Dict[str, Any]:
-        """The :class:`~sparktrain.loop_spec.LoopSpec` fields the shared params and ``run``
+        """The :class:`~sparktrain.loop.spec.LoopSpec` fields the shared params and ``run``
         decide (plain values; the framework adds ``strategy``, ``input_shapes`` and its own).
         Without ``run``: the preflight's, with no dataset and no run directory."""
         fields = dict(feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),

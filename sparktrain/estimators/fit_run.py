@@ -18,7 +18,7 @@ from pyspark.sql import SparkSession
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.data.store import Store, StoredBytes
 from sparktrain.launch.elastic import ElasticPlan, run_elastic
-from sparktrain.progress import FitProgress
+from sparktrain.estimators.progress import FitProgress
 
 
 @dataclass

@@ -25,24 +25,24 @@ import cloudpickle
 from pyspark import keyword_only
 from pyspark.sql import SparkSession
 
-from sparktrain import compat
+from sparktrain.options import horovod as compat
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, ModelBase
 from sparktrain.estimators.fit_run import FitRun
-from sparktrain.estimators.keras_inputs import in_feature_order, keras_inputs
-from sparktrain.estimators.keywords import EstimatorKeywords, keyword_params
-from sparktrain.estimators.keras_saving import keras_module as _keras, load_model as _load_model, \
+from sparktrain.loop.keras_inputs import in_feature_order, keras_inputs
+from sparktrain.options.keywords import EstimatorKeywords, keyword_params
+from sparktrain.loop.keras_saving import keras_module as _keras, load_model as _load_model, \
     loading_objects, model_bytes as _model_bytes, model_shapes
 from sparktrain.launch import KERAS_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.elastic import for_rank
 from sparktrain.launch.environment import rank_environment
-from sparktrain.launch.tf_protocol import KerasTrainSpec
+from sparktrain.loop.spec import KerasTrainSpec
 from sparktrain.model_files import ModelFile
-from sparktrain.params import KerasParams
+from sparktrain.options.params import KerasParams
 from sparktrain.pickling import dumps
-from sparktrain.spark_api import classic_only
+from sparktrain.session.spark_api import classic_only
 from sparktrain.strategies import KERAS_STRATEGIES, load_strategy
 
 if TYPE_CHECKING:  # PEP 692: typing.Unpack from Python 3.11, typing_extensions before
@@ -85,9 +85,9 @@ class KerasEstimator(EstimatorBase, KerasParams):
     be left out for a compiled model (its optimizer is used); ``checkpoint_callback`` (a
     ``keras.callbacks.ModelCheckpoint``): with ``save_best_only=True`` the fitted model is the
     best epoch's by its ``monitor`` and ``mode`` (see
-    :mod:`sparktrain.estimators.keras_checkpoint`); ``backend_env`` is set in every worker
+    :mod:`sparktrain.loop.keras_checkpoint`); ``backend_env`` is set in every worker
     process; ``gradient_compression`` has no equivalent under MultiWorkerMirroredStrategy
-    (warned); Petastorm's reader params: :mod:`sparktrain.compat`.
+    (warned); Petastorm's reader params: :mod:`sparktrain.options.horovod`.
     """
 
     backends = KERAS_BACKENDS
@@ -141,7 +141,7 @@ class KerasEstimator(EstimatorBase, KerasParams):
             raise TypeError(f"model must be a keras.Model (Keras {keras.__version__}), got "
                             f"{type(self.getModel()).__name__}")
         compat.check_common(self)
-        from sparktrain.estimators.keras_checkpoint import checkpoint_settings
+        from sparktrain.loop.keras_checkpoint import checkpoint_settings
 
         checkpoint_settings(self.getCheckpointCallback(), self.getValidation())
         optimizer = self._optimizer()
@@ -205,7 +205,7 @@ class KerasEstimator(EstimatorBase, KerasParams):
                             f"reach the executors: {exc}") from exc
 
     def _train(self, run: FitRun) -> Dict[str, Any]:
-        from sparktrain.estimators.keras_checkpoint import checkpoint_settings
+        from sparktrain.loop.keras_checkpoint import checkpoint_settings
 
         input_shapes = self._input_shapes()
         compat.check_data_shapes(self, run.data.columns, input_shapes, "the model's input shapes")
@@ -248,9 +248,9 @@ class KerasEstimator(EstimatorBase, KerasParams):
         import tensorflow as tf
 
         from sparktrain.estimators import preflight
-        from sparktrain.estimators.keras_batch import batch_tensors, forward_stats, \
+        from sparktrain.loop.keras_batch import batch_tensors, forward_stats, \
             per_row_loss, resolve_metrics
-        from sparktrain.launch.faults import user_code
+        from sparktrain.faults import user_code
 
         keras, model = _keras(), self.getModel()
         features, labels = self.getFeatureCols(), self.getLabelCols()

@@ -30,9 +30,9 @@ from sparktrain.data.materialize import sample_batch
 from sparktrain.data.schema import ColumnSpec
 from sparktrain.data.transform_inputs import learn_inputs
 from sparktrain.errors import PreflightError
-from sparktrain.estimators.keras_inputs import input_names
-from sparktrain.launch.faults import is_fault, user_error_source
-from sparktrain.spark_api import conf_value
+from sparktrain.loop.keras_inputs import input_names
+from sparktrain.faults import is_fault, user_error_source
+from sparktrain.session.spark_api import conf_value
 
 log = logging.getLogger("sparktrain")
 

@@ -27,24 +27,24 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from pyspark import keyword_only
 
-from sparktrain import compat
-from sparktrain.checkpoint import Checkpoints
+from sparktrain.options import horovod as compat
+from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase
 from sparktrain.estimators.fit_run import FitRun
-from sparktrain.estimators.keywords import EstimatorKeywords, keyword_params
-from sparktrain.estimators.torch_forward import takes_labels
+from sparktrain.options.keywords import EstimatorKeywords, keyword_params
+from sparktrain.loop.torch_forward import takes_labels
 # TorchModel (and predict_device): importable from here as before
 from sparktrain.estimators.torch_model import TorchModel, predict_device  # noqa: F401
-from sparktrain.estimators.torch_schedule import check_scheduler
-from sparktrain.fine_tuning_params import ForwardParams, SchedulerParams
+from sparktrain.loop.torch_schedule import check_scheduler
+from sparktrain.options.fine_tuning import ForwardParams, SchedulerParams
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.environment import rank_environment
 from sparktrain.model_files import ModelFile
-from sparktrain.params import TorchParams
+from sparktrain.options.params import TorchParams
 # build_losses: importable from here as before (rank code imports it from torch_losses)
-from sparktrain.estimators.torch_losses import build_losses, named_metrics  # noqa: F401
+from sparktrain.loop.torch_losses import build_losses, named_metrics  # noqa: F401
 from sparktrain.pickling import dumps
 
 log = logging.getLogger("sparktrain")
@@ -128,7 +128,7 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
       ``hvd.DistributedOptimizer(compression=...)`` on ``backend="horovod"``, DDP's
       ``fp16_compress_hook`` on ``backend="torch"``.
     * ``backend_env``: environment variables set in every rank's process while it trains.
-    * Petastorm's reader params: see :mod:`sparktrain.compat` (mapped, or one warning).
+    * Petastorm's reader params: see :mod:`sparktrain.options.horovod` (mapped, or one warning).
     * ``backend`` is the engine's name; a Horovod ``Backend`` object is refused (use
       ``num_proc``).
     """
@@ -154,7 +154,7 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
         """The module to check on the driver: the ``model`` param, or what a model callable
         builds on the ``meta`` device (no weights in memory; ``None`` where it cannot build
         there, e.g. ``from_pretrained``); built once per callable."""
-        from sparktrain.estimators.torch_files import build_on_meta, is_builder
+        from sparktrain.loop.torch_files import build_on_meta, is_builder
 
         model = self.getModel()
         if not is_builder(model):
@@ -167,7 +167,7 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
     def _check_framework(self) -> None:
         import torch
 
-        from sparktrain.estimators.torch_files import check_builder, is_builder
+        from sparktrain.loop.torch_files import check_builder, is_builder
 
         given, optimizer = self.getModel(), self.getOptimizer()
         if not isinstance(given, torch.nn.Module) and not callable(given):
@@ -234,7 +234,7 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
             if not any(hasattr(callback, hook) for hook in
                        ("on_train_begin", "on_epoch_end", "on_train_end")):
                 raise TypeError(f"callback {callback!r} has none of on_train_begin, "
-                                f"on_epoch_end, on_train_end (see sparktrain.callbacks)")
+                                f"on_epoch_end, on_train_end (see sparktrain.loop.callbacks)")
         engine = load_backend(TORCH_BACKENDS, self.getBackend())  # its framework imports
         if self.getMixedPrecision() == "fp16" and not engine.fp16_loss_scaling:
             raise ValueError(f"mixed_precision='fp16' is not supported with "
@@ -305,7 +305,7 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
     def _payload(self, weights: Optional[ModelFile] = None) -> bytes:
         """The pickled objects a rank trains with; the model's weights are not in it, but in
         the file ``weights`` (see :class:`~.torch_files.ShippedModule`)."""
-        from sparktrain.estimators.torch_files import BuiltModule, ShippedModule, is_builder
+        from sparktrain.loop.torch_files import BuiltModule, ShippedModule, is_builder
 
         metrics = flat_metrics(self.getMetrics())
         # The last item holds the objects Horovod's params add (read with .get on the worker).
@@ -331,7 +331,7 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
     def _train_spec(self, run: Optional[FitRun] = None) -> Any:
         """The plain-valued ``TorchTrainSpec`` every rank trains by; without ``run``, the
         preflight's (no dataset, the CPU)."""
-        from sparktrain.estimators.torch_worker import TorchTrainSpec
+        from sparktrain.loop.spec import TorchTrainSpec
 
         return TorchTrainSpec(
             **self._spec_fields(run), strategy=self.getStrategy(),
@@ -344,8 +344,8 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
         import torch
 
         from sparktrain.estimators import preflight
-        from sparktrain.estimators.torch_files import is_builder
-        from sparktrain.estimators.torch_worker import _Batches, check_batch
+        from sparktrain.loop.torch_files import is_builder
+        from sparktrain.loop.torch_loop import _Batches, check_batch
 
         spec = self._train_spec()
         model = self._module_for_checks()
@@ -380,7 +380,7 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
             warnings.warn("fsdp_cpu_offload=True is ignored: the ranks train on CPUs, where "
                           "parameter shards already live in CPU memory", UserWarning,
                           stacklevel=3)
-        from sparktrain.estimators.torch_files import is_builder, save_weights
+        from sparktrain.loop.torch_files import is_builder, save_weights
 
         spec = self._train_spec(run)
         # the weights go to the store once, as a file the ranks map; the payload is KiB (a
@@ -402,7 +402,7 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
         return result
 
     def _create_model(self, result: Dict[str, Any], data: MaterializedDataset) -> "TorchModel":
-        from sparktrain.estimators.torch_files import ModuleFiles, dumps_without_weights
+        from sparktrain.loop.torch_files import ModuleFiles, dumps_without_weights
 
         # The trained weights stay in the store (rank 0 wrote them): the model maps them when
         # first used, its optimizer bound to the module it maps (state from the last checkpoint).
@@ -443,7 +443,7 @@ def _last_optimizer_state(run_path: str, storage_options: Dict[str, Any]) -> Any
 
 
 def _train_rank(spec: Any, payload: Any, ctx: RankContext) -> Any:
-    from sparktrain.estimators.torch_worker import train
+    from sparktrain.loop.torch_loop import train
 
     with rank_environment(getattr(spec, "backend_env", None)):
         return train(spec, payload, ctx)

@@ -18,10 +18,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sparktrain.data.store import Store
 from sparktrain.estimators.base import ModelBase
-from sparktrain.fine_tuning_params import ForwardParams
+from sparktrain.options.fine_tuning import ForwardParams
 from sparktrain.model_files import ModelFile
-from sparktrain.params import EstimatorParams, TorchParams, with_accessors
-from sparktrain.spark_api import master
+from sparktrain.options.params import EstimatorParams, TorchParams, with_accessors
+from sparktrain.session.spark_api import master
 
 
 # -- weights by reference (see torch_files) ---------------------------------------------------
@@ -34,7 +34,7 @@ def _module_bytes(module: Any) -> Tuple[bytes, bytes]:
     """``(architecture pickle, torch.save bytes of the weights)`` of an in-memory module."""
     import torch
 
-    from sparktrain.estimators.torch_files import cpu_state, dumps_without_weights
+    from sparktrain.loop.torch_files import cpu_state, dumps_without_weights
 
     buffer = io.BytesIO()
     torch.save(cpu_state(module.state_dict()), buffer)
@@ -131,7 +131,7 @@ class TorchModel(ModelBase, ForwardParams):
 
     @classmethod
     def _from_framework_files(cls, files: Dict[str, ModelFile]) -> "TorchModel":
-        from sparktrain.estimators.torch_files import ModuleFiles
+        from sparktrain.loop.torch_files import ModuleFiles
 
         model = cls()
         model._files = ModuleFiles(files["architecture.pkl"].read_bytes(), files["weights.pt"])
@@ -145,7 +145,7 @@ class TorchModel(ModelBase, ForwardParams):
         """A module changed or built in the driver and larger than
         :data:`INLINE_WEIGHTS_BYTES` is written to a file for the executors to read: next to
         the fit's weights in its store, or in the default local store on a local master."""
-        from sparktrain.estimators.torch_files import ModuleFiles, tensor_bytes
+        from sparktrain.loop.torch_files import ModuleFiles, tensor_bytes
 
         if self._current_files() is not None:
             return
@@ -212,10 +212,10 @@ def _make_predictor(source: Tuple[Any, ...],
     import torch
     from pyspark import TaskContext
 
-    from sparktrain.estimators.torch_forward import ForwardRule
+    from sparktrain.loop.torch_forward import ForwardRule
     from sparktrain.launch.gpus import task_gpu
 
-    from sparktrain.estimators.torch_files import load_module, load_weights
+    from sparktrain.loop.torch_files import load_module, load_weights
 
     kind, architecture, weights = source
     if kind == "file":  # memory-mapped: Python workers on one host share its pages

@@ -49,8 +49,8 @@ from sparktrain.data.store import Store
 from sparktrain.errors import TrainingError  # noqa: F401 - raised here, importable from here
 from sparktrain.fs import filesystem
 from sparktrain.launch.events import EventWatcher, RankEvents
-from sparktrain.launch.faults import user_error_source
-from sparktrain.spark_api import cancel_tag, conf_value, is_local_master, is_remote, job_tag, \
+from sparktrain.faults import user_error_source
+from sparktrain.session.spark_api import cancel_tag, conf_value, is_local_master, is_remote, job_tag, \
     master, task_slots
 
 log = logging.getLogger(__name__)

@@ -102,7 +102,7 @@ class Generation:
 
 
 def for_rank(spec: Any, ctx: Any) -> Any:
-    """``spec`` (a :class:`~sparktrain.loop_spec.LoopSpec`) as a rank of an elastic fit's
+    """``spec`` (a :class:`~sparktrain.loop.spec.LoopSpec`) as a rank of an elastic fit's
     generation trains it: its batch size and the generation; unchanged outside elastic fits."""
     generation = getattr(ctx, "generation", None)
     if generation is None:
@@ -171,13 +171,13 @@ class _SlotCount:
     failed generation, since the client cannot see whether the lost slot came back."""
 
     def __init__(self, spark: Any, plan: ElasticPlan) -> None:
-        from sparktrain.spark_api import is_remote
+        from sparktrain.session.spark_api import is_remote
 
         self.spark, self.plan, self.remote = spark, plan, is_remote(spark)
         self.most = plan.num_proc
 
     def now(self) -> Optional[int]:
-        from sparktrain.spark_api import task_slots
+        from sparktrain.session.spark_api import task_slots
 
         slots = task_slots(self.spark)
         if not self.remote:
@@ -217,7 +217,7 @@ class _SlotWatch:
         self._thread.join(timeout=10)
 
     def _loop(self) -> None:
-        from sparktrain.spark_api import cancel_tag
+        from sparktrain.session.spark_api import cancel_tag
 
         ranks, free_since = self.generation.world_size, None
         while not self._stop.wait(POLL_SECONDS):
@@ -258,7 +258,7 @@ def run_elastic(spark: Any, plan: ElasticPlan, task: Callable[[Any], Any],
     """
     from sparktrain.data.store import Store
     from sparktrain.launch.barrier import run_barrier
-    from sparktrain.spark_api import conf_value
+    from sparktrain.session.spark_api import conf_value
 
     def launch(ranks: int, work: Callable[[Any], Any], **more: Any) -> List[Any]:
         return run_barrier(spark, ranks, work, on_progress=on_progress, workdir=workdir,

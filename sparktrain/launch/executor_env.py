@@ -35,8 +35,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pyspark.sql import SparkSession
 
-from sparktrain.errors import TrainingError
-from sparktrain.spark_api import conf_value, is_remote
+from sparktrain.errors import ExecutorEnvironmentError
+from sparktrain.session.spark_api import conf_value, is_remote
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +55,6 @@ _DISTRIBUTIONS = {"tensorflow": ("tensorflow", "tensorflow-cpu", "tensorflow-gpu
                                  "tensorflow-macos", "tensorflow-intel", "tf-nightly")}
 
 _CHECKED: set = set()  # (id(session), modules) whose executors were found fine
-
-
-class ExecutorEnvironmentError(TrainingError):
-    """The executors' Python cannot run a rank: ``missing`` modules, or the wrong ``python``.
-
-    A :class:`~sparktrain.launch.barrier.TrainingError`, so code catching fit failures as
-    ``TrainingError`` keeps doing so."""
-
-    def __init__(self, message: str, python: Optional[str] = None,
-                 missing: Sequence[str] = (), attempts: int = 1) -> None:
-        super().__init__(message, attempts=attempts)
-        self.python = python
-        self.missing = list(missing)
 
 
 def check_executors(spark: SparkSession, modules: Sequence[str],

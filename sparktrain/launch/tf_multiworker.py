@@ -8,7 +8,7 @@ Spark reuses its Python workers, so each barrier task trains in a child process 
    (``KerasStrategy.roles``; MultiWorkerMirroredStrategy: ``{"cluster": {"worker": [...]},
    "task": {"type": "worker", "index": rank}}``);
 3. the strategy runs the task (``KerasStrategy.run_task``, by default :meth:`TFTask.train`): the
-   child (``python -m sparktrain.estimators.keras_worker DIR``) trains and writes its result (or
+   child (``python -m sparktrain.loop.keras_loop DIR``) trains and writes its result (or
    its traceback) into ``DIR`` (files: :mod:`.tf_protocol`); its output lines are relayed to the
    driver, progress events among them;
 4. the child dies with its task (``PR_SET_PDEATHSIG``), and is killed if the task fails.
@@ -33,10 +33,11 @@ from typing import IO, Any, Callable, Dict, List, Optional, Tuple, Union
 from sparktrain.launch import zygote
 from sparktrain.launch.zygote import die_with_parent
 from sparktrain.launch.barrier import RankContext
-from sparktrain.launch.faults import mark_user_error
+from sparktrain.faults import mark_user_error
 from sparktrain.launch.gpus import gpu_environment, rank_gpu
 from sparktrain.launch.tf_protocol import ERROR_FILE, PROGRESS_PREFIX, RESULT_FILE, \
-    USER_ERROR_FILE, WORKER_MODULE, KerasTrainSpec, write_inputs
+    USER_ERROR_FILE, WORKER_MODULE, write_inputs
+from sparktrain.loop.spec import KerasTrainSpec
 
 
 # What the template imports: TensorFlow and Keras are ~9 CPU-s of a fresh worker's start.
@@ -142,7 +143,7 @@ def run_tf_worker(ctx: RankContext, spec: KerasTrainSpec, payload: bytes, use_gp
 def spawn_keras_worker(rank: int, world_size: int, config: str, spec: KerasTrainSpec,
                        payload: bytes, gpu: Optional[str],
                        progress: Callable[..., None]) -> Any:
-    """Train in ``python -m sparktrain.estimators.keras_worker`` with ``TF_CONFIG=config``;
+    """Train in ``python -m sparktrain.loop.keras_loop`` with ``TF_CONFIG=config``;
     relay its output (progress events to ``progress``), raise with its traceback on failure."""
     workdir = tempfile.mkdtemp(prefix=f"sparktrain-tf-rank{rank}-")
     try:

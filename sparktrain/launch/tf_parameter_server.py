@@ -36,10 +36,11 @@ from dataclasses import replace
 from typing import Any, List, Optional
 
 from sparktrain.launch.barrier import RankContext
-from sparktrain.launch.faults import mark_user_error
+from sparktrain.faults import mark_user_error
 from sparktrain.launch.tf_multiworker import TFTask, start_tf_child
 from sparktrain.launch.tf_protocol import ERROR_FILE, READY, SHARD_INFO, USER_ERROR_FILE, \
-    KerasTrainSpec, write_inputs
+    write_inputs
+from sparktrain.loop.spec import KerasTrainSpec
 
 STOP_SECONDS = 10.0  # SIGTERM, then SIGKILL after this long
 

@@ -1,9 +1,9 @@
 """What a Spark task and its TensorFlow child process exchange: the spec and the workdir files.
 
-A leaf module (no TensorFlow; of sparktrain only the leaf :mod:`sparktrain.loop_spec`): the
+A leaf module (no TensorFlow; of sparktrain only the leaf :mod:`sparktrain.loop.spec`): the
 estimator builds a :class:`KerasTrainSpec`, the launchers (:mod:`.tf_multiworker`,
 :mod:`.tf_parameter_server`, :mod:`.tfos`) write it with the pickled payload into a directory,
-and the child (``python -m sparktrain.estimators.keras_worker DIR``) answers through the files
+and the child (``python -m sparktrain.loop.keras_loop DIR``) answers through the files
 named here.
 
 Example::
@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any
 
-from sparktrain.loop_spec import LoopSpec
+from sparktrain.loop.spec import KerasTrainSpec
 
-WORKER_MODULE = "sparktrain.estimators.keras_worker"  # the child: python -m WORKER_MODULE DIR
+WORKER_MODULE = "sparktrain.loop.keras_loop"  # the child: python -m WORKER_MODULE DIR
 SPEC_FILE = "spec.json"
 PAYLOAD_FILE = "payload.pkl"
 RESULT_FILE = "result.pkl"  # the training process's result (pickled)
@@ -29,21 +28,6 @@ USER_ERROR_FILE = "user_error.txt"  # where the user's code raised the error, if
 READY = "ready"  # written by a serving process once its server is up
 SHARD_INFO = "shard.json"  # written by a serving process that prepared data for the trainer
 PROGRESS_PREFIX = "\x1esparktrain-progress "  # a stdout line carrying a progress event
-
-
-@dataclass(kw_only=True)
-class KerasTrainSpec(LoopSpec):
-    """One Keras fit's :class:`~sparktrain.loop_spec.LoopSpec`, plus what the Keras loop and
-    the launchers add; written to the child process as JSON (``spec.json``)."""
-
-    best_model: Optional[Dict[str, Any]] = None  # checkpoint_callback's settings, see keras_checkpoint
-    strategy_options: Dict[str, Any] = field(default_factory=dict)  # KerasStrategy.check's
-    # set by the launcher for each process
-    rank: int = 0
-    world_size: int = 1
-    attempt: int = 0
-    role: str = ""  # "": the training loop; else a serving role of the strategy's cluster
-    launch_info: Dict[str, Any] = field(default_factory=dict)  # what the launch gathered
 
 
 def write_inputs(workdir: str, spec: KerasTrainSpec, payload: bytes) -> None:

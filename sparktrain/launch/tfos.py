@@ -49,8 +49,8 @@ from sparktrain.launch.barrier import RankContext, run_barrier, stage_attempts
 from sparktrain.launch.environment import rank_environment
 from sparktrain.launch.gpus import rank_gpu
 from sparktrain.launch.tf_multiworker import spawn_keras_worker
-from sparktrain.launch.tf_protocol import KerasTrainSpec
-from sparktrain.spark_jvm import hadoop_conf
+from sparktrain.loop.spec import KerasTrainSpec
+from sparktrain.session.spark_jvm import hadoop_conf
 
 CHIEF = "chief"  # TFCluster.run's master_node: TFoS then exports TF_CONFIG with chief + workers
 

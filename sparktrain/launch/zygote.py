@@ -30,7 +30,7 @@ executors' environment turns templates off (every child is a fresh ``python -m``
 
 Example (what :func:`~.tf_multiworker.start_tf_child` does)::
 
-    child = start_python("sparktrain.estimators.keras_worker", [workdir], env,
+    child = start_python("sparktrain.loop.keras_loop", [workdir], env,
                          preload=("tensorflow", "keras"), stdout=subprocess.PIPE)
     for line in child.stdout: ...
     code = child.wait()

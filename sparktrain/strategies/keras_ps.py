@@ -4,7 +4,7 @@ TensorFlow's ``ParameterServerStrategy`` splits the tasks into roles: ``num_ps``
 servers hold the variables, one coordinator (the ``chief``) runs the Python training loop and
 schedules train steps, the other tasks are workers that run the scheduled steps asynchronously,
 each applying its own gradients to the variables on the parameter servers. sparktrain's loop
-(:func:`sparktrain.estimators.keras_worker.train`) stays the same; only these pieces change:
+(:func:`sparktrain.loop.keras_loop.train`) stays the same; only these pieces change:
 
 - roles (:meth:`ParameterServer.roles`): barrier task 0 is the chief, tasks ``1..num_ps`` are
   parameter servers, the rest are workers; each task's launch (servers, shard hand-over,
@@ -36,7 +36,8 @@ import json
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from sparktrain.launch.tf_protocol import READY, SHARD_INFO, KerasTrainSpec
+from sparktrain.launch.tf_protocol import READY, SHARD_INFO
+from sparktrain.loop.spec import KerasTrainSpec
 from sparktrain.strategies.keras_strategy import KerasStrategy, RankLoop
 
 
@@ -132,7 +133,7 @@ class ParameterServer(KerasStrategy):
             lambda x, y, w: forward(x, y, w, False)[1])
 
     def train_epoch(self, loop: RankLoop, epoch: int, report: bool) -> Any:
-        from sparktrain.launch.faults import user_code
+        from sparktrain.faults import user_code
 
         with user_code("the training step (the model, the loss or the metrics)"):
             return scheduled_epoch(self.coordinator, self._train_step, self.per_worker,
@@ -167,8 +168,8 @@ def write_shard(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str, ind
 
     from sparktrain.data.reader import ShardReader
     from sparktrain.data.columns import ColumnSpec
-    from sparktrain.estimators.keras_batch import batch_tensors
-    from sparktrain.launch.faults import user_code
+    from sparktrain.loop.keras_batch import batch_tensors
+    from sparktrain.faults import user_code
 
     columns = [ColumnSpec.from_json(c) for c in spec.columns]
     reader = ShardReader(spec.dataset_root, spec.layouts["train"], columns, index, count,

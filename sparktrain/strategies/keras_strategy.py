@@ -10,7 +10,7 @@ It is asked in three places, and nobody else compares strategy names:
   :meth:`~KerasStrategy.roles` gives every barrier task its TensorFlow job (which becomes
   ``TF_CONFIG``) and :meth:`~KerasStrategy.run_task` runs the task in it (by default: train);
   a task that only serves the cluster runs :meth:`~KerasStrategy.serve` in its child process;
-- the training process (:func:`sparktrain.estimators.keras_worker.train`): it builds the
+- the training process (:func:`sparktrain.loop.keras_loop.train`): it builds the
   ``tf.distribute`` strategy (:meth:`~KerasStrategy.distribute`), the steps
   (:meth:`~KerasStrategy.compile`) and asks for each epoch (:meth:`~KerasStrategy.train_epoch`).
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from sparktrain.launch.tf_protocol import KerasTrainSpec
+from sparktrain.loop.spec import KerasTrainSpec
 
 
 @dataclass

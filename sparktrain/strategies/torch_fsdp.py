@@ -78,7 +78,7 @@ class FullySharded(TorchStrategy):
             self.fsdp_options["offload_policy"] = CPUOffloadPolicy()
 
     def setup(self, model: torch.nn.Module, optimizer: Any) -> Tuple[torch.nn.Module, Any]:
-        from sparktrain.launch.faults import user_code
+        from sparktrain.faults import user_code
 
         with user_code("rebuilding the optimizer over the sharded parameters"):
             return self.wrap(model, optimizer)

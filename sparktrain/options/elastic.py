@@ -12,7 +12,7 @@ from __future__ import annotations
 from pyspark.ml.param import Param, Params, TypeConverters
 
 from sparktrain.launch.elastic import BATCH_RULES, ElasticPlan
-from sparktrain.param_converters import to_choice
+from sparktrain.options.converters import to_choice
 
 
 class ElasticParams(Params):

@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Set
 
 import torch
 
-from sparktrain.launch.faults import mark_user_error
+from sparktrain.faults import mark_user_error
 
 #: below this share of trainable parameters (by count of values), checkpoints omit frozen ones
 TRAINABLE_SHARE = 0.5

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional
 
-from sparktrain.launch.faults import mark_user_error, user_code
+from sparktrain.faults import mark_user_error, user_code
 
 def check_scheduler(factory: Any, has_minibatch_fn: bool) -> None:
     """Driver-side checks of ``lr_scheduler`` (before any job)."""

@@ -31,32 +31,23 @@ import torch
 
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.reader import ShardReader, shard_readers, take_steps
-from sparktrain.epochs import EpochBoard, EpochDriver, Logs, StepReporter
-from sparktrain.estimators.torch_checkpoint import checkpoint_bytes, restore
-from sparktrain.estimators.torch_files import BuiltModule, dumps_without_weights, save_weights
-from sparktrain.estimators.torch_forward import ForwardRule
-from sparktrain.estimators.torch_losses import build_losses, named_metrics
-from sparktrain.estimators.torch_schedule import Schedule
+from sparktrain.loop.epochs import EpochBoard, EpochDriver, Logs, StepReporter
+from sparktrain.loop.torch_checkpoint import checkpoint_bytes, restore
+from sparktrain.loop.torch_files import BuiltModule, dumps_without_weights, save_weights
+from sparktrain.loop.torch_forward import ForwardRule
+from sparktrain.loop.torch_losses import build_losses, named_metrics
+from sparktrain.loop.torch_schedule import Schedule
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.elastic import for_rank, scaling_ranks
-from sparktrain.launch.faults import mark_user_error, user_code
+from sparktrain.faults import mark_user_error, user_code
 from sparktrain.launch.gpus import cuda_ordinal, rank_gpu
-from sparktrain.loop_spec import LoopSpec
+from sparktrain.loop.spec import TorchTrainSpec
 from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
 from sparktrain.strategies.torch_blocks import blocks, checkpoint_activations
 from sparktrain.strategies.torch_strategy import StrategyConfig, TorchStrategy
 
 
-@dataclass(kw_only=True)
-class TorchTrainSpec(LoopSpec):
-    """One torch fit's :class:`~sparktrain.loop_spec.LoopSpec`, plus the torch loop's own
-    fields; ``strategy`` names one of :data:`sparktrain.strategies.TORCH_STRATEGIES`."""
-
-    use_gpu: bool
-    gradient_compression: Optional[str] = None  # "fp16" (Horovod's param, see TorchEstimator)
-    output_key: Optional[str] = None  # the entry of a dict/ModelOutput result (torch_forward)
-    lr_scheduler_interval: str = "step"  # when lr_scheduler steps (torch_schedule)
 
 
 def select_device(ctx: RankContext, use_gpu: bool) -> torch.device:
@@ -307,7 +298,7 @@ def _averaged(dist: Any, sums: torch.Tensor, names: List[str], prefix: str) -> D
 
 
 class _TensorBoard(EpochBoard):
-    """:class:`~sparktrain.epochs.EpochBoard` written by torch's ``SummaryWriter``."""
+    """:class:`~sparktrain.loop.epochs.EpochBoard` written by torch's ``SummaryWriter``."""
 
     def _open(self, directory: str) -> Any:
         import sys
@@ -329,7 +320,7 @@ def _autocast_dtype(spec: TorchTrainSpec) -> Optional[torch.dtype]:
 
 
 class _TorchEpochs:
-    """This rank's part of the epoch protocol (:class:`sparktrain.epochs.EpochTraining`)."""
+    """This rank's part of the epoch protocol (:class:`sparktrain.loop.epochs.EpochTraining`)."""
 
     def __init__(self, spec: TorchTrainSpec, ctx: RankContext, dist: Any, device: torch.device,
                  strategy: TorchStrategy, model: torch.nn.Module, trained: torch.nn.Module,

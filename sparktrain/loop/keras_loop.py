@@ -1,6 +1,6 @@
 """Keras training in one process of a TensorFlow cluster (``TF_CONFIG``).
 
-Runs as ``python -m sparktrain.estimators.keras_worker DIR`` (see
+Runs as ``python -m sparktrain.loop.keras_loop DIR`` (see
 :mod:`sparktrain.launch.tf_multiworker`; the files in ``DIR``: :mod:`sparktrain.launch.tf_protocol`).
 Keras 3's ``model.fit`` fails under MultiWorkerMirroredStrategy (keras-team/keras#20585), so the
 loop is a distributed train step of its own, the pattern TensorFlow documents for custom
@@ -32,16 +32,17 @@ import traceback
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from sparktrain.epochs import EpochBoard, EpochDriver, StepReporter
-from sparktrain.estimators.keras_batch import batch_tensors, forward_stats, per_row_loss, \
+from sparktrain.loop.epochs import EpochBoard, EpochDriver, StepReporter
+from sparktrain.loop.keras_batch import batch_tensors, forward_stats, per_row_loss, \
     resolve_metrics
-from sparktrain.estimators.keras_inputs import keras_inputs
-from sparktrain.estimators.keras_saving import loading_objects
+from sparktrain.loop.keras_inputs import keras_inputs
+from sparktrain.loop.keras_saving import loading_objects
 from sparktrain.launch.elastic import REGROUP, Regroup, scaling_ranks
-from sparktrain.launch.faults import user_code, user_error_source
+from sparktrain.faults import user_code, user_error_source
 from sparktrain.model_files import ModelFile
 from sparktrain.launch.tf_protocol import ERROR_FILE, PAYLOAD_FILE, \
-    RESULT_FILE, USER_ERROR_FILE, KerasTrainSpec, progress, read_spec
+    RESULT_FILE, USER_ERROR_FILE, progress, read_spec
+from sparktrain.loop.spec import KerasTrainSpec
 from sparktrain.strategies.keras_strategy import RankLoop
 
 _progress = progress
@@ -54,7 +55,7 @@ _resolve_metrics = resolve_metrics  # the names this module had before keras_bat
 
 
 class _TensorBoard(EpochBoard):
-    """:class:`~sparktrain.epochs.EpochBoard` written by ``tf.summary``."""
+    """:class:`~sparktrain.loop.epochs.EpochBoard` written by ``tf.summary``."""
 
     def __init__(self, tf: Any, run_path: str, storage_options: Dict[str, Any]) -> None:
         self.tf = tf
@@ -221,12 +222,12 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
     checkpoint_file = os.path.join(workdir, "checkpoint.keras")
     best = None  # checkpoint_callback with save_best_only: rank 0 keeps the best epoch's model
     if rank == 0 and spec.best_model and run_path:
-        from sparktrain.estimators.keras_checkpoint import BestModel
+        from sparktrain.loop.keras_checkpoint import BestModel
 
         best = BestModel(spec.best_model, run_path, spec.storage_options, driver.history)
 
     class Epochs:
-        """This process's part of the epoch protocol (:class:`sparktrain.epochs.EpochTraining`)."""
+        """This process's part of the epoch protocol (:class:`sparktrain.loop.epochs.EpochTraining`)."""
 
         all_reduce_sum = staticmethod(sum_over_ranks)
 

@@ -1,7 +1,7 @@
 """The estimators' constructor keywords, listed once.
 
 ``TorchEstimator`` and ``KerasEstimator`` take the same ~50 keyword params (their
-:class:`~sparktrain.params.EstimatorParams`, plus ``strategy``) and a few of their own. The
+:class:`~sparktrain.options.params.EstimatorParams`, plus ``strategy``) and a few of their own. The
 shared ones are the ``TypedDict`` :class:`EstimatorKeywords`; each framework's adds its own
 keys to it, and :func:`keyword_params` makes the constructor's signature from that:
 
@@ -34,7 +34,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 class EstimatorKeywords(TypedDict, total=False):
     """The keyword params every estimator takes; each is documented by its Param
-    (``sparktrain.params``) and the estimator's docstring."""
+    (``sparktrain.options.params``) and the estimator's docstring."""
 
     num_proc: Optional[int]
     model: Any

@@ -37,9 +37,9 @@ from pyspark.sql import SparkSession
 from sparktrain.data.store import Store
 from sparktrain.fs import filesystem, to_fsspec_url
 from sparktrain.model_files import ModelFile
-from sparktrain.params import json_params, object_params
+from sparktrain.options.params import json_params, object_params
 from sparktrain.pickling import dumps
-from sparktrain.spark_api import is_remote
+from sparktrain.session.spark_api import is_remote
 
 T = TypeVar("T")
 PREDICT_FN_FILE = "model/predict_transformation_fn.pkl"
@@ -60,7 +60,7 @@ def remove_saved(spark: SparkSession, path: str) -> None:
 
         RemoteMLWriter.handleOverwrite(path, True)
         return
-    from sparktrain.spark_jvm import remove_path
+    from sparktrain.session.spark_jvm import remove_path
 
     remove_path(spark, path)
 

@@ -18,8 +18,8 @@ from typing import Dict, Optional
 
 from pyspark.sql import SparkSession
 
-from sparktrain.launch.jvm_archive import driver_conf
-from sparktrain.launch.worker_daemon import DAEMON_CONF
+from sparktrain.session.jvm_archive import driver_conf
+from sparktrain.session.worker_daemon import DAEMON_CONF
 
 
 def local_spark(master: Optional[str] = "local[*]", app_name: str = "sparktrain",
@@ -30,8 +30,8 @@ def local_spark(master: Optional[str] = "local[*]", app_name: str = "sparktrain"
     Sets ``PYSPARK_PYTHON`` to this interpreter (unless set) so tasks can import torch and
     sparktrain, keeps local-mode traffic on 127.0.0.1, enables Arrow, and quiets Spark's logs.
     Local masters' Python workers fork from a daemon that has torch, pandas and pyarrow
-    imported (:mod:`sparktrain.launch.worker_daemon`), and their JVM maps the class archive
-    where one was built (:mod:`sparktrain.launch.jvm_archive`).
+    imported (:mod:`sparktrain.session.worker_daemon`), and their JVM maps the class archive
+    where one was built (:mod:`sparktrain.session.jvm_archive`).
     """
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)

@@ -4,7 +4,7 @@ Spark starts one daemon per executor (``python -m pyspark.daemon``) and forks a 
 from it whenever a task finds no idle one; each new worker then imports pyspark's worker,
 pandas, pyarrow, torch and sparktrain on its own: ~3.7 CPU-s per worker on a 2-core machine
 (``/usr/bin/time python -c "import ..."``), paid again after every idle timeout, lost executor
-or failed barrier stage. With ``spark.python.daemon.module=sparktrain.launch.worker_daemon``
+or failed barrier stage. With ``spark.python.daemon.module=sparktrain.session.worker_daemon``
 (what :func:`sparktrain.local_spark` and :class:`sparktrain.ConnectServer` set for local
 masters) the daemon imports them before it forks, so every worker starts with them imported.
 Set it in a cluster's Spark conf where the executors' Python has sparktrain installed.
@@ -23,7 +23,7 @@ replaces the list; modules that are not installed are skipped.
 Example::
 
     spark = SparkSession.builder.config("spark.python.daemon.module",
-                                        "sparktrain.launch.worker_daemon").getOrCreate()
+                                        "sparktrain.session.worker_daemon").getOrCreate()
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ import os
 import runpy
 from typing import Sequence
 
-DAEMON_CONF = {"spark.python.daemon.module": "sparktrain.launch.worker_daemon"}
-PRELOAD = ("pyspark.worker", "pandas", "pyarrow", "torch", "sparktrain.estimators.torch_worker")
+DAEMON_CONF = {"spark.python.daemon.module": "sparktrain.session.worker_daemon"}
+PRELOAD = ("pyspark.worker", "pandas", "pyarrow", "torch", "sparktrain.loop.torch_loop")
 
 
 def preload(names: Sequence[str]) -> None:

@@ -14,7 +14,7 @@ finds none. It is built once, explicitly (``scripts/setup.sh`` does), and used b
 
 Example::
 
-    python -m sparktrain.launch.jvm_archive     # build it for this Java and Spark (~30 s)
+    python -m sparktrain.session.jvm_archive     # build it for this Java and Spark (~30 s)
     java_options()     # '-XX:SharedArchiveFile=/root/.cache/sparktrain/jvm/spark-1a2b.jsa ...'
 """
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _prune(folder: str) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sparktrain.launch.jvm_archive",
+        prog="python -m sparktrain.session.jvm_archive",
         description="Build the class-data sharing archive local Spark JVMs start from.")
     parser.add_argument("--force", action="store_true", help="rebuild even if it exists")
     parser.add_argument("--dir", help=f"where archives are kept (default ${CACHE_ENV} or "

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO
 
 from pyspark.sql import SparkSession
 
-from sparktrain.spark_api import conf_value
+from sparktrain.session.spark_api import conf_value
 
 log = logging.getLogger(__name__)
 

@@ -252,7 +252,7 @@ def builder_name(fn: Any) -> str:
 
 def build_module(fn: Any, where: str) -> torch.nn.Module:
     """``fn()``, which must be a ``torch.nn.Module``: errors name the callable."""
-    from sparktrain.launch.faults import user_code
+    from sparktrain.faults import user_code
 
     with user_code(f"the model callable {builder_name(fn)!r} ({where})"):
         module = fn()
@@ -305,7 +305,7 @@ def make_optimizer(optimizer: Any, module: torch.nn.Module) -> Any:
     module's trainable parameters."""
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
-    from sparktrain.launch.faults import user_code
+    from sparktrain.faults import user_code
 
     with user_code("the optimizer callable"):
         made = optimizer([p for p in module.parameters() if p.requires_grad])

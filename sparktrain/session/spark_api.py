@@ -114,7 +114,7 @@ def task_slots(spark: SparkSession) -> Optional[int]:
     (what its barrier check uses), :func:`slots_from_conf` on a Connect one."""
     if is_remote(spark):
         return slots_from_conf(spark)
-    from sparktrain.spark_jvm import max_concurrent_tasks
+    from sparktrain.session.spark_jvm import max_concurrent_tasks
 
     return max_concurrent_tasks(spark.sparkContext)
 
@@ -203,10 +203,10 @@ def cancel_tag(spark: SparkSession, tag: str) -> None:
 # -- plans --------------------------------------------------------------------------------------
 def plan_fingerprint(df: DataFrame) -> str:
     """The analyzed plan as text without expression ids, plus its semantic hash (see
-    :func:`sparktrain.spark_jvm.plan_fingerprint`); over Connect the text is the server's
+    :func:`sparktrain.session.spark_jvm.plan_fingerprint`); over Connect the text is the server's
     ``explain(extended=True)`` analyzed section."""
     if not is_remote(df.sparkSession):
-        from sparktrain import spark_jvm
+        from sparktrain.session import spark_jvm
 
         return spark_jvm.plan_fingerprint(df)
     text = df._explain_string(extended=True)

@@ -29,7 +29,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from sparktrain.launch.faults import mark_user_error
+from sparktrain.faults import mark_user_error
 
 #: the output entry used by default when a model returns a dict or a ModelOutput
 DEFAULT_OUTPUT_KEY = "logits"

@@ -6,7 +6,7 @@ Every param of Horovod 0.28.1's ``TorchEstimator``/``KerasEstimator``/``TorchMod
 ``KerasModel`` is declared here, with Horovod's ``getX``/``setX`` accessors (generated from the
 Param declarations by :func:`with_accessors`, Horovod's own spellings included, e.g.
 ``getShufflingBufferSize``, ``setTrainReaderNumWorker``). What the Petastorm-specific ones do
-here: :mod:`sparktrain.compat`.
+here: :mod:`sparktrain.options.horovod`.
 
 Example::
 
@@ -21,8 +21,8 @@ from pyspark.ml.param import Param, Params, TypeConverters
 
 # Value converters and accessor generation have modules of their own (issue #26); the constants,
 # EnvVars and with_accessors stay importable from here.
-from sparktrain.param_accessors import HOROVOD_ACCESSOR_NAMES, with_accessors  # noqa: F401
-from sparktrain.param_converters import (  # noqa: F401 - the constants are re-exported
+from sparktrain.options.accessors import HOROVOD_ACCESSOR_NAMES, with_accessors  # noqa: F401
+from sparktrain.options.converters import (  # noqa: F401 - the constants are re-exported
     MIXED_PRECISION, MP_START_METHODS, READER_POOL_TYPES, EnvVars, to_backend_name, to_choice,
     to_count, to_env, to_keras_strategy, to_loss_weights, to_mixed_precision, to_module_classes,
     to_num_ps, to_optional_bool, to_optional_float, to_optional_int, to_resource_profile,

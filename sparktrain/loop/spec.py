@@ -1,8 +1,8 @@
 """The plain values every rank loop trains by, whatever the framework.
 
-:class:`LoopSpec` holds what both loops (:mod:`sparktrain.estimators.torch_worker`,
-:mod:`sparktrain.estimators.keras_worker`) read: the materialized data, the model's columns and
-shapes, the epoch settings the shared driver (:class:`sparktrain.epochs.EpochDriver`) takes, and
+:class:`LoopSpec` holds what both loops (:mod:`sparktrain.loop.torch_loop`,
+:mod:`sparktrain.loop.keras_loop`) read: the materialized data, the model's columns and
+shapes, the epoch settings the shared driver (:class:`sparktrain.loop.epochs.EpochDriver`) takes, and
 how the ranks read and decode. Each framework's spec extends it with its own fields
 (``TorchTrainSpec``, ``KerasTrainSpec``); the estimator fills the shared ones from its params
 (``EstimatorBase._spec_fields``).
@@ -62,7 +62,7 @@ class LoopSpec:
     scale_learning_rate: bool = False
     mixed_precision: Optional[str] = None  # "bf16" | "fp16"
     deadline: Optional[float] = None  # time.time() after which training stops at an epoch end
-    fit_id: str = ""  # the fit's attempts share it (see sparktrain.epochs)
+    fit_id: str = ""  # the fit's attempts share it (see sparktrain.loop.epochs)
     run_path: str = ""  # the run's directory in the store: checkpoints, TensorBoard; "": none
     generation: Optional[Dict[str, Any]] = None  # an elastic fit's (launch.elastic.for_rank)
     # how the ranks read and decode (compat.reader_options)
@@ -84,3 +84,29 @@ class LoopSpec:
     @classmethod
     def from_json(cls: Type[S], text: str) -> S:
         return cls(**json.loads(text))
+
+
+@dataclass(kw_only=True)
+class TorchTrainSpec(LoopSpec):
+    """One torch fit's :class:`~sparktrain.loop.spec.LoopSpec`, plus the torch loop's own
+    fields; ``strategy`` names one of :data:`sparktrain.strategies.TORCH_STRATEGIES`."""
+
+    use_gpu: bool
+    gradient_compression: Optional[str] = None  # "fp16" (Horovod's param, see TorchEstimator)
+    output_key: Optional[str] = None  # the entry of a dict/ModelOutput result (torch_forward)
+    lr_scheduler_interval: str = "step"  # when lr_scheduler steps (torch_schedule)
+
+
+@dataclass(kw_only=True)
+class KerasTrainSpec(LoopSpec):
+    """One Keras fit's :class:`~sparktrain.loop.spec.LoopSpec`, plus what the Keras loop and
+    the launchers add; written to the child process as JSON (``spec.json``)."""
+
+    best_model: Optional[Dict[str, Any]] = None  # checkpoint_callback's settings, see keras_checkpoint
+    strategy_options: Dict[str, Any] = field(default_factory=dict)  # KerasStrategy.check's
+    # set by the launcher for each process
+    rank: int = 0
+    world_size: int = 1
+    attempt: int = 0
+    role: str = ""  # "": the training loop; else a serving role of the strategy's cluster
+    launch_info: Dict[str, Any] = field(default_factory=dict)  # what the launch gathered

@@ -18,7 +18,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 # in the leaf errors module so that the store (a lower layer) can warn with it too; the
-# documented name sparktrain.compat.IgnoredParamWarning stays
+# documented name sparktrain.options.horovod.IgnoredParamWarning stays
 from sparktrain.errors import IgnoredParamWarning
 
 DEFAULT_PREFETCH = 2  # ShardReader's read-ahead, and Horovod's default reader worker count

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Tuple
 
-from sparktrain.estimators.keras_inputs import keras_inputs
+from sparktrain.loop.keras_inputs import keras_inputs
 
 
 def resolve_metrics(keras: Any, metrics: List[Any], custom_objects: Dict[str, Any]

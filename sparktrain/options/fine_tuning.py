@@ -1,6 +1,6 @@
 """Params of fine-tuning pretrained torch models (docs/huggingface.md): ``output_key`` (which
-entry of a dict or ``ModelOutput`` result is the output, :mod:`sparktrain.estimators.torch_forward`),
-``lr_scheduler`` and ``lr_scheduler_interval`` (:mod:`sparktrain.estimators.torch_schedule`).
+entry of a dict or ``ModelOutput`` result is the output, :mod:`sparktrain.loop.torch_forward`),
+``lr_scheduler`` and ``lr_scheduler_interval`` (:mod:`sparktrain.loop.torch_schedule`).
 
 Example::
 

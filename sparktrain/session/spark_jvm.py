@@ -10,7 +10,7 @@ Example::
     plan_fingerprint(df)                    # 'Project [x, y]\\n+- LogicalRDD ...|-1093785321'
     max_concurrent_tasks(spark.sparkContext)   # 2 on local[2]
 
-sparktrain.spark_api chooses between these and their Spark Connect counterparts.
+sparktrain.session.spark_api chooses between these and their Spark Connect counterparts.
 """
 from __future__ import annotations
 
