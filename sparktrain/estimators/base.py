@@ -26,7 +26,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from sparktrain.options import horovod as compat
+from sparktrain.options import horovod as horovod_params
 from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.batch import heavy_decoding
 from sparktrain.data.materialize import MaterializedDataset, lease_seconds, materialize
@@ -34,7 +34,6 @@ from sparktrain.data.run_lock import run_lock
 from sparktrain.data.schema import ARRAY, BINARY, IMAGE, RAW_KINDS, STRING, VARLEN, \
     VECTOR, ColumnSpec, check_validation_column, column_spec, training_columns
 from sparktrain.data.store import Store
-from sparktrain.options.elastic import ElasticParams
 from sparktrain.estimators.prediction import as_model_input, feature_expr as _feature_expr, \
     output_series, predict_columns, series_to_numpy, series_values  # noqa: F401 - re-exported
 from sparktrain.estimators.fit_run import FitRun
@@ -42,10 +41,12 @@ from sparktrain.estimators.preflight import run_preflight, transformation_column
 from sparktrain.fit_hooks import FitListener, fit_hooks
 from sparktrain.launch import check_backend
 from sparktrain.launch.barrier import check_slots
+from sparktrain.launch.elastic import ElasticPlan
 from sparktrain.launch.executor_env import RANK_MODULES, check_executors
 from sparktrain.launch.gpus import check_gpu_conf
 from sparktrain.model_files import ModelFile
-from sparktrain.options.params import EstimatorParams, ModelParams
+from sparktrain.options.declarations import COMMON, Option
+from sparktrain.options.params import EstimatorParams, ModelParams, camel
 from sparktrain.estimators.persistence import EstimatorReader, EstimatorWriter, ModelReader, ModelWriter
 from sparktrain.pickling import dumps
 from sparktrain.estimators.progress import FitProgress, TqdmLogHandler, interval_from_conf
@@ -89,13 +90,15 @@ class _FitLogging:
             log.setLevel(self._level)
 
 
-class EstimatorBase(Estimator, EstimatorParams, ElasticParams, MLWritable, MLReadable):
+class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
     """Framework-independent ``fit``; see the module docstring."""
 
     #: backend name -> ("module:Class", requirement), set by each framework's estimator
     backends: Dict[str, Tuple[str, str]] = {}
     #: what the framework's checkpoints are tagged with ("torch", "keras")
     framework = ""
+    #: the estimator's options (sparktrain.options.declarations): its Params and keywords
+    options: Tuple[Option, ...] = COMMON
 
     def _check_framework(self) -> None:
         """Raise ``ValueError``/``TypeError`` for framework params that cannot work."""
@@ -124,32 +127,27 @@ class EstimatorBase(Estimator, EstimatorParams, ElasticParams, MLWritable, MLRea
         return list(RANK_MODULES) + [requirement] + (["keras"] if self.framework == "keras"
                                                      else [])
 
+    def elastic_plan(self) -> ElasticPlan:
+        """The fit's :class:`~sparktrain.launch.elastic.ElasticPlan` (raises ``ValueError`` for
+        a ``min_num_proc`` outside ``[1, num_proc]``)."""
+        return ElasticPlan(num_proc=self.getNumProc(), min_num_proc=self.getMinNumProc(),
+                           batch=self.getElasticBatch())
+
     def _spec_fields(self, run: Optional[FitRun] = None) -> Dict[str, Any]:
-        """The :class:`~sparktrain.loop.spec.LoopSpec` fields the shared params and ``run``
-        decide (plain values; the framework adds ``strategy``, ``input_shapes`` and its own).
-        Without ``run``: the preflight's, with no dataset and no run directory."""
-        fields = dict(feature_cols=self.getFeatureCols(), label_cols=self.getLabelCols(),
-                      sample_weight_col=self.getSampleWeightCol(),
-                      label_shapes=self.getLabelShapes(), loss_weights=self.getLossWeights(),
-                      batch_size=self.getBatchSize(), val_batch_size=self.getValBatchSize(),
-                      epochs=self.getEpochs(), shuffle=self.getShuffle(),
-                      seed=self.getRandomSeed(), verbose=self.getVerbose(),
-                      backend=self.getBackend(), backend_env=self.getBackendEnv(),
-                      train_steps=self.getTrainStepsPerEpoch(),
-                      val_steps=self.getValidationStepsPerEpoch(),
-                      inmemory_cache_all=self.getInmemoryCacheAll(),
-                      backward_passes_per_step=self.getBackwardPassesPerStep(),
-                      scale_learning_rate=self.getScaleLearningRate(),
-                      mixed_precision=self.getMixedPrecision())
+        """The spec fields (:mod:`sparktrain.loop.spec`) of the options the ranks read (their
+        getters' values) and of ``run``; the framework adds what it derives. Without ``run``:
+        the preflight's, with no dataset and no run directory."""
+        fields = {o.spec_name: getattr(self, f"get{camel(o.name)}")()
+                  for o in self.options if o.rank}
         if run is None:
             return dict(fields, dataset_root="", layouts={}, columns=[],
-                        **compat.reader_options(self))
+                        **horovod_params.reader_options(self))
         max_time = self.getMaxTime()
         return dict(fields, dataset_root=run.data.root, layouts=run.data.files,
                     columns=[c.to_json() for c in run.data.columns],
                     storage_options=run.store.storage_options, run_path=run.run_path,
                     fit_id=run.fit_id, deadline=run.started + max_time if max_time else None,
-                    **compat.reader_options(self, raw=heavy_decoding(run.data.columns)))
+                    **horovod_params.reader_options(self, raw=heavy_decoding(run.data.columns)))
 
     def _create_model(self, result: Dict[str, Any], dataset: MaterializedDataset) -> "ModelBase":
         raise NotImplementedError

@@ -19,19 +19,20 @@ hvd``); see "Coming from Horovod" in the README.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
 from pyspark import keyword_only
 from pyspark.sql import SparkSession
 
-from sparktrain.options import horovod as compat
+from sparktrain.options import horovod as horovod_params
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase, ModelBase
 from sparktrain.estimators.fit_run import FitRun
 from sparktrain.loop.keras_inputs import in_feature_order, keras_inputs
-from sparktrain.options.keywords import EstimatorKeywords, keyword_params
+from sparktrain.options.declarations import COMMON, KERAS
+from sparktrain.options.keywords import keyword_params
 from sparktrain.loop.keras_saving import keras_module as _keras, load_model as _load_model, \
     loading_objects, model_bytes as _model_bytes, model_shapes
 from sparktrain.launch import KERAS_BACKENDS, load_backend
@@ -45,21 +46,10 @@ from sparktrain.pickling import dumps
 from sparktrain.session.spark_api import classic_only
 from sparktrain.strategies import KERAS_STRATEGIES, load_strategy
 
-if TYPE_CHECKING:  # PEP 692: typing.Unpack from Python 3.11, typing_extensions before
-    from typing_extensions import Unpack
-
 __all__ = ["KerasEstimator", "KerasModel", "loading_objects", "model_shapes", "predict_device"]
 
 #: KerasEstimator params that belong to a strategy (KerasStrategy.params says which takes them)
 STRATEGY_PARAMS = ("num_ps",)
-
-
-class KerasKeywords(EstimatorKeywords, total=False):
-    """``KerasEstimator``'s own constructor keywords (see its docstring)."""
-
-    custom_objects: Optional[Dict]
-    checkpoint_callback: Any
-    num_ps: Optional[int]
 
 
 class KerasEstimator(EstimatorBase, KerasParams):
@@ -92,9 +82,10 @@ class KerasEstimator(EstimatorBase, KerasParams):
 
     backends = KERAS_BACKENDS
     framework = "keras"
+    options = COMMON + KERAS
 
-    @keyword_params(KerasKeywords)
-    def __init__(self, **params: Unpack[KerasKeywords]) -> None:
+    @keyword_params(options)
+    def __init__(self, **params: Any) -> None:
         super().__init__()
         self._setDefault(backend="tensorflow")
         self._set(**{k: v for k, v in self._input_kwargs.items() if v is not None})
@@ -140,7 +131,7 @@ class KerasEstimator(EstimatorBase, KerasParams):
         if not isinstance(self.getModel(), keras.Model):
             raise TypeError(f"model must be a keras.Model (Keras {keras.__version__}), got "
                             f"{type(self.getModel()).__name__}")
-        compat.check_common(self)
+        horovod_params.check_common(self)
         from sparktrain.loop.keras_checkpoint import checkpoint_settings
 
         checkpoint_settings(self.getCheckpointCallback(), self.getValidation())
@@ -208,9 +199,9 @@ class KerasEstimator(EstimatorBase, KerasParams):
         from sparktrain.loop.keras_checkpoint import checkpoint_settings
 
         input_shapes = self._input_shapes()
-        compat.check_data_shapes(self, run.data.columns, input_shapes, "the model's input shapes")
+        horovod_params.check_data_shapes(self, run.data.columns, input_shapes, "the model's input shapes")
         ignored = []
-        if compat.compression_name(self.getGradientCompression()) is not None:
+        if horovod_params.compression_name(self.getGradientCompression()) is not None:
             ignored.append("gradient_compression: tf.distribute.MultiWorkerMirroredStrategy's "
                            "all-reduce takes no compression; gradients travel in their own "
                            "dtype")
@@ -219,10 +210,10 @@ class KerasEstimator(EstimatorBase, KerasParams):
             ignored.append("checkpoint_callback.save_freq: the best model is chosen at epoch "
                            "ends")
         spec = KerasTrainSpec(
-            **self._spec_fields(run), strategy=self.getStrategy(), input_shapes=input_shapes,
+            **self._spec_fields(run), input_shapes=input_shapes,
             best_model=checkpoint_settings(callback, self.getValidation()),
             strategy_options=self._check_strategy())
-        compat.warn_ignored(self, ignored)
+        horovod_params.warn_ignored(self, ignored)
         launch = dict(description=f"sparktrain KerasEstimator {self.uid}",
                       echo_logs=self.getVerbose() >= 1, max_attempts=self.getMaxAttempts())
         backend = load_backend(KERAS_BACKENDS, self.getBackend())

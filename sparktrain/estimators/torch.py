@@ -23,21 +23,21 @@ import io
 import logging
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from pyspark import keyword_only
 
-from sparktrain.options import horovod as compat
+from sparktrain.options import horovod as horovod_params
 from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase
 from sparktrain.estimators.fit_run import FitRun
-from sparktrain.options.keywords import EstimatorKeywords, keyword_params
+from sparktrain.options.declarations import COMMON, TORCH
+from sparktrain.options.keywords import keyword_params
 from sparktrain.loop.torch_forward import takes_labels
 # TorchModel (and predict_device): importable from here as before
 from sparktrain.estimators.torch_model import TorchModel, predict_device  # noqa: F401
 from sparktrain.loop.torch_schedule import check_scheduler
-from sparktrain.options.fine_tuning import ForwardParams, SchedulerParams
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.environment import rank_environment
@@ -48,9 +48,6 @@ from sparktrain.loop.torch_losses import build_losses, named_metrics  # noqa: F4
 from sparktrain.pickling import dumps
 
 log = logging.getLogger("sparktrain")
-
-if TYPE_CHECKING:  # PEP 692: typing.Unpack from Python 3.11, typing_extensions before
-    from typing_extensions import Unpack
 
 
 def flat_metrics(metrics: Any) -> Any:
@@ -70,21 +67,7 @@ def flat_metrics(metrics: Any) -> Any:
     return flat
 
 
-class TorchKeywords(EstimatorKeywords, total=False):
-    """``TorchEstimator``'s own constructor keywords (see its docstring)."""
-
-    input_shapes: Optional[List[List[int]]]
-    loss_constructors: Any
-    train_minibatch_fn: Optional[Callable]
-    fsdp_wrap: Any
-    fsdp_cpu_offload: Optional[bool]
-    activation_checkpointing: Any
-    output_key: Optional[str]
-    lr_scheduler: Optional[Callable[[Any], Any]]
-    lr_scheduler_interval: Optional[str]
-
-
-class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams):
+class TorchEstimator(EstimatorBase, TorchParams):
     """Spark ML estimator training a ``torch.nn.Module`` in ``num_proc`` barrier tasks.
 
     Params follow Horovod's ``horovod.spark.torch.TorchEstimator``: ``batch_size`` is per
@@ -135,9 +118,10 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
 
     backends = TORCH_BACKENDS
     framework = "torch"
+    options = COMMON + TORCH
 
-    @keyword_params(TorchKeywords)
-    def __init__(self, **params: Unpack[TorchKeywords]) -> None:
+    @keyword_params(options)
+    def __init__(self, **params: Any) -> None:
         super().__init__()
         self._setDefault(backend="torch", loss=None)  # None: loss_constructors may build it
         kwargs = self._input_kwargs
@@ -210,9 +194,9 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
             raise ValueError(f"{name} has {len(losses)} functions for "
                              f"{len(self.getLabelCols())} label columns; pass one, or one per "
                              f"label column")
-        compat.check_shapes("input_shapes", self.getInputShapes(), self.getFeatureCols(),
+        horovod_params.check_shapes("input_shapes", self.getInputShapes(), self.getFeatureCols(),
                             "feature")
-        compat.check_common(self)
+        horovod_params.check_common(self)
         minibatch = self.getTrainMinibatchFn()
         if minibatch is not None and not callable(minibatch):
             raise TypeError(f"train_minibatch_fn must be a function (model, optimizer, "
@@ -334,10 +318,9 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
         from sparktrain.loop.spec import TorchTrainSpec
 
         return TorchTrainSpec(
-            **self._spec_fields(run), strategy=self.getStrategy(),
-            input_shapes=self.getInputShapes(), use_gpu=run is not None and run.use_gpu,
-            gradient_compression=compat.compression_name(self.getGradientCompression()),
-            output_key=self.getOutputKey(), lr_scheduler_interval=self.getLrSchedulerInterval())
+            **self._spec_fields(run), input_shapes=self.getInputShapes(),
+            use_gpu=run is not None and run.use_gpu,
+            gradient_compression=horovod_params.compression_name(self.getGradientCompression()))
 
     def _check_on_batch(self, batch: Dict[str, Any]) -> None:
         """Preflight (see :mod:`.preflight`): one validation step on ``batch`` on the CPU."""
@@ -374,8 +357,8 @@ class TorchEstimator(EstimatorBase, TorchParams, ForwardParams, SchedulerParams)
                 tensors, preflight.torch_expectation(model)) from exc
 
     def _train(self, run: FitRun) -> Dict[str, Any]:
-        compat.check_data_shapes(self, run.data.columns, self.getInputShapes())
-        compat.warn_ignored(self)  # once per fit: Horovod params without an equivalent
+        horovod_params.check_data_shapes(self, run.data.columns, self.getInputShapes())
+        horovod_params.warn_ignored(self)  # once per fit: Horovod params without an equivalent
         if self.getFsdpCpuOffload() and not run.use_gpu:
             warnings.warn("fsdp_cpu_offload=True is ignored: the ranks train on CPUs, where "
                           "parameter shards already live in CPU memory", UserWarning,

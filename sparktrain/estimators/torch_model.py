@@ -18,9 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sparktrain.data.store import Store
 from sparktrain.estimators.base import ModelBase
-from sparktrain.options.fine_tuning import ForwardParams
 from sparktrain.model_files import ModelFile
-from sparktrain.options.params import EstimatorParams, TorchParams, with_accessors
+from sparktrain.options.params import TorchModelParams
 from sparktrain.session.spark_api import master
 
 
@@ -41,8 +40,7 @@ def _module_bytes(module: Any) -> Tuple[bytes, bytes]:
     return dumps_without_weights(module, module), buffer.getvalue()
 
 
-@with_accessors
-class TorchModel(ModelBase, ForwardParams):
+class TorchModel(ModelBase, TorchModelParams):
     """A trained torch module as a Spark ML Model.
 
     ``transform`` appends one column per label (``<label>__output`` unless ``setOutputCols``):
@@ -65,11 +63,6 @@ class TorchModel(ModelBase, ForwardParams):
     model. ``history``: a dict of per-epoch lists (or Horovod's list of per-epoch dicts).
     """
 
-    input_shapes = TorchParams.input_shapes
-    optimizer = EstimatorParams.optimizer
-    loss = EstimatorParams.loss
-    loss_constructors = TorchParams.loss_constructors
-
     def __init__(self, model: Any = None, *, history: Any = None,
                  feature_columns: Optional[List[str]] = None,
                  input_shapes: Optional[List[List[int]]] = None,
@@ -79,7 +72,6 @@ class TorchModel(ModelBase, ForwardParams):
                  predict_transformation_fn: Optional[Callable] = None,
                  output_key: Optional[str] = None) -> None:
         super().__init__()
-        self._setDefault(input_shapes=None, optimizer=None, loss=None, loss_constructors=None)
         self._model = model
         self._files: Any = None  # ModuleFiles: the module as files in a store or saved directory
         self._spill_to: Optional[Tuple[str, Dict[str, Any]]] = None  # (directory, options)

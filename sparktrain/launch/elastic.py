@@ -48,6 +48,7 @@ import uuid
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Dict, List, Optional
 
+from sparktrain.options.converters import BATCH_RULES  # the elastic_batch option's values
 from sparktrain.errors import TrainingError
 from sparktrain.fs import filesystem
 
@@ -58,8 +59,6 @@ DEFAULT_GROW_SECONDS = 20.0
 POLL_SECONDS = 1.0
 #: failed generations an elastic fit survives when ``max_attempts`` is not set
 DEFAULT_FAILED_GENERATIONS = 8
-#: ``elastic_batch`` values
-BATCH_RULES = ("global", "rank")
 #: what a rank returns when its generation ended for the fit to grow
 REGROUP = "sparktrain-regroup"
 

@@ -4,8 +4,9 @@
 :mod:`sparktrain.loop.keras_loop`) read: the materialized data, the model's columns and
 shapes, the epoch settings the shared driver (:class:`sparktrain.loop.epochs.EpochDriver`) takes, and
 how the ranks read and decode. Each framework's spec extends it with its own fields
-(``TorchTrainSpec``, ``KerasTrainSpec``); the estimator fills the shared ones from its params
-(``EstimatorBase._spec_fields``).
+(``TorchTrainSpec``, ``KerasTrainSpec``). The fields of the options the ranks read come from
+their declarations (:mod:`sparktrain.options.declarations`, ``rank=``): the estimator fills
+them from its params (``EstimatorBase._spec_fields``); the others are declared here.
 
 A leaf module (standard library only): the launchers, the Keras child process and the
 estimators all import it without pulling in a framework or ``pyspark.ml``. Fields are
@@ -18,54 +19,58 @@ Example::
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Type, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Type, TypeVar
+
+from sparktrain.options.declarations import COMMON, KERAS, TORCH, UNSET, Option
 
 S = TypeVar("S", bound="LoopSpec")
+C = TypeVar("C", bound=type)
+
+
+def option_fields(options: Sequence[Option]) -> Callable[[C], C]:
+    """A class decorator (under ``@dataclass``) adding a field per option the ranks read,
+    named by its ``spec_name``, with its default (required where it has none)."""
+    def add(cls: C) -> C:
+        annotations = cls.__dict__.get("__annotations__", {})
+        for option in options:
+            if option.spec_name is None:
+                continue
+            annotations[option.spec_name] = option.hint
+            if option.default is UNSET:
+                continue
+            default = option.default
+            value = {"default_factory": lambda v=default: copy.deepcopy(v)} \
+                if isinstance(default, (list, dict)) else {"default": default}
+            setattr(cls, option.spec_name, field(repr=not option.hidden, **value))
+        cls.__annotations__ = annotations
+        return cls
+    return add
 
 
 @dataclass(kw_only=True)
+@option_fields(COMMON)
 class LoopSpec:
     """Plain-valued description of one fit, shipped to every rank: JSON-able, so it travels
     as a file to a child process (Keras) as well as in a task's closure (torch). The pickled
     objects (model, optimizer, loss, metrics, callbacks, transformation_fn, the strategy
-    class) travel separately as the payload."""
+    class) travel separately as the payload. Besides the fields below: one per option in
+    ``COMMON`` that the ranks read (``batch_size``, ``epochs``, ``seed``, ...)."""
 
     # the materialized dataset (MaterializedDataset: root, files by split, column specs)
     dataset_root: str
     layouts: Dict[str, Any]  # split -> [[file, rows], ...]
     columns: List[Dict[str, Any]]  # ColumnSpec.to_json() of every column
     storage_options: Dict[str, Any] = field(default_factory=dict, repr=False)  # may hold keys
-    # what the model reads and how
-    feature_cols: List[str]
-    label_cols: List[str]
-    sample_weight_col: Optional[str] = None
     input_shapes: Optional[List[List[int]]] = None  # each feature reshaped to it (Horovod's)
-    label_shapes: Optional[List[List[int]]] = None
-    loss_weights: Optional[List[float]] = None
-    # the loop
-    batch_size: int
-    val_batch_size: int
-    epochs: int
-    shuffle: bool
-    seed: Optional[int]
-    verbose: int
-    backend: str  # the engine's registered name
-    strategy: str  # the registered name (messages); the class travels in the payload
-    backend_env: Optional[Dict[str, str]] = field(default=None, repr=False)
-    # the fit's loop options (EstimatorBase._spec_fields)
-    train_steps: Optional[int] = None
-    val_steps: Optional[int] = None
-    inmemory_cache_all: bool = False
-    backward_passes_per_step: int = 1
-    scale_learning_rate: bool = False
-    mixed_precision: Optional[str] = None  # "bf16" | "fp16"
+    # the fit's run
     deadline: Optional[float] = None  # time.time() after which training stops at an epoch end
     fit_id: str = ""  # the fit's attempts share it (see sparktrain.loop.epochs)
     run_path: str = ""  # the run's directory in the store: checkpoints, TensorBoard; "": none
     generation: Optional[Dict[str, Any]] = None  # an elastic fit's (launch.elastic.for_rank)
-    # how the ranks read and decode (compat.reader_options)
+    # how the ranks read and decode (sparktrain.options.horovod.reader_options)
     train_prefetch: int = 2  # row groups the readers decode ahead
     val_prefetch: int = 2
     reader_pool: str = "thread"  # "process": transformation_fn in decode worker processes
@@ -87,20 +92,22 @@ class LoopSpec:
 
 
 @dataclass(kw_only=True)
+@option_fields(TORCH)
 class TorchTrainSpec(LoopSpec):
-    """One torch fit's :class:`~sparktrain.loop.spec.LoopSpec`, plus the torch loop's own
-    fields; ``strategy`` names one of :data:`sparktrain.strategies.TORCH_STRATEGIES`."""
+    """One torch fit's :class:`LoopSpec`, plus the fields of the ``TORCH`` options the torch
+    loop reads (``strategy``, one of :data:`sparktrain.strategies.TORCH_STRATEGIES`,
+    ``output_key``, ``lr_scheduler_interval``) and what the estimator derives."""
 
     use_gpu: bool
     gradient_compression: Optional[str] = None  # "fp16" (Horovod's param, see TorchEstimator)
-    output_key: Optional[str] = None  # the entry of a dict/ModelOutput result (torch_forward)
-    lr_scheduler_interval: str = "step"  # when lr_scheduler steps (torch_schedule)
 
 
 @dataclass(kw_only=True)
+@option_fields(KERAS)
 class KerasTrainSpec(LoopSpec):
-    """One Keras fit's :class:`~sparktrain.loop.spec.LoopSpec`, plus what the Keras loop and
-    the launchers add; written to the child process as JSON (``spec.json``)."""
+    """One Keras fit's :class:`LoopSpec`, plus the ``KERAS`` options the Keras loop reads
+    (``strategy``) and what the estimator and the launchers add; written to the child process
+    as JSON (``spec.json``)."""
 
     best_model: Optional[Dict[str, Any]] = None  # checkpoint_callback's settings, see keras_checkpoint
     strategy_options: Dict[str, Any] = field(default_factory=dict)  # KerasStrategy.check's

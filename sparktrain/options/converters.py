@@ -1,5 +1,9 @@
-"""Value converters of sparktrain's Params: each checks one param's value and says what was
-expected (the ``typeConverter`` of a ``pyspark.ml.param.Param``, like ``TypeConverters``).
+"""Value converters of sparktrain's options: each checks one value and says what was expected
+(the ``typeConverter`` of the option's ``pyspark.ml.param.Param``).
+
+Plain Python, no ``pyspark.ml``: the declarations that name them are read on the ranks too.
+The basic ones (:func:`to_int`, :func:`to_bool`, ...) accept what ``pyspark.ml.param.
+TypeConverters`` accepts, with the same messages.
 
 Example::
 
@@ -8,20 +12,81 @@ Example::
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from pyspark.ml.param import TypeConverters
+from sparktrain.plugins import load
 
 MIXED_PRECISION = ("bf16", "fp16")
 READER_POOL_TYPES = ("thread", "process", "dummy")
 MP_START_METHODS = ("fork", "spawn", "forkserver")
+#: ``elastic_batch`` values (:mod:`sparktrain.launch.elastic`)
+BATCH_RULES = ("global", "rank")
+#: ``lr_scheduler_interval`` values: when ``lr_scheduler`` steps
+INTERVALS = ("step", "epoch")
+# The strategy registries, named (not imported): the registry module sits in a higher layer
+# and the converters run only on the driver (sparktrain.plugins).
+_TORCH_STRATEGIES = "sparktrain.strategies:TORCH_STRATEGIES"
+_KERAS_STRATEGIES = "sparktrain.strategies:KERAS_STRATEGIES"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def to_int(value: Any) -> int:
+    """An int (or an integral float/NumPy number); bools are refused."""
+    if _is_number(value) and float(value).is_integer():
+        return int(value)
+    raise TypeError(f"Could not convert {value} to int")
+
+
+def to_float(value: Any) -> float:
+    """A float from any real number but a bool."""
+    if _is_number(value):
+        return float(value)
+    raise TypeError(f"Could not convert {value} to float")
+
+
+def to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise TypeError(f"Boolean Param requires value of type bool. Found {type(value)}.")
+
+
+def to_string(value: Any) -> str:
+    if isinstance(value, str):  # numpy.str_ too
+        return str(value)
+    if isinstance(value, bytes):
+        return value.decode()
+    raise TypeError(f"Could not convert {type(value)} to string type")
+
+
+def _to_list(value: Any) -> List[Any]:
+    if isinstance(value, (list, tuple, range)) or type(value).__name__ == "ndarray":
+        return list(value)
+    raise TypeError(f"Could not convert {value} to list")
+
+
+def to_list_string(value: Any) -> List[str]:
+    """A list of strings (from a list, tuple or array of them)."""
+    items = _to_list(value)
+    if all(isinstance(v, (str, bytes)) for v in items):
+        return [to_string(v) for v in items]
+    raise TypeError(f"Could not convert {value} to list of strings")
+
+
+def to_list_float(value: Any) -> List[float]:
+    items = _to_list(value)
+    if all(_is_number(v) for v in items):
+        return [float(v) for v in items]
+    raise TypeError(f"Could not convert {value} to list of floats")
 
 
 def to_strategy(value: Any) -> str:
     """A registered torch strategy (see :mod:`sparktrain.strategies`)."""
-    from sparktrain.strategies import KERAS_STRATEGIES, TORCH_STRATEGIES
-
-    value = TypeConverters.toString(value)
+    TORCH_STRATEGIES, KERAS_STRATEGIES = load(_TORCH_STRATEGIES), load(_KERAS_STRATEGIES)
+    value = to_string(value)
     if value not in TORCH_STRATEGIES:
         hint = f" ({value!r} is a KerasEstimator strategy; TorchEstimator replicates the " \
                f"model with 'ddp' or shards parameters and optimizer state across ranks " \
@@ -56,22 +121,22 @@ def to_validation(value: Any) -> Any:
         return value
     if isinstance(value, bool):
         raise TypeError("validation must be a fraction in [0, 1) or a boolean column name, not a bool")
-    return TypeConverters.toFloat(value)
+    return to_float(value)
 
 
 def to_optional_bool(value: Any) -> Optional[bool]:
     """``None`` (the default decides) or a bool."""
-    return None if value is None else TypeConverters.toBoolean(value)
+    return None if value is None else to_bool(value)
 
 
 def to_optional_int(value: Any) -> Optional[int]:
     """``None`` (the default decides) or an int."""
-    return None if value is None else TypeConverters.toInt(value)
+    return None if value is None else to_int(value)
 
 
 def to_optional_float(value: Any) -> Optional[float]:
     """``None`` (the default decides) or a float."""
-    return None if value is None else TypeConverters.toFloat(value)
+    return None if value is None else to_float(value)
 
 
 def to_resource_profile(value: Any) -> Any:
@@ -142,7 +207,7 @@ def to_loss_weights(value: Any) -> List[float]:
         raise TypeError(f"loss_weights must be a list with one number per label column, e.g. "
                         f"[1.0, 0.5]; found the single number {value!r}")
     try:
-        weights = TypeConverters.toListFloat(value)
+        weights = to_list_float(value)
     except TypeError:
         raise TypeError(f"loss_weights must be a list with one number per label column, e.g. "
                         f"[1.0, 0.5]; found {value!r}") from None
@@ -195,9 +260,8 @@ def to_count(name: str) -> Any:
 
 def to_keras_strategy(value: Any) -> str:
     """A registered Keras strategy (see :mod:`sparktrain.strategies`)."""
-    from sparktrain.strategies import KERAS_STRATEGIES, TORCH_STRATEGIES
-
-    value = TypeConverters.toString(value)
+    TORCH_STRATEGIES, KERAS_STRATEGIES = load(_TORCH_STRATEGIES), load(_KERAS_STRATEGIES)
+    value = to_string(value)
     if value not in KERAS_STRATEGIES:
         hint = " (TorchEstimator's strategies; Keras trains data parallel with " \
                "'multi_worker_mirrored')" if value in TORCH_STRATEGIES else ""
@@ -208,7 +272,7 @@ def to_keras_strategy(value: Any) -> str:
 
 def to_num_ps(value: Any) -> int:
     """At least one parameter server."""
-    value = TypeConverters.toInt(value)
+    value = to_int(value)
     if value < 1:
         raise ValueError(f"num_ps must be at least 1 (parameter servers), found {value}")
     return value
