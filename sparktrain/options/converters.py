@@ -3,7 +3,8 @@
 
 Plain Python, no ``pyspark.ml``: the declarations that name them are read on the ranks too.
 The basic ones (:func:`to_int`, :func:`to_bool`, ...) accept what ``pyspark.ml.param.
-TypeConverters`` accepts, with the same messages.
+TypeConverters`` accepts, with the same messages, and any NumPy number (pyspark's refuse
+``float32`` and ``int32``).
 
 Example::
 
