@@ -443,7 +443,7 @@ def check_inference(env: Env) -> Dict[str, Any]:
 
     from sparktrain import TorchModel
     from sparktrain.data.columns import VECTOR, ColumnSpec
-    from sparktrain.estimators.base import _prediction_udf
+    from sparktrain.estimators.prediction import prediction_udf as _prediction_udf
 
     rows, width = env.sizes.infer_rows, 256
     net = mlp(width, 1024).eval()

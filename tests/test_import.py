@@ -28,7 +28,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "sparktrain"
 #: the modules that run inside barrier tasks and their child processes
 RANK_SIDE = ("sparktrain.loop", "sparktrain.strategies", "sparktrain.launch")
 ESTIMATOR_MODULES = {"sparktrain.estimators.torch", "sparktrain.estimators.torch_model",
-                     "sparktrain.estimators.keras",
+                     "sparktrain.estimators.keras", "sparktrain.estimators.model",
                      "sparktrain.estimators.base", "sparktrain.estimators.preflight"}
 
 

@@ -28,7 +28,8 @@ from pyspark.sql import SparkSession
 from sparktrain.options import horovod as horovod_params
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.materialize import MaterializedDataset
-from sparktrain.estimators.base import EstimatorBase, ModelBase
+from sparktrain.estimators.base import EstimatorBase
+from sparktrain.estimators.model import ModelBase
 from sparktrain.estimators.fit_run import FitRun
 from sparktrain.loop.keras_inputs import in_feature_order, keras_inputs
 from sparktrain.options.declarations import COMMON, KERAS

@@ -1,6 +1,6 @@
 """Prediction's shared steps: feature columns as Arrow hands them to a pandas UDF -> the numpy
 form training fed the model -> the model's outputs -> prediction columns. Used by ``transform``'s
-UDF (:mod:`sparktrain.estimators.base`) and the MLflow pyfunc (:mod:`sparktrain.mlflow.models`).
+UDF (:func:`prediction_udf`) and the MLflow pyfunc (:mod:`sparktrain.mlflow.models`).
 
 Example::
 
@@ -9,10 +9,12 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pandas as pd
-from pyspark.sql import Column
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 from sparktrain.data.batch import model_ready, values_to_numpy
 from sparktrain.data.materialize import stored_value
@@ -77,3 +79,74 @@ def output_series(outputs: Sequence[Any], scalar_out: Sequence[bool],
     return [pd.Series(o.reshape(rows).astype("float64")) if scalar
             else pd.Series(list(o.reshape(rows, -1).astype("float64")))
             for o, scalar in zip(outputs, scalar_out)]
+
+
+def _pass_batches(batches: Iterator[Any]) -> Iterator[Any]:
+    """``mapInArrow``'s identity: Arrow record batches through unchanged."""
+    yield from batches
+
+
+def with_profile(result: DataFrame, profile: Any) -> DataFrame:
+    """``result`` run in a stage with ``profile`` (stage-level scheduling), or as it is.
+
+    A DataFrame carries a ResourceProfile only through ``mapInPandas``/``mapInArrow(...,
+    profile=)`` (pyspark >= 4.0, SPARK-46812); the prediction UDF is a column expression, so an
+    identity ``mapInArrow`` on top takes the profile. There is no shuffle between the two, so
+    they share one stage, and Spark runs a stage with the profile of its RDDs (the DAGScheduler
+    merges a stage's profiles, core/.../DAGScheduler.scala ``mergeResourceProfilesForStage``):
+    the UDF's tasks get the profile's GPUs in ``TaskContext.resources()``. The cost is one more
+    Arrow round trip of the rows through Python.
+    """
+    if profile is None:
+        return result
+    import inspect
+
+    if "profile" not in inspect.signature(result.mapInArrow).parameters:
+        raise ValueError("resource_profile needs pyspark >= 4.0 (DataFrame.mapInArrow(..., "
+                         "profile=)); with older Spark set the GPUs for the whole session "
+                         "(spark.task.resource.gpu.amount) and leave resource_profile unset")
+    return result.mapInArrow(_pass_batches, result.schema, profile=profile)
+
+
+# Python-worker-wide cache of loaded predictors: deserialize a model once per worker process,
+# not once per task or batch (Python workers are reused across tasks by default).
+_PREDICTORS: Dict[str, Callable] = {}
+
+
+def prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
+                   types: Sequence[T.DataType], batch_size: int,
+                   transform_bytes: Optional[bytes] = None,
+                   feature_names: Optional[Sequence[str]] = None) -> Callable[..., Column]:
+    """The iterator ``pandas_udf`` predicting ``types`` from the ``specs`` columns with the
+    predictor ``factory()`` makes (once per Python worker and ``key``)."""
+    multi = len(types) > 1
+    return_type = (T.StructType([T.StructField(f"_{i}", t, False) for i, t in enumerate(types)])
+                   if multi else types[0])
+    scalar_out = [isinstance(t, T.DoubleType) for t in types]
+
+    def predict_batches(batches):  # type hints set below: they select the UDF's shape
+        import os
+        import pickle
+
+        # A Hugging Face tokenizer in the transformation: one thread per Python worker, the
+        # task slots being the parallelism (as in the decode workers); the user's value wins.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        transform = pickle.loads(transform_bytes) if transform_bytes is not None else None
+        predict = _PREDICTORS.get(key)
+        if predict is None:
+            if len(_PREDICTORS) >= 4:
+                _PREDICTORS.clear()
+            predict = _PREDICTORS[key] = factory()
+        for columns in batches:
+            columns = columns if isinstance(columns, tuple) else (columns,)
+            rows = len(columns[0])
+            outputs = predict_columns(predict, columns, specs, transform, batch_size, len(types),
+                                      feature_names)
+            series = output_series(outputs, scalar_out, rows)
+            yield pd.DataFrame({f"_{i}": s for i, s in enumerate(series)}) if multi else series[0]
+
+    # Spark picks the iterator pandas_udf flavour from these hints (SCALAR_ITER).
+    predict_batches.__annotations__ = {
+        "batches": Iterator[Tuple[pd.Series, ...]] if len(specs) > 1 else Iterator[pd.Series],
+        "return": Iterator[pd.DataFrame] if multi else Iterator[pd.Series]}
+    return F.pandas_udf(predict_batches, return_type)

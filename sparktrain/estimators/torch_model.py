@@ -17,7 +17,7 @@ import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sparktrain.data.store import Store
-from sparktrain.estimators.base import ModelBase
+from sparktrain.estimators.model import ModelBase
 from sparktrain.model_files import ModelFile
 from sparktrain.options.params import TorchModelParams
 from sparktrain.session.spark_api import master
