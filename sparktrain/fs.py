@@ -15,12 +15,18 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import tempfile
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 # Hadoop scheme -> fsspec protocol, where the two differ.
 _SPARK_TO_FSSPEC = {"s3a": "s3", "s3n": "s3", "wasbs": "abfs", "abfss": "abfs"}
 _FSSPEC_TO_SPARK = {"s3": "s3a"}
+
+#: the store when none is given (a local folder: suits local masters), and where launches
+#: keep their events when the caller names no folder
+DEFAULT_LOCAL_STORE = os.path.join(tempfile.gettempdir(), "sparktrain-store")
+DEFAULT_LAUNCH_DIR = posixpath.join(DEFAULT_LOCAL_STORE, "launches")
 
 
 def split_scheme(url: str) -> Tuple[str, str]:

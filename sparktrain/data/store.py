@@ -16,18 +16,15 @@ Horovod's ``Store.create(prefix_path, ...)`` keywords are understood too (see
 """
 from __future__ import annotations
 
-import os
 import posixpath
 import re
-import tempfile
 import warnings
 from typing import Any, Dict, Optional, Tuple, Union
 
 # the URL and filesystem helpers live in sparktrain.fs; these names stay importable from here
-from sparktrain.fs import filesystem, redact, split_scheme, to_fsspec_url, \
+from sparktrain.fs import DEFAULT_LOCAL_STORE, filesystem, redact, split_scheme, to_fsspec_url, \
     to_spark_url  # noqa: F401 - re-exported
 
-DEFAULT_LOCAL_STORE = os.path.join(tempfile.gettempdir(), "sparktrain-store")
 
 # Horovod 0.28.1's Store.create keywords (horovod/spark/common/store.py: AbstractFilesystemStore
 # and HDFSStore) -> what sparktrain does with them instead, for those it does not map.

@@ -45,9 +45,8 @@ import cloudpickle
 from pyspark import BarrierTaskContext
 from pyspark.sql import SparkSession
 
-from sparktrain.data.store import Store
 from sparktrain.errors import TrainingError  # noqa: F401 - raised here, importable from here
-from sparktrain.fs import filesystem
+from sparktrain.fs import DEFAULT_LAUNCH_DIR, filesystem
 from sparktrain.launch.events import EventWatcher, RankEvents
 from sparktrain.faults import user_error_source
 from sparktrain.session.spark_api import cancel_tag, conf_value, is_local_master, is_remote, job_tag, \
@@ -173,7 +172,7 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
     spark_limit = stage_attempts(spark)
     attempts = min(max_attempts or spark_limit, spark_limit)
     tag = tag or f"sparktrain-{uuid.uuid4().hex[:12]}"
-    launch_dir = f"{(workdir or Store.create(None).path('launches')).rstrip('/')}/{tag}"
+    launch_dir = f"{(workdir or DEFAULT_LAUNCH_DIR).rstrip('/')}/{tag}"
     gave_up = threading.Event()
     reported: set = set()  # attempts already logged: one line per failed attempt
 

@@ -50,7 +50,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from sparktrain.options.converters import BATCH_RULES  # the elastic_batch option's values
 from sparktrain.errors import TrainingError
-from sparktrain.fs import filesystem
+from sparktrain.fs import DEFAULT_LAUNCH_DIR, filesystem
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,6 @@ def run_elastic(spark: Any, plan: ElasticPlan, task: Callable[[Any], Any],
     ``max_attempts`` caps the failed generations (default 8); ``options``: the other keywords
     of ``run_barrier``.
     """
-    from sparktrain.data.store import Store
     from sparktrain.launch.barrier import run_barrier
     from sparktrain.session.spark_api import conf_value
 
@@ -266,7 +265,7 @@ def run_elastic(spark: Any, plan: ElasticPlan, task: Callable[[Any], Any],
     if not plan.elastic:
         return launch(plan.num_proc, task, max_attempts=max_attempts)
     plan = replace(plan, grow_after=float(conf_value(spark, GROW_CONF, None) or plan.grow_after))
-    root = f"{(workdir or Store.create(None).path('launches')).rstrip('/')}" \
+    root = f"{(workdir or DEFAULT_LAUNCH_DIR).rstrip('/')}" \
            f"/elastic-{uuid.uuid4().hex[:8]}"
     fs, local_root = filesystem(root, storage_options)
     fs.makedirs(local_root, exist_ok=True)
