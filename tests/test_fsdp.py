@@ -79,7 +79,7 @@ class RecordShards:
     def on_epoch_end(self, epoch, logs):
         from pyspark import BarrierTaskContext
 
-        from sparktrain.estimators.torch_sharding import local_parameter_count
+        from sparktrain.strategies.torch_blocks import local_parameter_count
 
         held, total = local_parameter_count(self.model)
         kinds = sorted({type(p).__name__ for p in self.model.parameters()})

@@ -28,10 +28,10 @@ holds Spark's and torch's threads, and a forked copy of a held lock deadlocks. A
 ``spawn``/``forkserver`` pool, each worker imports the parent's ``__main__`` module again (as
 ``__mp_main__``): a script's work belongs under ``if __name__ == "__main__":``.
 
-Failures: an exception in the function raises :class:`TransformationFailed` (with the worker's
-traceback) when its batch's turn comes; a worker that dies (OOM killer, segfault in a native
-decoder) raises :class:`DecodeWorkerError` as soon as the parent sees its process end. Either
-closes the pool. A consumer that stops early (closes the generator) only discards the batches
+Failures (:mod:`sparktrain.data.worker_errors`): an exception in the function raises
+:class:`TransformationFailed` (with the worker's traceback) when its batch's turn comes; a worker
+that dies (OOM killer, segfault in a native decoder) raises :class:`DecodeWorkerError` as soon as
+the parent sees its process end. Either closes the pool. A consumer that stops early (closes the generator) only discards the batches
 in flight: the pool stays usable for the next ``map``.
 
 Example::
@@ -53,7 +53,6 @@ import os
 import pickle
 import queue
 import secrets
-import signal
 import sys
 import threading
 import time
@@ -63,6 +62,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, NoRetur
 
 from sparktrain.data.decode_worker import HEADER, work
 from sparktrain.data.shm_blocks import SHM_PREFIX, discard_block, unpack
+from sparktrain.data.worker_errors import DecodeWorkerError, TransformationFailed, worker_ended
 from sparktrain.pickling import dumps_code
 
 Batch = Dict[str, Any]
@@ -70,42 +70,6 @@ Batch = Dict[str, Any]
 _RECENT = 8  # results whose sizes estimate the next ones (the largest of them is used)
 _POLL_SECONDS = 1.0  # longest wait between checks that every worker is still alive
 _STOP_SECONDS = 5.0  # how long close() lets idle workers exit before terminating them
-_CRASH_SIGNALS = {"SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE"}
-
-
-class DecodeWorkerError(RuntimeError):
-    """A decode worker process died (killed by a signal / OOM killer, segfault in a native
-    decoder), or could not place its result in shared memory.
-
-    Example::
-
-        try:
-            next(pool.map(batches))
-        except DecodeWorkerError as exc:
-            print(exc)   # decode worker 1 (pid 4242) of transformation_fn was killed by SIGKILL...
-    """
-
-
-class TransformationFailed(RuntimeError):
-    """``transformation_fn`` raised inside a worker; ``remote_traceback`` holds the worker's
-    formatted traceback and ``exc_type`` the exception's class name.
-
-    Example::
-
-        except TransformationFailed as exc:
-            exc.exc_type            # 'ValueError'
-            exc.remote_traceback    # 'Traceback (most recent call last): ...'
-    """
-
-    def __init__(self, message: str, remote_traceback: str = "", exc_type: str = "") -> None:
-        super().__init__(message)
-        self.remote_traceback = remote_traceback
-        self.exc_type = exc_type
-
-    def __reduce__(self) -> Any:
-        # keep the traceback (and attributes set later, such as fault marks) when Spark pickles
-        # the exception on its way from the executor to the driver
-        return type(self), (self.args[0], self.remote_traceback, self.exc_type), self.__dict__
 
 
 class DecodePool:
@@ -392,32 +356,8 @@ class DecodePool:
         proc.join(1.0)  # the pipe closes a moment before the exit status is there
         doing = [f"batch {number} of epoch {epoch}"
                  for _, (w, epoch, number) in sorted(self._owner.items()) if w == worker]
-        while_ = f" while {doing[0]} was assigned to it" if doing else " while idle"
-        code = proc.exitcode
-        if code is None:
-            how = "closed its connection"
-        elif code < 0:
-            how = f"was killed by {_signal_name(-code)}"
-        else:
-            how = f"exited with code {code}"
-        name = _signal_name(-code) if code is not None and code < 0 else ""
-        if code is not None and code >= 0:
-            hint = ("It ended by itself (os._exit or sys.exit outside the function, or it could "
-                    "not start); its traceback, if any, is in this process's stderr (the "
-                    "executor's log).")
-        elif name in _CRASH_SIGNALS:
-            hint = ("Likely cause: a crash in a native decoder (a corrupt image, a bug in a C "
-                    "extension the function calls); the worker's Python stack at the crash is "
-                    "in this process's stderr (the executor's log)"
-                    + ("; SIGBUS also when /dev/shm is full (Docker: --shm-size)."
-                       if name == "SIGBUS" else "."))
-        else:
-            hint = ("Likely causes: the kernel's OOM killer (the executor ran out of memory: "
-                    "lower the number of decode workers or the batch size, or give executors "
-                    "more memory), or a crash in a native decoder (a corrupt image, a bug in a "
-                    "C extension the function calls).")
-        self._fail(DecodeWorkerError(
-            f"decode worker {worker} (pid {proc.pid}) of {self.name} {how}{while_}. {hint}"))
+        self._fail(worker_ended(worker, proc.pid, self.name, proc.exitcode,
+                                doing[0] if doing else None))
 
     def _fail(self, error: BaseException) -> NoReturn:
         self._broken = error
@@ -492,10 +432,3 @@ def _start_method(method: Optional[str]) -> str:
     if method in (None, "fork"):  # fork copies the parent's held locks: never
         return "forkserver" if sys.platform.startswith("linux") else "spawn"
     return method
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"

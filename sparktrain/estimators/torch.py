@@ -23,7 +23,7 @@ import io
 import logging
 import uuid
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from pyspark import keyword_only
 
@@ -328,7 +328,8 @@ class TorchEstimator(EstimatorBase, TorchParams):
 
         from sparktrain.estimators import preflight
         from sparktrain.loop.torch_files import is_builder
-        from sparktrain.loop.torch_loop import _Batches, check_batch
+        from sparktrain.loop.torch_batch import Batches
+        from sparktrain.loop.torch_loop import check_batch
 
         spec = self._train_spec()
         model = self._module_for_checks()
@@ -348,7 +349,7 @@ class TorchEstimator(EstimatorBase, TorchParams):
             try:
                 transform = preflight.detached(self.getTransformationFn())
                 shaped = transform(dict(batch)) if transform is not None else batch
-                tensors = preflight.tensor_shapes(_Batches(spec, torch.device("cpu"))(shaped)[0])
+                tensors = preflight.tensor_shapes(Batches(spec, torch.device("cpu"))(shaped)[0])
             except Exception:  # noqa: BLE001 - the description is a courtesy
                 tensors = ""
             raise preflight.failure(

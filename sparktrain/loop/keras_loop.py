@@ -30,7 +30,9 @@ import shutil
 import sys
 import traceback
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from sparktrain.loop.epochs import EpochBoard, EpochDriver, StepReporter
 from sparktrain.loop.keras_batch import batch_tensors, forward_stats, per_row_loss, \
@@ -43,7 +45,10 @@ from sparktrain.model_files import ModelFile
 from sparktrain.launch.tf_protocol import ERROR_FILE, PAYLOAD_FILE, \
     RESULT_FILE, USER_ERROR_FILE, progress, read_spec
 from sparktrain.loop.spec import KerasTrainSpec
-from sparktrain.strategies.keras_strategy import RankLoop
+from sparktrain.strategies.keras_strategy import KerasStrategy, RankLoop
+
+if TYPE_CHECKING:
+    from sparktrain.data.reader import ShardReader
 
 _progress = progress
 
@@ -118,71 +123,81 @@ def _load(keras: Any, spec: KerasTrainSpec, payload: Dict[str, Any], custom: Dic
     return model, optimizer
 
 
-def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[str, Any]:
-    import numpy as np
-    import tensorflow as tf
-    import keras
+class _KerasEpochs:
+    """This process's part of the epoch protocol (:class:`sparktrain.loop.epochs.EpochTraining`)
+    and the fit around it: the model and optimizer loaded in the strategy's scope, the
+    strategy's steps over this rank's shards, the user's callbacks."""
 
-    from sparktrain.data.feed import BatchFeed
-    from sparktrain.data.reader import ShardReader, shard_readers, take_steps
+    def __init__(self, tf: Any, keras: Any, spec: KerasTrainSpec, payload: Dict[str, Any],
+                 workdir: str, custom: Dict[str, Any], strategy: KerasStrategy, distributed: Any,
+                 driver: EpochDriver) -> None:
+        from sparktrain.data.feed import BatchFeed
+        from sparktrain.data.reader import shard_readers
 
-    rank, world = spec.rank, spec.world_size
-    if spec.seed is not None:
-        keras.utils.set_random_seed(spec.seed)
-    custom = loading_objects(keras, payload["custom_objects"])
-    strategy = payload["strategy"](spec)
-    distributed = strategy.distribute(tf)
-    run_path = spec.run_path
-    driver = EpochDriver.for_spec(
-        spec, rank=rank, world_size=world, attempt=spec.attempt, log=_print, progress=_progress,
-        meta={"framework": "keras"},
-        board=lambda: _TensorBoard(tf, run_path, spec.storage_options))
-    model_bytes, optimizer_state = payload["model"], None
-    resumed = driver.resume_bytes()
-    if resumed is not None:
-        model_bytes, optimizer_state = _read_checkpoint(resumed)
-    model_path = os.path.join(workdir, "model.keras")
-    with open(model_path, "wb") as f:
-        f.write(model_bytes)
-    with distributed.scope(), user_code("loading the model and optimizer (custom_objects?)"):
-        model, optimizer = _load(keras, spec, payload, custom, model_path, optimizer_state)
-        strategy.prepare_optimizer(model, optimizer)
-        with user_code("the loss"):
-            loss_fn = per_row_loss(keras, payload["loss"])
-    with user_code("the metrics"):
-        metrics = resolve_metrics(keras, payload["metrics"], custom)
-    features, labels = spec.feature_cols, spec.label_cols
-    weight_col = spec.sample_weight_col
-    readers = shard_readers(spec, rank, world)
-    train_reader, val_reader = readers["train"], readers.get("val")
-    train_steps = strategy.steps_per_epoch(spec.train_steps or len(train_reader))
-    transform = payload.get("transformation_fn")
-    feed = BatchFeed.for_spec(spec, transform)
-    atexit.register(feed.close)  # this worker process ends with the fit, whichever way
-    n_stats = 2 + len(metrics) * len(labels)
+        self.tf, self.spec, self.workdir, self.strategy = tf, spec, workdir, strategy
+        self.driver, self.payload = driver, payload
+        self.model, self.optimizer, self.loss_fn = self._load_model(keras, custom, distributed)
+        with user_code("the metrics"):
+            self.metrics = resolve_metrics(keras, payload["metrics"], custom)
+        readers = shard_readers(spec, spec.rank, spec.world_size)
+        self.train_reader, self.val_reader = readers["train"], readers.get("val")
+        self.train_steps = strategy.steps_per_epoch(spec.train_steps or len(self.train_reader))
+        self.transform = payload.get("transformation_fn")
+        self.feed = BatchFeed.for_spec(spec, self.transform)
+        atexit.register(self.feed.close)  # this worker process ends with the fit, whichever way
+        strategy.compile(tf, self.forward, self.model, self.optimizer)
+        labels = spec.label_cols  # the metrics' names, per label when there are several
+        self.names = [n if len(labels) == 1 else f"{l}_{n}"
+                      for l in labels for n, _ in self.metrics]
+        self.loop = RankLoop(run_epoch=lambda step_fn, epoch, report, steps:
+                             self.run_epoch(step_fn, self.train_reader, epoch, report, steps),
+                             step_reporter=self.step_reporter)
+        self.reporter: Optional[StepReporter] = None  # the driver's, for the current epoch
+        self.callbacks = list(payload.get("callbacks") or [])
+        self.checkpoint_file = os.path.join(workdir, "checkpoint.keras")
+        self.best: Any = None  # checkpoint_callback's save_best_only: rank 0's BestModel
 
-    def forward(x: Any, y: Any, w: Any, training: bool) -> Tuple[Any, Any, List[Any]]:
-        return forward_stats(tf, model, loss_fn, metrics, x, y, w, training,
-                             spec.loss_weights, bool(spec.label_shapes), features)
+    def _load_model(self, keras: Any, custom: Dict[str, Any], distributed: Any
+                    ) -> Tuple[Any, Any, Any]:
+        """The model, optimizer and per-row loss, from the run's checkpoint when it has one."""
+        model_bytes, optimizer_state = self.payload["model"], None
+        resumed = self.driver.resume_bytes()
+        if resumed is not None:
+            model_bytes, optimizer_state = _read_checkpoint(resumed)
+        model_path = os.path.join(self.workdir, "model.keras")
+        with open(model_path, "wb") as f:
+            f.write(model_bytes)
+        with distributed.scope(), user_code("loading the model and optimizer (custom_objects?)"):
+            model, optimizer = _load(keras, self.spec, self.payload, custom, model_path,
+                                     optimizer_state)
+            self.strategy.prepare_optimizer(model, optimizer)
+            with user_code("the loss"):
+                loss_fn = per_row_loss(keras, self.payload["loss"])
+        return model, optimizer, loss_fn
 
-    strategy.compile(tf, forward, model, optimizer)
+    def forward(self, x: Any, y: Any, w: Any, training: bool) -> Tuple[Any, Any, List[Any]]:
+        """The per-row loss, the statistics and the outputs of one batch (the strategy's steps
+        call it in their ``tf.function``)."""
+        spec = self.spec
+        return forward_stats(self.tf, self.model, self.loss_fn, self.metrics, x, y, w, training,
+                             spec.loss_weights, bool(spec.label_shapes), spec.feature_cols)
 
-    def tensors(batch: Dict[str, np.ndarray]) -> Tuple[List[Any], List[Any], Any]:
-        return batch_tensors(tf, batch, features, labels, weight_col, spec.input_shapes,
-                             spec.label_shapes)
+    def tensors(self, batch: Dict[str, np.ndarray]) -> Tuple[List[Any], List[Any], Any]:
+        spec = self.spec
+        return batch_tensors(self.tf, batch, spec.feature_cols, spec.label_cols,
+                             spec.sample_weight_col, spec.input_shapes, spec.label_shapes)
 
-    names = [n if len(labels) == 1 else f"{l}_{n}" for l in labels for n, _ in metrics]
-
-    def epoch_logs(totals: Any) -> Dict[str, float]:
+    def epoch_logs(self, totals: Any) -> Dict[str, float]:
+        """Summed ``[rows, loss, metrics...]`` as per-row means."""
         totals = np.asarray(totals).astype(np.float64)
         rows = max(totals[0], 1.0)
-        return {"loss": totals[1] / rows, **{n: v / rows for n, v in zip(names, totals[2:])}}
+        return {"loss": totals[1] / rows,
+                **{n: v / rows for n, v in zip(self.names, totals[2:])}}
 
-    reporting: List[Optional[StepReporter]] = [None]  # the driver's, for the current epoch
-
-    def step_reporter(epoch: int, report: bool, total: Any = None) -> Callable[[int, Any], None]:
+    def step_reporter(self, epoch: int, report: bool, total: Any = None
+                      ) -> Callable[[int, Any], None]:
         """``on_step(i, values)``: step progress through the driver's reporter (throttled)."""
-        reporter = reporting[0] if report else None
+        reporter = self.reporter if report else None
 
         def on_step(i: int, values: Any) -> None:
             if reporter is not None and reporter.due(i):
@@ -190,109 +205,136 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
                 reporter.send(i, float(values[1] / max(values[0], 1)))
         return on_step
 
-    def run_epoch(step_fn: Callable, source: ShardReader, epoch: int, report: bool,
+    def run_epoch(self, step_fn: Callable, source: "ShardReader", epoch: int, report: bool,
                   steps: Any) -> Any:
-        local = tf.zeros([n_stats], tf.float32)
-        on_step = step_reporter(epoch, report, steps or len(source))
-        split = "train" if source is train_reader else "val"
-        for i, batch in enumerate(feed(take_steps(source, epoch, steps), split, epoch)):
-            x, y, w = tensors(batch)
+        """``step_fn`` over ``source``'s batches; the statistics summed over workers."""
+        from sparktrain.data.reader import take_steps
+
+        local = self.tf.zeros([2 + len(self.names)], self.tf.float32)
+        on_step = self.step_reporter(epoch, report, steps or len(source))
+        split = "train" if source is self.train_reader else "val"
+        for i, batch in enumerate(self.feed(take_steps(source, epoch, steps), split, epoch)):
+            x, y, w = self.tensors(batch)
             # the model's forward, the loss, the metrics and the gradient all-reduce in one
             # tf.function: a worker lost underneath surfaces as a TF status error (a fault)
             with user_code("the training step (the model, the loss or the metrics)"):
                 stats = step_fn(x, y, w)
             local += stats
             on_step(i, stats)
-        return np.asarray(strategy.sum_over_workers(local))
+        return np.asarray(self.strategy.sum_over_workers(local))
 
-    loop = RankLoop(run_epoch=lambda step_fn, epoch, report, steps:
-                    run_epoch(step_fn, train_reader, epoch, report, steps),
-                    step_reporter=step_reporter)
-    def sum_over_ranks(values: Any) -> List[float]:
-        return np.asarray(strategy.sum_over_workers(tf.constant(list(values)))).tolist()
+    def all_reduce_sum(self, values: Sequence[float]) -> List[float]:
+        return np.asarray(self.strategy.sum_over_workers(self.tf.constant(list(values)))).tolist()
 
-    driver.agree(sum_over_ranks)
-    driver.start(train_steps, strategy.describe())
-    callbacks = list(payload.get("callbacks") or [])
-    model.stop_training = False
-    for callback in callbacks:
-        with user_code(f"callback {type(callback).__name__}.on_train_begin"):
-            callback.set_model(model)
-            callback.on_train_begin({k: v[-1] for k, v in driver.history.items()})
-    checkpoint_file = os.path.join(workdir, "checkpoint.keras")
-    best = None  # checkpoint_callback with save_best_only: rank 0 keeps the best epoch's model
-    if rank == 0 and spec.best_model and run_path:
-        from sparktrain.loop.keras_checkpoint import BestModel
+    def train_begin(self) -> None:
+        """The callbacks' ``on_train_begin``; rank 0's best-model keeper."""
+        self.model.stop_training = False
+        for callback in self.callbacks:
+            with user_code(f"callback {type(callback).__name__}.on_train_begin"):
+                callback.set_model(self.model)
+                callback.on_train_begin({k: v[-1] for k, v in self.driver.history.items()})
+        spec = self.spec
+        if spec.rank == 0 and spec.best_model and spec.run_path:
+            from sparktrain.loop.keras_checkpoint import BestModel
 
-        best = BestModel(spec.best_model, run_path, spec.storage_options, driver.history)
+            self.best = BestModel(spec.best_model, spec.run_path, spec.storage_options,
+                                  self.driver.history)
 
-    class Epochs:
-        """This process's part of the epoch protocol (:class:`sparktrain.loop.epochs.EpochTraining`)."""
+    def train_epoch(self, epoch: int, reporter: Optional[StepReporter]) -> Dict[str, float]:
+        for callback in self.callbacks:
+            with user_code(f"callback {type(callback).__name__}.on_epoch_begin"):
+                callback.on_epoch_begin(epoch)
+        self.reporter = reporter
+        return self.epoch_logs(self.strategy.train_epoch(self.loop, epoch, reporter is not None))
 
-        all_reduce_sum = staticmethod(sum_over_ranks)
+    def evaluate(self, epoch: int) -> Dict[str, float]:
+        if self.val_reader is None:
+            return {}
+        totals = self.run_epoch(self.strategy.eval_step, self.val_reader, 0, False,
+                                self.spec.val_steps)
+        return {f"val_{k}": v for k, v in self.epoch_logs(totals).items()}
 
-        @staticmethod
-        def train_epoch(epoch: int, reporter: Optional[StepReporter]) -> Dict[str, float]:
-            for callback in callbacks:
-                with user_code(f"callback {type(callback).__name__}.on_epoch_begin"):
-                    callback.on_epoch_begin(epoch)
-            reporting[0] = reporter
-            return epoch_logs(strategy.train_epoch(loop, epoch, reporter is not None))
+    def epoch_end(self, epoch: int, logs: Dict[str, float]) -> bool:
+        for callback in self.callbacks:
+            with user_code(f"callback {type(callback).__name__}.on_epoch_end"):
+                callback.on_epoch_end(epoch, dict(logs))
+        return bool(getattr(self.model, "stop_training", False))
 
-        @staticmethod
-        def evaluate(epoch: int) -> Dict[str, float]:
-            if val_reader is None:
-                return {}
-            totals = run_epoch(strategy.eval_step, val_reader, 0, False, spec.val_steps)
-            return {f"val_{k}": v for k, v in epoch_logs(totals).items()}
+    def checkpoint(self, epoch: int, logs: Dict[str, float]) -> Optional[Tuple[bytes, Dict]]:
+        if self.spec.rank != 0:
+            return None
+        self.model.save(self.checkpoint_file)
+        if self.best is not None:  # before the checkpoint: a resumed run then finds it
+            self.best.epoch_end(epoch, logs, self.checkpoint_file)
+        return _checkpoint_bytes(self.checkpoint_file, self.optimizer), {}
 
-        @staticmethod
-        def epoch_end(epoch: int, logs: Dict[str, float]) -> bool:
-            for callback in callbacks:
-                with user_code(f"callback {type(callback).__name__}.on_epoch_end"):
-                    callback.on_epoch_end(epoch, dict(logs))
-            return bool(getattr(model, "stop_training", False))
+    def train_end(self) -> None:
+        """The callbacks' ``on_train_end``; the feed's workers stop."""
+        for callback in self.callbacks:
+            with user_code(f"callback {type(callback).__name__}.on_train_end"):
+                callback.on_train_end({k: v[-1] for k, v in self.driver.history.items()})
+        self.feed.close()
 
-        @staticmethod
-        def checkpoint(epoch: int, logs: Dict[str, float]) -> Optional[Tuple[bytes, Dict]]:
-            if rank != 0:
-                return None
-            model.save(checkpoint_file)
-            if best is not None:  # before the checkpoint: a resumed run then finds it
-                best.epoch_end(epoch, logs, checkpoint_file)
-            return _checkpoint_bytes(checkpoint_file, optimizer), {}
+    def output_shapes(self) -> List[List[int]]:
+        """The model's output shapes (without the batch), from one row of the training data."""
+        from sparktrain.data.feed import BatchFeed
 
-    stop_reason = driver.run(Epochs())
-    history = driver.history
-    for callback in callbacks:
-        with user_code(f"callback {type(callback).__name__}.on_train_end"):
-            callback.on_train_end({k: v[-1] for k, v in history.items()})
-    feed.close()
-    sample = next(iter(train_reader.epoch(0)))
-    first_row = {k: v[:1] for k, v in sample.items()}
-    sample = next(BatchFeed(transform, spec.model_columns())([first_row]))
-    x, _, _ = tensors(sample)
-    outputs = model(keras_inputs(model, features, x))
-    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-    if rank != 0:
+        sample = next(iter(self.train_reader.epoch(0)))
+        first_row = {k: v[:1] for k, v in sample.items()}
+        sample = next(BatchFeed(self.transform, self.spec.model_columns())([first_row]))
+        x, _, _ = self.tensors(sample)
+        outputs = self.model(keras_inputs(self.model, self.spec.feature_cols, x))
+        outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        return [list(o.shape[1:]) for o in outputs]
+
+    def fitted_model(self) -> ModelFile:
+        """Rank 0: the fitted model (the best epoch's under ``save_best_only``) in the store."""
+        trained = os.path.join(self.workdir, "trained.keras")
+        best = self.best
+        weights = best.model_bytes() if best is not None else None
+        if weights is not None:
+            print(f"the model of the best epoch by {best.monitor} ({best.best:.4g}) is the "
+                  f"fitted model (checkpoint_callback)", flush=True)
+            with open(trained, "wb") as f:
+                f.write(weights)
+            del weights
+        else:
+            self.model.save(trained)
+        # to the store, not through the task's result and the driver's heap
+        spec = self.spec
+        url = f"{spec.run_path}/model/model-{uuid.uuid4().hex[:12]}.keras"
+        with open(trained, "rb") as source, ModelFile.writing(url, spec.storage_options) as out:
+            shutil.copyfileobj(source, out, 16 << 20)
+        return ModelFile.of(url, spec.storage_options)
+
+
+def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[str, Any]:
+    """Train this process's part of the fit; rank 0 returns the fitted model (a file in the
+    store), the history, why training stopped and the output shapes, the others ``{}``."""
+    import tensorflow as tf
+    import keras
+
+    if spec.seed is not None:
+        keras.utils.set_random_seed(spec.seed)
+    custom = loading_objects(keras, payload["custom_objects"])
+    strategy = payload["strategy"](spec)
+    distributed = strategy.distribute(tf)
+    driver = EpochDriver.for_spec(
+        spec, rank=spec.rank, world_size=spec.world_size, attempt=spec.attempt, log=_print,
+        progress=_progress, meta={"framework": "keras"},
+        board=lambda: _TensorBoard(tf, spec.run_path, spec.storage_options))
+    epochs = _KerasEpochs(tf, keras, spec, payload, workdir, custom, strategy, distributed, driver)
+    driver.agree(epochs.all_reduce_sum)
+    driver.start(epochs.train_steps, strategy.describe())
+    epochs.train_begin()
+    stop_reason = driver.run(epochs)
+    epochs.train_end()
+    output_shapes = epochs.output_shapes()
+    if spec.rank != 0:
         return {}
-    trained = os.path.join(workdir, "trained.keras")
-    weights = best.model_bytes() if best is not None else None
-    if weights is not None:
-        print(f"the model of the best epoch by {best.monitor} ({best.best:.4g}) is the fitted "
-              f"model (checkpoint_callback)", flush=True)
-        with open(trained, "wb") as f:
-            f.write(weights)
-        del weights
-    else:
-        model.save(trained)
-    # to the store, not through the task's result and the driver's heap
-    url = f"{spec.run_path}/model/model-{uuid.uuid4().hex[:12]}.keras"
-    with open(trained, "rb") as source, ModelFile.writing(url, spec.storage_options) as out:
-        shutil.copyfileobj(source, out, 16 << 20)
-    return {"model": ModelFile.of(url, spec.storage_options), "history": history,
-            "stop_reason": stop_reason,
-            "attempts": driver.attempts, "output_shapes": [list(o.shape[1:]) for o in outputs]}
+    return {"model": epochs.fitted_model(), "history": driver.history,
+            "stop_reason": stop_reason, "attempts": driver.attempts,
+            "output_shapes": output_shapes}
 
 
 def main(workdir: str) -> int:

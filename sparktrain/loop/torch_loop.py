@@ -19,7 +19,6 @@ Conventions (shared with :class:`~sparktrain.estimators.torch.TorchModel`):
 from __future__ import annotations
 
 import contextlib
-import copy
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -32,6 +31,8 @@ import torch
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.reader import ShardReader, shard_readers, take_steps
 from sparktrain.loop.epochs import EpochBoard, EpochDriver, Logs, StepReporter
+from sparktrain.loop.torch_batch import Batches, LossComputer, as_outputs, match_label, \
+    select_device
 from sparktrain.loop.torch_checkpoint import checkpoint_bytes, restore
 from sparktrain.loop.torch_files import BuiltModule, dumps_without_weights, save_weights
 from sparktrain.loop.torch_forward import ForwardRule
@@ -41,129 +42,11 @@ from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.elastic import for_rank, scaling_ranks
 from sparktrain.faults import mark_user_error, user_code
-from sparktrain.launch.gpus import cuda_ordinal, rank_gpu
 from sparktrain.loop.spec import TorchTrainSpec
 from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
 from sparktrain.strategies.torch_blocks import blocks, checkpoint_activations
 from sparktrain.strategies.torch_strategy import StrategyConfig, TorchStrategy
 
-
-
-
-def select_device(ctx: RankContext, use_gpu: bool) -> torch.device:
-    """The first GPU Spark assigned to this task (by its ordinal, which stays right in a
-    reused Python worker where CUDA is already initialised), or the CPU."""
-    address = rank_gpu(ctx.resources, use_gpu)
-    if address is None:
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"Spark assigned GPU {address} to rank {ctx.rank}, but torch "
-                           f"{torch.__version__} cannot use CUDA here; install a CUDA build of "
-                           f"torch or pass use_gpu=False")
-    device = torch.device("cuda", cuda_ordinal(address, torch.cuda.device_count(),
-                                               f"torch {torch.__version__}"))
-    torch.cuda.set_device(device)
-    return device
-
-
-def match_label(output: torch.Tensor, label: torch.Tensor, reshape: bool = True) -> torch.Tensor:
-    """Bring ``label`` to the shape/dtype ``output``'s loss expects (see module docstring);
-    ``reshape=False`` (``label_shapes`` given) keeps the label's shape."""
-    if output.dim() >= 2 and output.shape[-1] > 1 and label.dim() == 1 \
-            and label.shape[0] == output.shape[0]:
-        return label.long()  # class indices for a (batch, classes) output
-    if reshape and label.numel() == output.numel() and label.shape != output.shape:
-        label = label.reshape(output.shape)
-    if output.is_floating_point() and not label.is_floating_point() \
-            and label.shape == output.shape:
-        label = label.to(output.dtype)
-    return label
-
-
-class _LossComputer:
-    """Total loss over outputs/labels, optionally weighted per row."""
-
-    def __init__(self, loss: Any, n_labels: int, weighted: bool,
-                 loss_weights: Optional[Sequence[float]] = None) -> None:
-        losses = list(loss) if isinstance(loss, (list, tuple)) else [loss] * n_labels
-        if len(losses) != n_labels:
-            raise ValueError(f"got {len(losses)} losses for {n_labels} label columns")
-        if weighted:
-            losses = [self._per_row(fn) for fn in losses]
-        self.losses, self.weighted = losses, weighted
-        self.loss_weights = list(loss_weights) if loss_weights else None  # Horovod's loss_weights
-
-    @staticmethod
-    def _per_row(fn: Any) -> Any:
-        if isinstance(fn, torch.nn.Module) and hasattr(fn, "reduction"):
-            fn = copy.copy(fn)
-            fn.reduction = "none"
-        return fn
-
-    def __call__(self, outputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
-                 weights: Optional[torch.Tensor]) -> torch.Tensor:
-        total = 0
-        for index, (fn, output, label) in enumerate(zip(self.losses, outputs, labels)):
-            value = fn(output, label)
-            if self.weighted:
-                if value.dim() == 0:
-                    raise ValueError("with sample_weight_col the loss must return one value per "
-                                     "row: use a torch.nn loss (its reduction is set to 'none') "
-                                     "or a function returning shape (batch,)")
-                per_row = value.reshape(value.shape[0], -1).mean(dim=1)
-                # Keras' convention, mean over rows of w * loss (not / sum(w)): each rank's
-                # gradient then adds up to the globally weighted one under DDP averaging.
-                value = (per_row * weights).mean()
-            if self.loss_weights is not None:
-                value = value * self.loss_weights[index]
-            total = total + value
-        return total
-
-
-class _Batches:
-    """Turns reader batches (numpy) into device tensors in the model's calling convention:
-    features reshaped to ``spec.input_shapes`` (Horovod's param) when given, else 2-D; labels
-    reshaped to ``spec.label_shapes`` when given."""
-
-    def __init__(self, spec: TorchTrainSpec, device: torch.device) -> None:
-        self.spec, self.device = spec, device
-
-    def __call__(self, batch: Dict[str, np.ndarray]):
-        def tensor(name: str) -> torch.Tensor:
-            return torch.from_numpy(batch[name]).to(self.device, non_blocking=True)
-
-        spec = self.spec
-        if spec.input_shapes:
-            features = [_reshaped("input_shapes", c, tensor(c), shape)
-                        for c, shape in zip(spec.feature_cols, spec.input_shapes)]
-        else:
-            features = [as_2d(tensor(c)) for c in spec.feature_cols]
-        labels = [tensor(c) for c in spec.label_cols]
-        if spec.label_shapes:
-            labels = [_reshaped("label_shapes", c, label, shape)
-                      for c, label, shape in zip(spec.label_cols, labels, spec.label_shapes)]
-        weights = tensor(self.spec.sample_weight_col) if self.spec.sample_weight_col else None
-        return features, labels, weights
-
-
-def _reshaped(param: str, column: str, t: torch.Tensor, shape: List[int]) -> torch.Tensor:
-    """``t.reshape(shape)``, or an error naming the param, the column and the sizes."""
-    try:
-        return t.reshape(shape)
-    except RuntimeError:
-        per_row = t[0].numel() if t.dim() and t.shape[0] else 0
-        raise ValueError(f"{param}: column {column!r} has {per_row} value(s) per row (a batch "
-                         f"of {tuple(t.shape)}), which do not fit the shape {list(shape)}; "
-                         f"change {param} or the column") from None
-
-
-def as_2d(t: torch.Tensor) -> torch.Tensor:
-    """Scalar feature columns as ``(batch, 1)``."""
-    return t if t.dim() > 1 else t.unsqueeze(1)
-
-
-def _as_outputs(result: Any) -> List[torch.Tensor]:
-    return list(result) if isinstance(result, (list, tuple)) else [result]
 
 
 @dataclass
@@ -185,13 +68,13 @@ class _Step:
         contract, see ``TorchEstimator``): forward, loss, backward and the optimizer's
         ``zero_grad``/``step`` at group boundaries are the function's."""
         def transform_outputs(outputs: Any, labels: List[torch.Tensor]) -> Tuple[List, List]:
-            outputs = _as_outputs(outputs)
+            outputs = as_outputs(outputs)
             return outputs, [match_label(o, l, not self.keep_label_shapes)
                              for o, l in zip(outputs, labels)]
 
         outputs, loss = self.minibatch_fn(model, self.optimizer, transform_outputs, compute_loss,
                                           features, labels, weights, self.passes, step)
-        return _as_outputs(outputs), loss
+        return as_outputs(outputs), loss
 
     def end_epoch(self) -> None:
         """With a ``train_minibatch_fn``, one more ``optimizer.step()`` after the epoch's last
@@ -227,7 +110,7 @@ class _Step:
 
 
 def _run_epoch(model: torch.nn.Module, forward: ForwardRule, batches: Iterator[Dict], steps: int,
-               to_tensors: _Batches, compute_loss: _LossComputer,
+               to_tensors: Batches, compute_loss: LossComputer,
                metrics: List[Tuple[str, Callable]], label_cols: List[str],
                step_rule: Optional[_Step] = None, autocast: Optional[torch.dtype] = None,
                reporter: Optional[StepReporter] = None
@@ -324,16 +207,34 @@ class _TorchEpochs:
 
     def __init__(self, spec: TorchTrainSpec, ctx: RankContext, dist: Any, device: torch.device,
                  strategy: TorchStrategy, model: torch.nn.Module, trained: torch.nn.Module,
-                 forward: ForwardRule, step_rule: _Step, compute_loss: _LossComputer,
-                 metrics: List[Tuple[str, Callable]], callbacks: List[Any], batches: Callable,
+                 forward: ForwardRule, step_rule: _Step, compute_loss: LossComputer,
+                 metrics: List[Tuple[str, Callable]], callbacks: List[Any], feed: BatchFeed,
                  readers: Dict[str, ShardReader], shapes: List) -> None:
         self.spec, self.ctx, self.dist, self.device = spec, ctx, dist, device
         self.strategy, self.model, self.trained, self.step_rule = strategy, model, trained, step_rule
         self.forward = forward
         self.compute_loss, self.metrics, self.callbacks = compute_loss, metrics, callbacks
-        self.batches, self.readers, self.shapes = batches, readers, shapes
-        self.to_tensors = _Batches(spec, device)
+        self.feed, self.readers, self.shapes = feed, readers, shapes
+        self.to_tensors = Batches(spec, device)
         self.autocast = _autocast_dtype(spec)
+
+    def batches(self, split: str, epoch: int, steps: Optional[int]) -> Iterator[Dict]:
+        """The epoch's batches of ``split`` (``steps`` of them when given), transformed."""
+        return self.feed(take_steps(self.readers[split], epoch, steps), split, epoch)
+
+    def train_begin(self, history: Dict[str, List[float]]) -> None:
+        """The callbacks' ``on_train_begin`` (a resumed run's history so far)."""
+        for callback in self.callbacks:
+            if hasattr(callback, "on_train_begin"):
+                with user_code(f"callback {type(callback).__name__}.on_train_begin"):
+                    callback.on_train_begin(self.model, {k: list(v) for k, v in history.items()})
+
+    def train_end(self) -> None:
+        """The callbacks' ``on_train_end``."""
+        for callback in self.callbacks:
+            if hasattr(callback, "on_train_end"):
+                with user_code(f"callback {type(callback).__name__}.on_train_end"):
+                    callback.on_train_end(self.model)
 
     def all_reduce_sum(self, values: Sequence[float]) -> List[float]:
         return _all_reduce(self.dist, self.device, values)
@@ -394,6 +295,46 @@ def _strategy(spec: TorchTrainSpec, dist: Any, device: torch.device,
     return cls(dist, device, config)
 
 
+@dataclass
+class _Payload:
+    """The training payload, unpickled (see the module docstring)."""
+
+    shipped: Any  # the model's ShippedModule (a BuiltModule when a callable builds it here)
+    model: torch.nn.Module
+    optimizer: Any
+    loss: Any
+    metrics: Any
+    callbacks: List[Any]
+    transform: Optional[Callable]
+    extras: Dict[str, Any]  # Horovod's loss_constructors, train_minibatch_fn, the strategy...
+
+    @classmethod
+    def loads(cls, blob: bytes, state: Any = None) -> "_Payload":
+        """``state``: what ``ShippedModule.load`` builds the model around (the driver's tensors,
+        ``"meta"``), else the shipped weights."""
+        shipped, loss, metrics, callbacks, transform, *more = cloudpickle.loads(blob)
+        # weights memory-mapped from the store's file (copied to this host once if remote)
+        model, optimizer = shipped.load(state)
+        return cls(shipped, model, optimizer, loss, metrics, list(callbacks or []), transform,
+                   more[0] if more else {})
+
+    def loss_and_forward(self, spec: TorchTrainSpec, optimizer: Any, device: torch.device,
+                         rank: int, world_size: int) -> Tuple[LossComputer, ForwardRule]:
+        """The loss computer and how the model is called; ``optimizer``: the one training (a
+        strategy's), which Horovod's ``loss_constructors`` receive."""
+        loss, n_labels = self.loss, len(spec.label_cols)
+        if self.extras.get("loss_constructors") is not None:
+            with user_code("loss_constructors"):
+                loss = build_losses(self.extras["loss_constructors"], n_labels, model=self.model,
+                                    optimizer=optimizer, device=device, rank=rank,
+                                    world_size=world_size)
+        compute_loss = LossComputer(loss, n_labels, bool(spec.sample_weight_col),
+                                    spec.loss_weights)
+        forward = ForwardRule.for_model(self.model, spec.feature_cols, n_labels, loss is not None,
+                                        spec.output_key)
+        return compute_loss, forward
+
+
 def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict[str, Any]]:
     """Train on this rank; rank 0 returns weights (``torch.save`` bytes), history, the model's
     output shapes and why training stopped, the other ranks ``None``.
@@ -402,26 +343,16 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     with the ``run_id`` of an earlier run); rank 0 writes a checkpoint after every epoch.
     """
     spec = for_rank(spec, ctx)  # an elastic generation's batch size
-    if spec.seed is not None:
-        torch.manual_seed(spec.seed)
-        np.random.seed(spec.seed)
-    torch.set_num_threads(max(1, ctx.cpus))
-    # Batches are zero-copy views of Arrow buffers read for this epoch only; nothing reads them
-    # again, so torch's warning about read-only arrays does not apply.
-    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    _prepare_process(spec, ctx)
     blob = payload.value if hasattr(payload, "value") else payload
     with user_code("unpickling the model, optimizer, loss, metrics and callbacks on the "
                    "executor (its Python needs the modules and versions they were made with)"):
-        shipped, loss, metrics, callbacks, transform, *more = cloudpickle.loads(blob)
-        # weights memory-mapped from the store's file (copied to this host once if remote)
-        model, optimizer = shipped.load()
+        shipped = _Payload.loads(blob)
     del blob
     # a model the rank built: its pickle (weights by key) for the fitted model, taken before
     # a strategy wraps it
-    architecture = dumps_without_weights(model, model) \
-        if ctx.rank == 0 and isinstance(shipped, BuiltModule) else None
-    extras: Dict[str, Any] = more[0] if more else {}  # Horovod's loss_constructors, minibatch fn
-    callbacks = list(callbacks or [])
+    architecture = dumps_without_weights(shipped.model, shipped.model) \
+        if ctx.rank == 0 and isinstance(shipped.shipped, BuiltModule) else None
     driver = EpochDriver.for_spec(
         spec, rank=ctx.rank, world_size=ctx.world_size, attempt=ctx.attempt, log=ctx.log,
         progress=ctx.progress, board=lambda: _TensorBoard(spec.run_path, spec.storage_options),
@@ -430,75 +361,84 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
 
     readers = shard_readers(spec, ctx.rank, ctx.world_size)
     train_steps = spec.train_steps or len(readers["train"])
-    feed = BatchFeed.for_spec(spec, transform)
-
-    def batches(split: str, epoch: int, steps: Optional[int]) -> Iterator[Dict]:
-        return feed(take_steps(readers[split], epoch, steps), split, epoch)
-
+    feed = BatchFeed.for_spec(spec, shipped.transform)
     dist = load_backend(TORCH_BACKENDS, spec.backend)(ctx, device)
-    trained = None
     try:
         driver.agree(lambda values: _all_reduce(dist, device, values))
-        resumed = driver.resume_bytes()
-        state = restore(resumed, model, optimizer) if resumed is not None else {}
-        if resumed is None and spec.scale_learning_rate:
-            factor = scaling_ranks(spec, ctx.world_size) * spec.backward_passes_per_step
-            for group in optimizer.param_groups:
-                group["lr"] = group["lr"] * factor
-        recompute = extras.get("activation_checkpointing")
-        if recompute:
-            wrap = extras.get("fsdp_wrap")
-            checkpoint_activations(blocks(model, wrap if recompute is True else recompute))
-        # resumed or shipped weights come from one file, the same on every rank
-        strategy = _strategy(spec, dist, device, extras,
-                             built_on_rank=resumed is None and isinstance(shipped, BuiltModule))
-        trained, optimizer = strategy.setup(model, optimizer)
-        scaler = strategy.grad_scaler() if _autocast_dtype(spec) == torch.float16 else None
-        schedule = Schedule.build(extras.get("lr_scheduler"), optimizer, spec.lr_scheduler_interval)
-        if schedule is not None and state.get("scheduler") is not None:
-            schedule.restore(state["scheduler"])
-        step_rule = _Step(optimizer, strategy, spec.backward_passes_per_step, scaler,
-                          minibatch_fn=extras.get("train_minibatch_fn"),
-                          keep_label_shapes=bool(spec.label_shapes), schedule=schedule)
-        if extras.get("loss_constructors") is not None:
-            with user_code("loss_constructors"):
-                loss = build_losses(extras["loss_constructors"], len(spec.label_cols),
-                                    model=model, optimizer=optimizer, device=device,
-                                    rank=ctx.rank, world_size=ctx.world_size)
-        compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col),
-                                     spec.loss_weights)
-        forward = ForwardRule.for_model(model, spec.feature_cols, len(spec.label_cols),
-                                        loss is not None, spec.output_key)
-        epochs = _TorchEpochs(spec, ctx, dist, device, strategy, model, trained, forward,
-                              step_rule, compute_loss, named_metrics(metrics), callbacks, batches, readers,
+        strategy, trained, step_rule = _set_up(spec, ctx, shipped, driver, dist, device)
+        compute_loss, forward = shipped.loss_and_forward(spec, step_rule.optimizer, device,
+                                                         ctx.rank, ctx.world_size)
+        epochs = _TorchEpochs(spec, ctx, dist, device, strategy, shipped.model, trained, forward,
+                              step_rule, compute_loss, named_metrics(shipped.metrics),
+                              shipped.callbacks, feed, readers,
                               driver.meta.get("output_shapes", []))
         driver.start(train_steps, f"{ctx.world_size} rank(s), backend {spec.backend!r}, "
                                   f"strategy {spec.strategy!r}, this rank on "
                                   f"{ctx.hosts[ctx.rank]} {device}: {train_steps} steps/epoch "
                                   f"of {spec.batch_size} rows per rank")
-        for callback in callbacks:
-            if hasattr(callback, "on_train_begin"):
-                with user_code(f"callback {type(callback).__name__}.on_train_begin"):
-                    callback.on_train_begin(model, {k: list(v) for k, v in driver.history.items()})
-        stop_reason = driver.run(epochs)
-        for callback in callbacks:
-            if hasattr(callback, "on_train_end"):
-                with user_code(f"callback {type(callback).__name__}.on_train_end"):
-                    callback.on_train_end(model)
-        weights, _ = strategy.full_state(model)
-        if ctx.rank != 0:
-            return None
-        # to the store, not through Spark's task result and the driver's heap
-        url = f"{spec.run_path}/model/weights-{uuid.uuid4().hex[:12]}.pt"
-        result = {"architecture": architecture} if architecture is not None else {}
-        return {**result, "weights_file": save_weights(weights, url, spec.storage_options),
-                "history": driver.history,
-                "output_shapes": epochs.shapes, "stop_reason": stop_reason,
-                "attempts": driver.attempts}
+        return _fit(spec, driver, epochs, architecture)
     finally:
         trained = epochs = None  # a DDP reducer holds the process group: release it first
         feed.close()
         dist.close()
+
+
+def _prepare_process(spec: TorchTrainSpec, ctx: RankContext) -> None:
+    """Seed the RNGs, size torch's thread pool to the task's CPUs."""
+    if spec.seed is not None:
+        torch.manual_seed(spec.seed)
+        np.random.seed(spec.seed)
+    torch.set_num_threads(max(1, ctx.cpus))
+    # Batches are zero-copy views of Arrow buffers read for this epoch only; nothing reads them
+    # again, so torch's warning about read-only arrays does not apply.
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+def _set_up(spec: TorchTrainSpec, ctx: RankContext, shipped: _Payload, driver: EpochDriver,
+            dist: Any, device: torch.device) -> Tuple[TorchStrategy, torch.nn.Module, _Step]:
+    """The model and optimizer resumed from the run's checkpoint (or with the learning rate
+    scaled) and set up by the strategy: the strategy, the module training and the step rule."""
+    model, optimizer, extras = shipped.model, shipped.optimizer, shipped.extras
+    resumed = driver.resume_bytes()
+    state = restore(resumed, model, optimizer) if resumed is not None else {}
+    if resumed is None and spec.scale_learning_rate:
+        factor = scaling_ranks(spec, ctx.world_size) * spec.backward_passes_per_step
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+    recompute = extras.get("activation_checkpointing")
+    if recompute:
+        wrap = extras.get("fsdp_wrap")
+        checkpoint_activations(blocks(model, wrap if recompute is True else recompute))
+    # resumed or shipped weights come from one file, the same on every rank
+    strategy = _strategy(spec, dist, device, extras, built_on_rank=resumed is None
+                         and isinstance(shipped.shipped, BuiltModule))
+    trained, optimizer = strategy.setup(model, optimizer)
+    scaler = strategy.grad_scaler() if _autocast_dtype(spec) == torch.float16 else None
+    schedule = Schedule.build(extras.get("lr_scheduler"), optimizer, spec.lr_scheduler_interval)
+    if schedule is not None and state.get("scheduler") is not None:
+        schedule.restore(state["scheduler"])
+    step_rule = _Step(optimizer, strategy, spec.backward_passes_per_step, scaler,
+                      minibatch_fn=extras.get("train_minibatch_fn"),
+                      keep_label_shapes=bool(spec.label_shapes), schedule=schedule)
+    return strategy, trained, step_rule
+
+
+def _fit(spec: TorchTrainSpec, driver: EpochDriver, epochs: _TorchEpochs,
+         architecture: Optional[bytes]) -> Optional[Dict[str, Any]]:
+    """Run the epochs between the callbacks' ``on_train_begin`` and ``on_train_end``; rank 0
+    writes the fitted weights to the store and returns :func:`train`'s result."""
+    epochs.train_begin(driver.history)
+    stop_reason = driver.run(epochs)
+    epochs.train_end()
+    weights, _ = epochs.strategy.full_state(epochs.model)
+    if epochs.ctx.rank != 0:
+        return None
+    # to the store, not through Spark's task result and the driver's heap
+    url = f"{spec.run_path}/model/weights-{uuid.uuid4().hex[:12]}.pt"
+    result = {"architecture": architecture} if architecture is not None else {}
+    return {**result, "weights_file": save_weights(weights, url, spec.storage_options),
+            "history": driver.history, "output_shapes": epochs.shapes,
+            "stop_reason": stop_reason, "attempts": driver.attempts}
 
 
 def _all_reduce(dist: Any, device: torch.device, values: Sequence[float]) -> List[float]:
@@ -516,23 +456,15 @@ def check_batch(spec: TorchTrainSpec, blob: bytes, batch: Dict[str, np.ndarray],
 
     Raises what training would raise; ``PreflightError`` is built from it by the caller.
     """
-    shipped, loss, metrics, _, transform, *more = cloudpickle.loads(blob)
-    model, optimizer = shipped.load(state)
+    shipped = _Payload.loads(blob, state)
+    model, metrics = shipped.model, shipped.metrics
     on_meta = any(p.is_meta for p in model.parameters())
     device = torch.device("meta" if on_meta else "cpu")
     if on_meta:
         metrics = []  # metrics may read values (.item(), numpy), which meta tensors do not have
-    extras: Dict[str, Any] = more[0] if more else {}
-    if extras.get("loss_constructors") is not None:
-        with user_code("loss_constructors"):
-            loss = build_losses(extras["loss_constructors"], len(spec.label_cols), model=model,
-                                optimizer=optimizer, device=device, rank=0, world_size=1)
-    compute_loss = _LossComputer(loss, len(spec.label_cols), bool(spec.sample_weight_col),
-                                 spec.loss_weights)
-    batches = BatchFeed(transform, spec.model_columns())([batch])
-    forward = ForwardRule.for_model(model, spec.feature_cols, len(spec.label_cols),
-                                    loss is not None, spec.output_key)
-    _run_epoch(model, forward, batches, 1, _Batches(spec, device), compute_loss,
+    compute_loss, forward = shipped.loss_and_forward(spec, shipped.optimizer, device, 0, 1)
+    batches = BatchFeed(shipped.transform, spec.model_columns())([batch])
+    _run_epoch(model, forward, batches, 1, Batches(spec, device), compute_loss,
                named_metrics(metrics),
                spec.label_cols, autocast=_autocast_dtype(spec) if spec.mixed_precision == "bf16"
                else None)
