@@ -32,13 +32,12 @@ import os
 import re
 import statistics
 import sys
-import tempfile
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from common import (add_common_args, cached, figure, guarded, hang_extras, load_meta, load_note,
-                    make_frame, new_parser, parse_common, progress, quiet_warnings, remove_tmp,
-                    report, spark_conf, sparktrain_logs, versions)
+from common import (add_common_args, add_frame_args, arg_meta, cached, figure, guarded,
+                    hang_extras, load_meta, load_note, local_session, make_frame, new_parser,
+                    parse_common, progress, quiet_warnings, report, sparktrain_logs, versions)
 
 FIGURES = ("throughput", "overhead")
 # Backends measured (TorchEstimator's torch/horovod, KerasEstimator's tensorflow/tfos); "torch"
@@ -485,8 +484,7 @@ def bench_overhead(spark, tmp: str, args, state: Dict[str, Any]) -> Dict[str, An
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = new_parser(__doc__)
     parser.add_argument("--rows", type=int, default=200_000, help="rows of the throughput frame")
-    parser.add_argument("--features", type=int, default=32, help="floats per row")
-    parser.add_argument("--partitions", type=int, default=2, help="partitions of the frame")
+    add_frame_args(parser, "partitions of the frame")
     parser.add_argument("--batch-size", type=int, default=256,
                         help="rows per rank per step in the throughput figure")
     parser.add_argument("--epochs", type=int, default=3,
@@ -533,37 +531,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     quiet_warnings()
 
-    from sparktrain import local_spark
-
     rank_log = RankLog()
     state: Dict[str, Any] = {"hangs": [], "rank_log": rank_log}
     results: List[Dict[str, Any]] = []
     # sparktrain's INFO lines ("fit done in ...") to stderr; rank lines captured, not printed
-    with sparktrain_logs(rank_log):
-        tmp = tempfile.mkdtemp(prefix="sparktrain-bench-")
-        progress(f"temp dir {tmp}; starting Spark {args.master}")
-        spark = local_spark(args.master, "sparktrain-bench-backends", conf=spark_conf(tmp))
+    with sparktrain_logs(rank_log), \
+            local_session(args, "sparktrain-bench-backends", "sparktrain-bench-") as (spark, tmp):
         load_before = os.getloadavg()
-        try:
-            with contextlib.redirect_stdout(sys.stderr):  # stdout: the table and JSON lines
-                run_figures(spark, tmp, args, state, results)
-        finally:
-            spark.stop()
-            remove_tmp(tmp, args.keep_tmp)
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is for the table and JSON lines
+            run_figures(spark, tmp, args, state, results)
 
-    def meta() -> Dict[str, Any]:
-        import horovod
-
-        return {"rows": args.rows, "features": args.features, "partitions": args.partitions,
-                "batch_size": args.batch_size, "epochs": args.epochs,
-                "step_batch": args.step_batch, "repeats": args.repeats, "master": args.master,
-                "skipped": sorted(args.skip), **load_meta(load_before),
-                "horovod": horovod.__version__, **versions()}
-
-    report(results, args.json_out, meta,
-           f"sparktrain backends benchmark: {args.rows:,} rows x {args.features} features, "
-           f"{args.epochs} epochs, batch {args.batch_size}/rank, {args.master}, "
-           f"{load_note(load_before)}")
+    title = (f"sparktrain backends benchmark: {args.rows:,} rows x {args.features} features, "
+             f"{args.epochs} epochs, batch {args.batch_size}/rank, {args.master}, "
+             f"{load_note(load_before)}")
+    names = ("rows", "features", "partitions", "batch_size", "epochs", "step_batch", "repeats",
+             "master")
+    report(results, args.json_out, lambda: {
+        **arg_meta(args, *names), "skipped": sorted(args.skip), **load_meta(load_before),
+        **versions("horovod")}, title)
     return 0
 
 

@@ -29,8 +29,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_common_args, bench_session, figure, parse_common, print_json_lines, \
-    print_table, progress, remove_tmp, versions, write_results  # noqa: E402
+from common import add_common_args, bench_session, figure, parse_common, progress, \
+    remove_tmp, report, versions  # noqa: E402
 
 FIGURES = ["transform", "memory", "closures"]
 
@@ -261,9 +261,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         udf_bytes, 2 ** 20, "1 MiB", udf_bytes / 2 ** 20, 1.0, "<=",
         {"fit payload (read by each rank; the weights are a file beside it)":
          {"value": f"{payload_bytes:,} bytes"}}))
-    print_table(results)
-    print_json_lines(results)
-    write_results(args.json_out, meta, results)
+    report(results, args.json_out, lambda: meta)
     remove_tmp(tmp, args.keep_tmp)
 
 

@@ -34,13 +34,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 import warnings
 from typing import Any, Dict, List, Optional
 
-from common import (add_common_args, figure, guarded, hang_extras, load_meta, load_note,
-                    new_parser, parse_common, progress, remove_tmp, report, spark_conf, versions)
+from common import (add_common_args, arg_meta, figure, guarded, hang_extras, load_meta, load_note,
+                    local_session, new_parser, parse_common, progress, report, versions)
 
 FIGURES: List[str] = []  # the two figures always run; --skip has nothing to skip
 MIB = 2 ** 20
@@ -326,21 +325,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_common(parser, argv, FIGURES)
     warnings.filterwarnings("ignore", category=FutureWarning)
 
-    from sparktrain import local_spark
-
-    tmp = tempfile.mkdtemp(prefix="sparktrain-bench-fsdp-")
-    probe_dir, store = os.path.join(tmp, "probe"), os.path.join(tmp, "store")
-    progress(f"temp dir {tmp}; starting Spark {args.master}")
-    spark = local_spark(args.master, "sparktrain-bench-fsdp", conf={
-        **spark_conf(tmp),
-        # every fit's ranks in fresh Python workers: a reused one would carry the previous
-        # fit's RSS high-water mark and whatever its allocator kept
-        "spark.python.worker.reuse": "false"})
     hangs: List[Dict[str, Any]] = []
     runs: Dict[str, Dict[str, Any]] = {}
-    load_before = os.getloadavg()
-    start = time.perf_counter()
-    try:
+    # every fit's ranks in fresh Python workers: a reused one would carry the previous fit's RSS
+    # high-water mark and whatever its allocator kept
+    with local_session(args, "sparktrain-bench-fsdp", "sparktrain-bench-fsdp-",
+                       {"spark.python.worker.reuse": "false"}) as (spark, tmp):
+        probe_dir, store = os.path.join(tmp, "probe"), os.path.join(tmp, "store")
+        load_before = os.getloadavg()
+        start = time.perf_counter()
         df = make_data(spark, args.rows, args.features, args.classes, args.seed)
         progress(f"data: {df.count()} rows x {args.features} floats, {args.classes} classes")
         plan = [("ddp", "ddp", {}), ("fsdp", "fsdp", {})]
@@ -352,9 +345,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         for tag, strategy, extra in plan:
             runs[tag] = run_fit(spark, args, df, store, probe_dir, tag, strategy, hangs, **extra)
         df.unpersist()
-    finally:
-        spark.stop()
-        remove_tmp(tmp, args.keep_tmp)
     total = time.perf_counter() - start
 
     ddp, fsdp = summary(runs["ddp"]), summary(runs["fsdp"])
@@ -398,9 +388,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                f"{' -> '.join(f'{v:.4f}' for v in run['loss'])})", ""] + markdown_table(run) + [""]
     md += ["## ratios", ""] + ratio_lines(runs) + ["", RSS_NOTE, ""]
     report(results, args.json_out, lambda: {
-        "rows": args.rows, "features": args.features, "hidden": args.hidden,
-        "layers": args.layers, "classes": args.classes, "params": params,
-        "batch_size": args.batch_size, "epochs": args.epochs, "master": args.master,
+        **arg_meta(args, "rows", "features", "hidden", "layers", "classes"), "params": params,
+        **arg_meta(args, "batch_size", "epochs", "master"),
         "activation_checkpointing_run": args.activation_checkpointing, "bench_seconds": total,
         "rss_note": RSS_NOTE, **load_meta(load_before), **versions()}, "\n".join(md))
     if args.json_out:

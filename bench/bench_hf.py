@@ -36,7 +36,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
@@ -44,9 +43,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from bench_backends import RankLog
-from common import (add_common_args, cached, figure, guarded, hang_extras, load_meta, load_note,
-                    new_parser, parse_common, progress, remove_tmp, report, spark_conf,
-                    sparktrain_logs, timed, versions)
+from common import (add_common_args, arg_meta, cached, figure, guarded, hang_extras, load_meta,
+                    load_note, local_session, new_parser, parse_common, progress, report,
+                    sparktrain_logs, versions)
 
 FIGURES = ("sparktrain", "trainer", "reference")
 CONTENDERS = FIGURES
@@ -794,38 +793,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     logging.getLogger("datasets").setLevel(logging.ERROR)
 
-    from sparktrain import local_spark
-
     # sparktrain's INFO lines to stderr; rank lines captured (epoch timing), not printed
     args.fit_log, args.rank_log = _FitLog(), RankLog()
-    with sparktrain_logs(args.rank_log, args.fit_log):
-        tmp = tempfile.mkdtemp(prefix="sparktrain-bench-hf-")
-        progress(f"temp dir {tmp}; starting Spark {args.master}")
-        spark = local_spark(args.master, "sparktrain-bench-hf", conf=spark_conf(tmp))
+    with sparktrain_logs(args.rank_log, args.fit_log), \
+            local_session(args, "sparktrain-bench-hf", "sparktrain-bench-hf-") as (spark, tmp):
         load_before = os.getloadavg()
-        try:
-            results, run_meta = main_run(args, spark, tmp)
-        finally:
-            spark.stop()
-            remove_tmp(tmp, args.keep_tmp)
+        results, run_meta = main_run(args, spark, tmp)
 
-    def meta() -> Dict[str, Any]:
-        import datasets
-        import tokenizers
-        import transformers
-
-        return {**run_meta, "rows": args.rows, "test_rows": args.test_rows,
-                "epochs": args.epochs, "batch_size": args.batch_size,
-                "max_length": args.max_length, "lr": args.lr, "warmup_ratio": args.warmup_ratio,
-                "repeats": args.repeats, "master": args.master, "skipped": sorted(args.skip),
-                "quick": args.quick, "reader_pool": args.reader_pool, **load_meta(load_before),
-                "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
-                "datasets": datasets.__version__, **versions()}
-
-    report(results, args.json_out, meta,
-           f"sparktrain Hugging Face benchmark: {args.rows:,} + {args.test_rows:,} rows, "
-           f"{args.epochs} epoch(s), batch {args.batch_size}/rank, sparktrain reader pool "
-           f"{args.reader_pool!r}, {args.master}, {load_note(load_before)}")
+    title = (f"sparktrain Hugging Face benchmark: {args.rows:,} + {args.test_rows:,} rows, "
+             f"{args.epochs} epoch(s), batch {args.batch_size}/rank, sparktrain reader pool "
+             f"{args.reader_pool!r}, {args.master}, {load_note(load_before)}")
+    report(results, args.json_out, lambda: {
+        **run_meta, **arg_meta(args, "rows", "test_rows", "epochs", "batch_size", "max_length",
+                               "lr", "warmup_ratio", "repeats", "master"),
+        "skipped": sorted(args.skip), **arg_meta(args, "quick", "reader_pool"),
+        **load_meta(load_before), **versions("transformers", "tokenizers", "datasets")}, title)
     return 0
 
 

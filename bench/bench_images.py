@@ -37,14 +37,12 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import logging
 import os
 import pickle
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -55,8 +53,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import numpy as np
 from PIL import Image
 
-from common import (add_common_args, figure, guarded, hang_extras, parse_common,
-                    print_json_lines, print_table, progress, timed, versions, write_results)
+from common import (add_common_args, arg_meta, child_entry, figure, guarded, hang_extras,
+                    load_meta, load_note, new_parser, parse_common, progress, quiet_warnings,
+                    remove_tmp, report, run_child, spark_conf, timed, versions)
 
 FIGURES = ("workers", "dataloader", "petastorm", "rss", "e2e")
 SIDE, CROP, CLASSES, QUALITY = 96, 88, 10, 90
@@ -764,19 +763,13 @@ def rss_child(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def bench_rss(args, ds, tmp: str, state: Dict[str, Any]) -> Dict[str, Any]:
-    here = os.path.abspath(__file__)
     spec = {"root": ds.root, "layout": ds.files["train"],
             "columns": [c.to_json() for c in ds.columns], "batch": args.batch_size,
             "workers": 2, "epochs": RSS_EPOCHS, "seed": args.seed,
             "world_size": args.rss_world_size, "interval": 0.05}
     runs = []
     for i in range(args.repeats):
-        done = subprocess.run([sys.executable, here, "--child", json.dumps(spec)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=os.path.dirname(here), timeout=args.fit_timeout * 4)
-        if done.returncode != 0:
-            raise RuntimeError(f"rss child failed:\n{done.stderr[-3000:]}")
-        run = json.loads(done.stdout.strip().splitlines()[-1])
+        run = run_child(os.path.abspath(__file__), spec, args.fit_timeout * 4, "rss child")
         runs.append(run)
         peaks = [e["peak_mib"] for e in run["epochs"]]
         progress(f"rss: run {i + 1}/{args.repeats}: tree peak per epoch "
@@ -942,8 +935,7 @@ def bench_e2e(args, spark, df, tmp: str, state: Dict[str, Any]) -> Dict[str, Any
 
 # -- main -------------------------------------------------------------------------------------------
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--images", type=int, default=20000, help="JPEG files generated")
     parser.add_argument("--e2e-images", type=int, default=None,
                         help="images the e2e fits train on (the first N; default: all)")
@@ -968,9 +960,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # also in the processes started from here (Petastorm's workers, TorchDistributor's ranks):
     # Petastorm on pyarrow 14 warns about every deprecated pyarrow call it makes
     os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
-    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    quiet_warnings()
 
     tmp = tempfile.mkdtemp(prefix="sparktrain-bench-images-")
     progress(f"temp dir {tmp}")
@@ -993,9 +983,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         progress(f"starting Spark {args.master}")
         spark = local_spark(args.master, "sparktrain-bench-images", conf={
-            "spark.driver.memory": "2g", "spark.ui.enabled": "false",
-            "spark.sql.shuffle.partitions": "2",
-            "spark.local.dir": os.path.join(tmp, "spark-local")})
+            **spark_conf(tmp, "2g"), "spark.sql.shuffle.partitions": "2"})
         df = image_frame(spark, folders, args.partitions)
         e2e_df = image_frame(spark, folders[:1], args.partitions) \
             if args.e2e_images < args.images else df
@@ -1035,33 +1023,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         if spark is not None:
             spark.stop()
-        if args.keep_tmp:
-            progress(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        remove_tmp(tmp, args.keep_tmp)
 
     order = {name: i for i, name in enumerate(FIGURES)}
     results.sort(key=lambda r: order[r["figure"]])
-    print()
-    print(f"sparktrain image benchmark: {args.images:,} JPEGs {SIDE}x{SIDE} (mean "
-          f"{state['jpeg_bytes_mean'] / 1024:.1f} KiB) -> uint8 3x{CROP}x{CROP}, batch "
-          f"{args.batch_size}, {args.master}, {os.cpu_count()} CPUs, load avg "
-          f"{load_before[0]:.2f} -> {os.getloadavg()[0]:.2f}")
-    print_table(results)
-    print_json_lines(results)
-    if args.json_out:
-        meta = {"images": args.images, "e2e_images": args.e2e_images,
-                "batch_size": args.batch_size, "partitions": args.partitions,
-                "rss_world_size": args.rss_world_size, "repeats": args.repeats,
-                "master": args.master, "skipped": sorted(args.skip),
-                "jpeg_bytes_mean": state["jpeg_bytes_mean"], "load_avg_before": load_before,
-                "load_avg_after": os.getloadavg(), **versions()}
-        write_results(args.json_out, meta, results)
+    names = ("images", "e2e_images", "batch_size", "partitions", "rss_world_size", "repeats",
+             "master")
+    title = (f"sparktrain image benchmark: {args.images:,} JPEGs {SIDE}x{SIDE} (mean "
+             f"{state['jpeg_bytes_mean'] / 1024:.1f} KiB) -> uint8 3x{CROP}x{CROP}, batch "
+             f"{args.batch_size}, {args.master}, {load_note(load_before)}")
+    report(results, args.json_out, lambda: {
+        **arg_meta(args, *names), "skipped": sorted(args.skip),
+        "jpeg_bytes_mean": state["jpeg_bytes_mean"], **load_meta(load_before), **versions()},
+        title)
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(json.dumps(rss_child(json.loads(sys.argv[2]))))
-        sys.exit(0)
+    child_entry(rss_child)
     sys.exit(main())

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -119,8 +118,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                                   f"{strategy}-{repeat}"))
                     common.progress(f"{strategy}: {runs[strategy][-1]}")
     finally:
-        if not args.keep_tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
+        common.remove_tmp(tmp, args.keep_tmp)
 
     def median(strategy: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[strategy])
@@ -144,11 +142,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             "accuracy:parameter_server", f"held-out accuracy after {args.epochs} epochs",
             "accuracy", ps_acc, mw_acc, "multi_worker_mirrored", ps_acc / mw_acc, 0.97, ">=",
             {"gap (ps - mirrored)": {"value": f"{ps_acc - mw_acc:+.4f}"}}))
-    common.print_table(results)
-    common.print_json_lines(results)
-    common.write_results(args.json_out, {"master": args.master, "epochs": args.epochs,
-                                         "repeats": args.repeats, "runs": runs,
-                                         **common.versions()}, results)
+    common.report(results, args.json_out, lambda: {
+        "master": args.master, "epochs": args.epochs, "repeats": args.repeats, "runs": runs,
+        **common.versions()})
     return 0
 
 

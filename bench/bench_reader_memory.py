@@ -25,19 +25,17 @@ everything to --json-out (default bench/results/bench_reader_memory.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from common import (add_common_args, figure, parse_common, print_json_lines, print_table,
-                    progress, versions, write_results)
+from common import (add_common_args, add_frame_args, arg_meta, child_entry, figure, load_meta,
+                    load_note, new_parser, parse_common, progress, remove_tmp, report, run_child,
+                    spark_conf, versions)
 
 FIGURES = ("petastorm",)
 BATCH = 1024
@@ -98,13 +96,7 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
 
 def measure(spec: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     """``child(spec)`` in a fresh interpreter (nothing of this process's memory counts)."""
-    here = os.path.abspath(__file__)
-    done = subprocess.run([sys.executable, here, "--child", json.dumps(spec)], timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          cwd=os.path.dirname(here))
-    if done.returncode != 0:
-        raise RuntimeError(f"{spec['reader']} read failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_child(os.path.abspath(__file__), spec, timeout, f"{spec['reader']} read")
 
 
 # -- datasets -----------------------------------------------------------------------------------
@@ -118,9 +110,8 @@ def materialize_sizes(args, tmp: str) -> Dict[int, Any]:
     from sparktrain.data.store import Store
 
     progress(f"starting Spark {args.master}")
-    spark = local_spark(args.master, "sparktrain-bench-reader-memory", conf={
-        "spark.driver.memory": "2g", "spark.ui.enabled": "false",
-        "spark.local.dir": os.path.join(tmp, "spark-local")})
+    spark = local_spark(args.master, "sparktrain-bench-reader-memory",
+                        conf=spark_conf(tmp, "2g"))
     datasets = {}
     try:
         for rows in args.sizes:
@@ -214,13 +205,10 @@ def build_figures(args, stats: Dict[str, Dict[int, Dict[str, float]]],
 
 # -- main ---------------------------------------------------------------------------------------
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = new_parser(__doc__)
     parser.add_argument("--sizes", default="1000000,4000000",
                         help="two row counts: the small and the large dataset")
-    parser.add_argument("--features", type=int, default=32, help="floats per row")
-    parser.add_argument("--partitions", type=int, default=2,
-                        help="partitions of each frame (= files written)")
+    add_frame_args(parser, "partitions of each frame (= files written)")
     parser.add_argument("--read-timeout", type=float, default=600.0,
                         help="seconds one measured read may take")
     add_common_args(parser, list(FIGURES), "bench_reader_memory.json", fit_timeout=0.0)
@@ -257,30 +245,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                              f"+{run['peak_mib'] - run['baseline_mib']:.0f}), "
                              f"{run['seconds']:.2f}s")
     finally:
-        if args.keep_tmp:
-            progress(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+        remove_tmp(tmp, args.keep_tmp)
 
     stats = {reader: {rows: summary(r) for rows, r in by_size.items()}
              for reader, by_size in runs.items()}
     results = build_figures(args, stats, runs)
-    print()
-    print(f"sparktrain reader memory benchmark: {', '.join(f'{n:,}' for n in args.sizes)} rows x "
-          f"{args.features} features, {os.cpu_count()} CPUs, load avg {load_before[0]:.2f} -> "
-          f"{os.getloadavg()[0]:.2f}")
-    print_table(results)
-    print_json_lines(results)
-    if args.json_out:
-        meta = {"sizes": args.sizes, "features": args.features, "partitions": args.partitions,
-                "batch": BATCH, "repeats": args.repeats, "skipped": sorted(args.skip),
-                "load_avg_before": load_before, "load_avg_after": os.getloadavg(), **versions()}
-        write_results(args.json_out, meta, results)
+    title = (f"sparktrain reader memory benchmark: {', '.join(f'{n:,}' for n in args.sizes)} "
+             f"rows x {args.features} features, {load_note(load_before)}")
+    report(results, args.json_out, lambda: {
+        **arg_meta(args, "sizes", "features", "partitions"), "batch": BATCH,
+        "repeats": args.repeats, "skipped": sorted(args.skip), **load_meta(load_before),
+        **versions()}, title)
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(json.dumps(child(json.loads(sys.argv[2]))))
-        sys.exit(0)
+    child_entry(child)
     sys.exit(main())

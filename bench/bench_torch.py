@@ -33,10 +33,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from common import (add_common_args, bench_session, cached, figure, guarded, guarded_runs,
-                    hang_extras, load_meta, load_note, make_frame, new_parser, parse_common,
-                    progress, quiet_warnings, remove_tmp, report, session_kind, spark_conf,
-                    timed, versions)
+from common import (add_common_args, add_frame_args, arg_meta, bench_session, cached, figure,
+                    guarded, guarded_runs, hang_extras, load_meta, load_note, make_frame,
+                    new_parser, parse_common, progress, quiet_warnings, remove_tmp, report,
+                    session_kind, spark_conf, timed, versions)
 
 FIGURES = ("read", "materialize", "fit", "inference")
 READ_BATCH = 1024
@@ -461,8 +461,7 @@ def bench_inference(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) ->
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = new_parser(__doc__)
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows of the main frame")
-    parser.add_argument("--features", type=int, default=32, help="floats per row")
-    parser.add_argument("--partitions", type=int, default=2, help="partitions of the main frame")
+    add_frame_args(parser, "partitions of the main frame")
     add_common_args(parser, FIGURES, "bench_torch.json", fit_timeout=120.0, connect=True)
     args = parse_common(parser, argv, FIGURES)
     if args.rows < 2 * READ_BATCH:
@@ -517,9 +516,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     title = (f"sparktrain torch benchmark: {args.rows:,} rows x {args.features} features, "
              f"{args.master}, {session_kind(args)}, {load_note(load_before)}")
     report(results, args.json_out, lambda: {
-        "rows": args.rows, "features": args.features, "partitions": args.partitions,
-        "repeats": args.repeats, "master": args.master, "session": session_kind(args),
-        "skipped": sorted(args.skip), **load_meta(load_before), **versions()}, title)
+        **arg_meta(args, "rows", "features", "partitions", "repeats", "master"),
+        "session": session_kind(args), "skipped": sorted(args.skip), **load_meta(load_before),
+        **versions()}, title)
     return 0
 
 

@@ -17,10 +17,11 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -58,6 +59,12 @@ def add_common_args(parser, figures: List[str], json_name: str, fit_timeout: flo
                         help="seconds after which a run counts as hung: its Spark jobs are "
                              "cancelled, the hang is reported and it is retried")
     parser.add_argument("--keep-tmp", action="store_true", help="leave the temp directory")
+
+
+def add_frame_args(parser, partitions_help: str) -> None:
+    """``--features`` and ``--partitions`` of the generated frame (``make_frame``)."""
+    parser.add_argument("--features", type=int, default=32, help="floats per row")
+    parser.add_argument("--partitions", type=int, default=2, help=partitions_help)
 
 
 def parse_common(parser, argv: Optional[List[str]], figures: List[str]):
@@ -171,6 +178,25 @@ def bench_session(args, app_name: str, conf: Dict[str, str]) -> Iterator[Any]:
         yield spark
     finally:
         spark.stop()
+
+
+@contextmanager
+def local_session(args, app_name: str, prefix: str,
+                  conf: Optional[Dict[str, str]] = None) -> Iterator[Tuple[Any, str]]:
+    """A fresh temp dir and an embedded Spark session on ``--master`` using it (``spark_conf``
+    plus ``conf``); after the block Spark is stopped and the dir removed (``--keep-tmp``)."""
+    from sparktrain import local_spark
+
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    try:
+        progress(f"temp dir {tmp}; starting Spark {args.master}")
+        spark = local_spark(args.master, app_name, conf={**spark_conf(tmp), **(conf or {})})
+        try:
+            yield spark, tmp
+        finally:
+            spark.stop()
+    finally:
+        remove_tmp(tmp, args.keep_tmp)
 
 
 def session_kind(args) -> str:
@@ -331,12 +357,17 @@ def print_json_lines(results: List[Dict[str, Any]]) -> None:
         print(json.dumps(line))
 
 
-def versions() -> Dict[str, Any]:
+def versions(*packages: str) -> Dict[str, Any]:
+    """The versions of ``packages`` (imported here), then of Python, PySpark, pyarrow and torch,
+    the CPU count and the time."""
+    import importlib
+
     import pyarrow
     import pyspark
     import torch
 
-    return {"cpus": os.cpu_count(), "python": platform.python_version(),
+    return {**{name: importlib.import_module(name).__version__ for name in packages},
+            "cpus": os.cpu_count(), "python": platform.python_version(),
             "pyspark": pyspark.__version__, "pyarrow": pyarrow.__version__,
             "torch": torch.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
@@ -346,6 +377,11 @@ def write_results(path: str, meta: Dict[str, Any], results: List[Dict[str, Any]]
     with open(path, "w") as f:
         json.dump({"meta": meta, "figures": results}, f, indent=2)
     progress(f"wrote {path}")
+
+
+def arg_meta(args, *names: str) -> Dict[str, Any]:
+    """``{name: args.name}`` for the results file's meta."""
+    return {name: getattr(args, name) for name in names}
 
 
 def load_note(load_before: tuple) -> str:

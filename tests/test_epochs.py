@@ -172,7 +172,7 @@ def test_loop_spec_round_trips_and_makes_its_driver(tmp_path):
     spec = LoopSpec(dataset_root="/d", layouts={"train": [["a.parquet", 10]]}, columns=[],
                     feature_cols=["x"], label_cols=["y"], sample_weight_col="w", batch_size=8,
                     val_batch_size=8, epochs=3, shuffle=False, seed=None, verbose=0,
-                    backend="torch", run_path=str(tmp_path / "run"),
+                    backend="torch", strategy="ddp", run_path=str(tmp_path / "run"),
                     deadline=12.5, fit_id="f1")
     assert LoopSpec.from_json(spec.to_json()) == spec
     assert spec.model_columns() == ["x", "y", "w"]

@@ -65,6 +65,9 @@ class LoopSpec:
     columns: List[Dict[str, Any]]  # ColumnSpec.to_json() of every column
     storage_options: Dict[str, Any] = field(default_factory=dict, repr=False)  # may hold keys
     input_shapes: Optional[List[List[int]]] = None  # each feature reshaped to it (Horovod's)
+    # the registered name (messages; the class travels in the payload): each framework's
+    # options declare it with the framework's default
+    strategy: str
     # the fit's run
     deadline: Optional[float] = None  # time.time() after which training stops at an epoch end
     fit_id: str = ""  # the fit's attempts share it (see sparktrain.loop.epochs)
