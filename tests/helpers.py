@@ -71,3 +71,136 @@ def run_reporting_script(code: str, timeout: int, fake_gpus: str = "") -> tuple:
     lines = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")]
     assert lines, tails(result.stdout, result.stderr)
     return json.loads(lines[0][len("RESULT "):]), result.stderr
+
+
+def run_on_fake_gpus(script: str, timeout: int, executor_gpus: int) -> Any:
+    """``run_reporting_script`` for a script (a ``str.format`` template) starting a
+    local-cluster whose workers announce two fake GPUs, "0" and "1": ``{root}`` in it is the
+    repository, ``{gpu_conf}`` a dict of the Spark conf giving each executor ``executor_gpus``
+    of them and each task one. The JSON it printed."""
+    gpu_conf = {
+        "spark.worker.resource.gpu.amount": "2",
+        "spark.worker.resource.gpu.discoveryScript": FAKE_GPU_DISCOVERY,
+        "spark.executor.resource.gpu.amount": str(executor_gpus),
+        "spark.executor.resource.gpu.discoveryScript": FAKE_GPU_DISCOVERY,
+        "spark.task.resource.gpu.amount": "1",
+    }
+    code = script.format(root=os.path.dirname(os.path.dirname(FAKE_GPU_DISCOVERY)),
+                         gpu_conf=repr(gpu_conf))
+    return run_reporting_script(code, timeout=timeout, fake_gpus="0,1")[0]
+
+
+def class_accuracy(out, label: str = "label") -> float:
+    """The share of ``out``'s rows whose ``label__output`` scores are highest at ``label``."""
+    from pyspark.sql import functions as F
+
+    predicted = F.expr(f"array_position({label}__output, array_max({label}__output)) - 1")
+    return out.select(F.avg((predicted == F.col(label)).cast("double"))).first()[0]
+
+
+def assert_reload_predicts_the_same(model, out, df, path: str, atol: float = 0.0):
+    """Save ``model`` at ``path`` and load it with its class: the loaded model predicts
+    ``label__output`` on ``df`` as ``out`` (``model.transform(df)``) holds. Returns it."""
+    import numpy as np
+
+    model.write().overwrite().save(path)
+    loaded = type(model).load(path)
+    a = np.stack(out.select("label__output").toPandas()["label__output"].tolist())
+    b = loaded.transform(df).select("label__output").toPandas()["label__output"]
+    np.testing.assert_allclose(a, np.stack(b.tolist()), rtol=1e-5, atol=atol)
+    return loaded
+
+
+def keras_scale_layer() -> type:
+    """``Scale``, a custom Keras layer (a model holding it only loads with ``custom_objects`` or
+    Keras's registration), made and registered once, on first use: importing this module
+    imports no Keras. It is pickled by reference, as ``helpers.Scale`` (see ``__getattr__``)."""
+    if "Scale" in globals():
+        return globals()["Scale"]
+    import keras
+
+    class Scale(keras.layers.Layer):
+        def __init__(self, factor=1.0, **kwargs):
+            super().__init__(**kwargs)
+            self.factor = factor
+
+        def call(self, x):
+            return x * self.factor
+
+        def get_config(self):
+            return {**super().get_config(), "factor": self.factor}
+
+    Scale.__qualname__ = "Scale"
+    globals()["Scale"] = keras.saving.register_keras_serializable("sparktrain_tests")(Scale)
+    return Scale
+
+
+def __getattr__(name: str):
+    """``helpers.Scale`` (where a pickled model's custom layer is looked up) makes it."""
+    if name == "Scale":
+        return keras_scale_layer()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def check_keras_classifier(classification_df, path: str, epochs: int, **params: Any):
+    """Fit ``Sequential([Scale(1.0), Dense(16, relu), Dense(3)])`` (``Scale``: the custom layer
+    above, loaded through ``custom_objects``) with a 2-rank ``KerasEstimator`` on the ``classification_df``
+    fixture (``params``: more of its params) and check the history (``epochs`` of loss and
+    accuracy, with validation over 0.95), the predictions (over 0.95 right) and that the model
+    saved at ``path`` loads with the same history and predictions. Returns (model, loaded)."""
+    import keras
+
+    from sparktrain import KerasEstimator
+
+    keras.utils.set_random_seed(0)
+    scale = keras_scale_layer()
+    net = keras.Sequential([keras.Input((2,)), scale(1.0),
+                            keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    est = KerasEstimator(num_proc=2, model=net, optimizer=keras.optimizers.Adam(0.02),
+                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                         metrics=["accuracy"], feature_cols=["features"], label_cols=["label"],
+                         batch_size=32, epochs=epochs, validation=0.2, random_seed=3,
+                         custom_objects={"Scale": scale}, verbose=0,
+                         **params)
+    model = est.fit(classification_df)
+    history = model.getHistory()
+    assert set(history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert len(history["loss"]) == epochs and history["val_accuracy"][-1] > 0.95
+    out = model.transform(classification_df)
+    assert out.columns == classification_df.columns + ["label__output"]
+    assert class_accuracy(out) > 0.95
+    loaded = assert_reload_predicts_the_same(model, out, classification_df, path)
+    assert loaded.getHistory() == history
+    assert isinstance(loaded.getModel(), keras.Model)
+    return model, loaded
+
+
+def check_keras_pipeline(regression_df, path: str, **params: Any) -> None:
+    """A ``Pipeline`` of a ``VectorAssembler`` (of ``x0`` to ``x3``, the ``regression_df``
+    fixture's features) and a 2-rank ``KerasEstimator`` of ``Dense(1)`` (``params``: more of its
+    params) fits to under the noise's loss, and the ``PipelineModel`` saved at ``path`` loads
+    and predicts the same."""
+    import keras
+    import numpy as np
+    from pyspark.ml import Pipeline, PipelineModel
+    from pyspark.ml.feature import VectorAssembler
+    from pyspark.ml.functions import vector_to_array
+
+    from sparktrain import KerasEstimator
+
+    values = vector_to_array("features")
+    df = regression_df.select("label", *[values[i].alias(f"x{i}") for i in range(4)])
+    keras.utils.set_random_seed(1)
+    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    pipeline = Pipeline(stages=[
+        VectorAssembler(inputCols=[f"x{i}" for i in range(4)], outputCol="features"),
+        KerasEstimator(num_proc=2, model=net, optimizer=keras.optimizers.SGD(0.05), loss="mse",
+                       feature_cols=["features"], label_cols=["label"], batch_size=32,
+                       epochs=4, random_seed=1, verbose=0, **params)])
+    fitted = pipeline.fit(df)
+    assert fitted.stages[-1].getHistory()["loss"][-1] < 0.05  # noise variance is 0.01
+    fitted.write().overwrite().save(path)
+    loaded = PipelineModel.load(path)
+    a = fitted.transform(df).select("label__output").toPandas().to_numpy()
+    b = loaded.transform(df).select("label__output").toPandas().to_numpy()
+    np.testing.assert_allclose(a, b, rtol=1e-5)

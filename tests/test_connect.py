@@ -82,11 +82,17 @@ def test_faults_over_connect_without_executors_reaching_the_client(connect_url, 
 
 
 @pytest.mark.slow
-def test_horovod_over_connect(connect_url, tmp_path):
-    pytest.importorskip("horovod.torch")
-    found, _ = run_client("horovod", connect_url, tmp_path)
+@pytest.mark.parametrize("scenario,module,epochs,more", [
+    ("horovod", "horovod.torch", 3, {}),
+    # a Hugging Face model as it is
+    ("huggingface", "transformers", 2, {"predicted": 50, "width": 2}),
+], ids=["horovod", "huggingface"])
+def test_more_engines_over_connect(connect_url, tmp_path, scenario, module, epochs, more):
+    pytest.importorskip(module)
+    found, _ = run_client(scenario, connect_url, tmp_path)
     history = found["history"]
-    assert len(history) == 3 and history[-1] < history[0]
+    assert len(history) == epochs and history[-1] < history[0]
+    assert {key: found[key] for key in more} == more, found
 
 
 @pytest.mark.slow
@@ -102,12 +108,3 @@ def test_a_model_over_the_message_cap_fits_predicts_saves_and_loads_over_connect
     assert len(found["pipeline"]) == 40
     assert found["keras_mib"] > 128 and len(found["keras_history"]) == 2
     assert found["keras_reloaded"] == found["keras_first"] and len(found["keras_first"]) == 40
-
-
-@pytest.mark.slow
-def test_hugging_face_model_as_it_is_over_connect(connect_url, tmp_path):
-    pytest.importorskip("transformers")
-    found, _ = run_client("huggingface", connect_url, tmp_path)
-    history = found["history"]
-    assert len(history) == 2 and history[-1] < history[0]
-    assert found["predicted"] == 50 and found["width"] == 2

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import FAKE_GPU_DISCOVERY, run_reporting_script
+from helpers import run_on_fake_gpus
 from sparktrain import TorchModel
 from sparktrain.launch.gpus import cuda_ordinal, rank_gpu
 
@@ -145,14 +145,8 @@ CLUSTER_SCRIPT = textwrap.dedent('''
     from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
     from sparktrain import KerasModel, TorchModel, local_spark
 
-    spark = local_spark("local-cluster[2,1,1024]", conf={{
-        "spark.worker.resource.gpu.amount": "2",
-        "spark.worker.resource.gpu.discoveryScript": {script!r},
-        "spark.executor.resource.gpu.amount": "1",
-        "spark.executor.resource.gpu.discoveryScript": {script!r},
-        "spark.task.resource.gpu.amount": "1",
-        "spark.task.maxFailures": "1",
-    }})
+    spark = local_spark("local-cluster[2,1,1024]",
+                        conf={{**{gpu_conf}, "spark.task.maxFailures": "1"}})
     rng = np.random.default_rng(0)
     x = rng.normal(size=(40, 3)).astype(np.float32)
     df = spark.createDataFrame([(r.tolist(),) for r in x], "features array<double>") \\
@@ -193,9 +187,7 @@ CLUSTER_SCRIPT = textwrap.dedent('''
 
 @pytest.mark.slow
 def test_prediction_tasks_use_the_gpu_spark_assigns():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = CLUSTER_SCRIPT.format(root=root, script=FAKE_GPU_DISCOVERY)
-    report, _ = run_reporting_script(code, timeout=540, fake_gpus="0,1")
+    report = run_on_fake_gpus(CLUSTER_SCRIPT, timeout=540, executor_gpus=1)
 
     # default use_gpu: the task's GPU (each executor got one of its worker's two, 0 or 1)
     assert re.search(rf"Spark assigned GPU [01] to this prediction task, but torch "

@@ -2,12 +2,11 @@
 tasks on a local-cluster with a GPU discovery script (no CUDA needed: the assignment is Spark's)."""
 from __future__ import annotations
 
-import os
 import textwrap
 
 import pytest
 
-from helpers import FAKE_GPU_DISCOVERY, run_reporting_script
+from helpers import run_on_fake_gpus
 from sparktrain.launch.gpus import check_gpu_conf, gpu_environment, rank_gpu
 
 GPU_CONF = {"spark.task.resource.gpu.amount": "1", "spark.executor.resource.gpu.amount": "2"}
@@ -58,15 +57,8 @@ SCRIPT = textwrap.dedent('''
     from sparktrain.launch.barrier import run_barrier
     from sparktrain.launch.gpus import check_gpu_conf, gpu_environment, rank_gpu
 
-    conf = {{
-        "spark.worker.resource.gpu.amount": "2",
-        "spark.worker.resource.gpu.discoveryScript": {script!r},
-        "spark.executor.resource.gpu.amount": "2",
-        "spark.executor.resource.gpu.discoveryScript": {script!r},
-        "spark.task.resource.gpu.amount": "1",
-        "spark.sparktrain.slotWaitSeconds": "60",
-    }}
-    spark = local_spark("local-cluster[1,2,1024]", conf=conf)
+    spark = local_spark("local-cluster[1,2,1024]",
+                        conf={{**{gpu_conf}, "spark.sparktrain.slotWaitSeconds": "60"}})
     sc = spark.sparkContext
     use_gpu = check_gpu_conf(dict(sc.getConf().getAll()), sc.master, None)
 
@@ -82,9 +74,7 @@ SCRIPT = textwrap.dedent('''
 
 @pytest.mark.slow
 def test_local_cluster_gives_each_rank_its_own_gpu():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = SCRIPT.format(root=root, script=FAKE_GPU_DISCOVERY)
-    report, _ = run_reporting_script(code, timeout=300, fake_gpus="0,1")
+    report = run_on_fake_gpus(SCRIPT, timeout=300, executor_gpus=2)
     assert report["use_gpu"] is True
     ranks = report["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]

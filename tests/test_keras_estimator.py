@@ -10,84 +10,25 @@ import pytest
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 keras = pytest.importorskip("keras")
 
-from pyspark.ml import Pipeline, PipelineModel  # noqa: E402
-from pyspark.ml.feature import VectorAssembler  # noqa: E402
-from pyspark.sql import functions as F  # noqa: E402
-
-from sparktrain import KerasEstimator, KerasModel, TrainingError  # noqa: E402
-
-
-@keras.saving.register_keras_serializable(package="sparktrain_tests")
-class Scale(keras.layers.Layer):
-    """A custom layer: the model only loads with custom_objects/registration."""
-
-    def __init__(self, factor=1.0, **kwargs):
-        super().__init__(**kwargs)
-        self.factor = factor
-
-    def call(self, x):
-        return x * self.factor
-
-    def get_config(self):
-        return {**super().get_config(), "factor": self.factor}
+from helpers import check_keras_classifier, check_keras_pipeline  # noqa: E402
+from sparktrain import KerasEstimator, TrainingError  # noqa: E402
 
 
 @pytest.mark.stack
 def test_fit_transform_save_load_classification(spark, store, classification_df, tmp_path):
-    keras.utils.set_random_seed(0)
-    net = keras.Sequential([keras.Input((2,)), Scale(1.0), keras.layers.Dense(16, activation="relu"),
-                            keras.layers.Dense(3)])
-    est = KerasEstimator(num_proc=2, model=net, optimizer=keras.optimizers.Adam(0.02),
-                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                         metrics=["accuracy"], feature_cols=["features"], label_cols=["label"],
-                         batch_size=32, epochs=6, validation=0.2, random_seed=3, store=store,
-                         custom_objects={"Scale": Scale}, verbose=0)
-    model = est.fit(classification_df)
-    history = model.getHistory()
-    assert set(history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
-    assert history["val_accuracy"][-1] > 0.95
+    model, _ = check_keras_classifier(classification_df, str(tmp_path / "keras-model"),
+                                      epochs=6, store=store)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(f"{store}/runs/{model.getOrDefault('run_id')}/tensorboard/validation")
     events.Reload()
     tags = events.Tags()
     assert any("epoch/accuracy" in t for t in tags.get("tensors", []) + tags.get("scalars", [])), tags
-    out = model.transform(classification_df)
-    assert out.columns == classification_df.columns + ["label__output"]
-    predicted = F.expr("array_position(label__output, array_max(label__output)) - 1")
-    assert out.select(F.avg((predicted == F.col("label")).cast("double"))).first()[0] > 0.95
-
-    path = str(tmp_path / "keras-model")
-    model.write().overwrite().save(path)
-    loaded = KerasModel.load(path)
-    assert loaded.getHistory() == history
-    assert isinstance(loaded.getModel(), keras.Model)
-    a = np.array(out.select("label__output").toPandas()["label__output"].tolist())
-    b = np.array(loaded.transform(classification_df).select("label__output").toPandas()["label__output"].tolist())
-    np.testing.assert_allclose(a, b, rtol=1e-5)
 
 
 @pytest.mark.slow  # Keras: TensorFlow rank processes of their own
 def test_pipeline_with_vector_assembler(spark, store, regression_df, tmp_path):
-    from pyspark.ml.functions import vector_to_array
-
-    values = vector_to_array("features")
-    df = regression_df.select("label", *[values[i].alias(f"x{i}") for i in range(4)])
-    keras.utils.set_random_seed(1)
-    net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    pipeline = Pipeline(stages=[
-        VectorAssembler(inputCols=[f"x{i}" for i in range(4)], outputCol="features"),
-        KerasEstimator(num_proc=2, model=net, optimizer=keras.optimizers.SGD(0.05), loss="mse",
-                       feature_cols=["features"], label_cols=["label"], batch_size=32,
-                       epochs=4, random_seed=1, store=store, verbose=0)])
-    fitted = pipeline.fit(df)
-    assert fitted.stages[-1].getHistory()["loss"][-1] < 0.05  # noise variance is 0.01
-    path = str(tmp_path / "pipeline")
-    fitted.write().overwrite().save(path)
-    loaded = PipelineModel.load(path)
-    a = fitted.transform(df).select("label__output").toPandas().to_numpy()
-    b = loaded.transform(df).select("label__output").toPandas().to_numpy()
-    np.testing.assert_allclose(a, b, rtol=1e-5)
+    check_keras_pipeline(regression_df, str(tmp_path / "pipeline"), store=store)
 
 
 def failing_loss(y_true, y_pred):

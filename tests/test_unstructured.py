@@ -13,7 +13,8 @@ import pytest
 import torch
 from pyspark.sql import functions as F
 
-from sparktrain import PreflightError, TorchEstimator, TorchModel, TrainingError
+from helpers import assert_reload_predicts_the_same, class_accuracy
+from sparktrain import PreflightError, TorchEstimator, TrainingError
 
 DIGITS = 600
 
@@ -71,24 +72,14 @@ def cnn_estimator(store, **overrides):
     return TorchEstimator(**params)
 
 
-def accuracy(out) -> float:
-    predicted = F.expr("array_position(label__output, array_max(label__output)) - 1")
-    return out.select(F.avg((predicted == F.col("label")).cast("double"))).first()[0]
-
-
 def test_png_cnn_fit_transform_save_load(spark, png_df, store, tmp_path):
     model = cnn_estimator(store).fit(png_df)  # bytes: decoded in worker processes by default
     assert model.getHistory()["loss"][-1] < model.getHistory()["loss"][0]
     # the raw binaryFile column: the model decodes with transformation_fn before predicting
     assert model.getPredictTransformationFn() is decode_png
     first = model.transform(png_df)
-    assert accuracy(first) > 0.85
-    path = str(tmp_path / "cnn")
-    model.write().save(path)
-    loaded = TorchModel.load(path)
-    a = first.select("label__output").toPandas()["label__output"]
-    b = loaded.transform(png_df).select("label__output").toPandas()["label__output"]
-    np.testing.assert_allclose(np.stack(a), np.stack(b), rtol=1e-5)
+    assert class_accuracy(first) > 0.85
+    assert_reload_predicts_the_same(model, first, png_df, str(tmp_path / "cnn"))
 
 
 @pytest.mark.parametrize("backend,strategy", [("horovod", "ddp"), ("torch", "fsdp")])
@@ -180,17 +171,6 @@ def text_df(spark):
     return df
 
 
-def test_string_column_text_classifier(spark, text_df, store):
-    torch.manual_seed(0)
-    net = BagOfEmbeddings()
-    est = TorchEstimator(num_proc=2, model=net, optimizer=torch.optim.Adam(net.parameters(), 0.05),
-                         loss=torch.nn.CrossEntropyLoss(), feature_cols=["text"],
-                         label_cols=["label"], batch_size=32, epochs=4, store=store,
-                         transformation_fn=tokenize, random_seed=0, verbose=0)
-    model = est.fit(text_df)
-    assert accuracy(model.transform(text_df)) > 0.95
-
-
 def pad_tokens(batch):
     """Variable-length token ids (an object array of 1-D arrays) padded/truncated to 8."""
     ids = np.zeros((len(batch["tokens"]), 8), dtype=np.int64)
@@ -199,15 +179,19 @@ def pad_tokens(batch):
     return dict(batch, tokens=ids)
 
 
-def test_variable_length_sequences_padded_torch(spark, text_df, store):
+@pytest.mark.parametrize("column,transformation_fn", [
+    ("text", tokenize),  # a string column
+    ("tokens", pad_tokens),  # variable-length sequences, padded
+], ids=["string_column", "variable_length_sequences_padded"])
+def test_torch_text_classifier(spark, text_df, store, column, transformation_fn):
     torch.manual_seed(0)
     net = BagOfEmbeddings()
     est = TorchEstimator(num_proc=2, model=net, optimizer=torch.optim.Adam(net.parameters(), 0.05),
-                         loss=torch.nn.CrossEntropyLoss(), feature_cols=["tokens"],
+                         loss=torch.nn.CrossEntropyLoss(), feature_cols=[column],
                          label_cols=["label"], batch_size=32, epochs=4, store=store,
-                         transformation_fn=pad_tokens, random_seed=0, verbose=0)
+                         transformation_fn=transformation_fn, random_seed=0, verbose=0)
     model = est.fit(text_df)
-    assert accuracy(model.transform(text_df)) > 0.95
+    assert class_accuracy(model.transform(text_df)) > 0.95
 
 
 def test_bad_unstructured_inputs_fail_before_training(spark, text_df, png_df, store):
@@ -250,7 +234,7 @@ def test_nested_array_column_reaches_the_model_as_a_grid(spark, store):
                            loss=torch.nn.CrossEntropyLoss(), feature_cols=["grid"],
                            label_cols=["label"], batch_size=20, epochs=8, store=store,
                            verbose=0).fit(df)
-    assert accuracy(model.transform(df)) > 0.9
+    assert class_accuracy(model.transform(df)) > 0.9
     bad = spark.createDataFrame([([[1.0, 2.0], [3.0, 4.0]], 0), ([[1.0, 2.0, 3.0]], 1)],
                                 "grid array<array<float>>, label int")
     with pytest.raises(ValueError, match=r"column 'grid' has a row of shape \(1, 3, ...\); "
@@ -277,7 +261,7 @@ def test_spark_image_format_column(spark, png_dir, store, tmp_path):
         .withColumn("label", F.regexp_extract("image.origin", r"_(\d)\.png$", 1).cast("int"))
     model = cnn_estimator(store, feature_cols=["image"], transformation_fn=rgb_to_gray,
                           epochs=3).fit(df)
-    assert accuracy(model.transform(df)) > 0.6
+    assert class_accuracy(model.transform(df)) > 0.6
 
 
 # -- Keras ---------------------------------------------------------------------------------------
@@ -293,7 +277,7 @@ def decode_png_hwc(batch):
 def test_keras_png_cnn_fit_transform_save_load(spark, png_df, store, tmp_path):
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     keras = pytest.importorskip("keras")
-    from sparktrain import KerasEstimator, KerasModel
+    from sparktrain import KerasEstimator
 
     keras.utils.set_random_seed(0)
     net = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Rescaling(1 / 255.0),
@@ -306,13 +290,8 @@ def test_keras_png_cnn_fit_transform_save_load(spark, png_df, store, tmp_path):
                          random_seed=0, verbose=0)
     model = est.fit(png_df)
     first = model.transform(png_df)
-    assert accuracy(first) > 0.85
-    path = str(tmp_path / "keras-cnn")
-    model.write().save(path)
-    loaded = KerasModel.load(path)
-    a = first.select("label__output").toPandas()["label__output"]
-    b = loaded.transform(png_df).select("label__output").toPandas()["label__output"]
-    np.testing.assert_allclose(np.stack(a), np.stack(b), rtol=1e-5, atol=1e-6)
+    assert class_accuracy(first) > 0.85
+    assert_reload_predicts_the_same(model, first, png_df, str(tmp_path / "keras-cnn"), atol=1e-6)
 
 
 @pytest.mark.slow  # Keras: TensorFlow rank processes of their own
@@ -330,4 +309,4 @@ def test_keras_variable_length_sequences_padded(spark, text_df, store):
                          epochs=5, store=store, transformation_fn=pad_tokens, random_seed=0,
                          verbose=0)
     model = est.fit(text_df)
-    assert accuracy(model.transform(text_df)) > 0.9
+    assert class_accuracy(model.transform(text_df)) > 0.9
