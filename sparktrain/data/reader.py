@@ -13,7 +13,9 @@ per-row loop), so a batch costs a slice (with ``shuffle``, a gather of the batch
 Memory is bounded by row groups, not by the dataset: ``prefetch`` decoded row groups wait in a
 queue while one is being read and one consumed; rows left over between row groups (fewer than a
 batch) are copied out so the group can be freed. ``inmemory_cache_all=True`` instead keeps the
-whole decoded shard after its first read (Horovod's parameter of that name).
+whole decoded shard after its first read (Horovod's parameter of that name); ``local_cache=True``
+keeps it on the local disk instead (:mod:`sparktrain.data.rank_cache`): later epochs read
+neither the store nor Parquet, and shuffle over all the shard's rows.
 
 Example::
 
@@ -37,6 +39,7 @@ import numpy as np
 
 from sparktrain.data.batch import arrow_to_numpy
 from sparktrain.data.columns import ColumnSpec
+from sparktrain.data.rank_cache import RankCache
 from sparktrain.fs import filesystem
 from sparktrain.loop.spec import LoopSpec
 
@@ -90,7 +93,8 @@ class ShardReader:
                  rank: int, world_size: int, batch_size: int, shuffle: bool = False,
                  seed: Optional[int] = None, storage_options: Optional[Dict[str, Any]] = None,
                  prefetch: int = 2, inmemory_cache_all: bool = False,
-                 open_files: int = 4) -> None:
+                 open_files: int = 4, local_cache: bool = False,
+                 cache_root: Optional[str] = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -110,6 +114,12 @@ class ShardReader:
         self._handles: "OrderedDict[int, Tuple[Any, Any]]" = OrderedDict()  # file -> (pq, source)
         self._footers: Dict[int, Any] = {}  # file -> FileMetaData (a few KB each)
         self._cache: Dict[int, Batch] = {}  # piece index -> decoded rows (inmemory_cache_all)
+        # the shard on the local disk (local_cache): made at the first read, complete once every
+        # piece is in it
+        self._local: Optional[RankCache] = None
+        self._local_wanted = local_cache and not inmemory_cache_all
+        self._cache_root = cache_root
+        self._in_local: set = set()  # pieces written to the local cache
 
         total = sum(sum(groups) for _, groups in self.layout)
         if total == 0:
@@ -121,6 +131,14 @@ class ShardReader:
         if end - start < self.rows_per_epoch:  # one row short (or empty): borrow one row,
             extra = end % total  # the next range's first, so no rank sees a row twice
             self.pieces += shard_pieces(self.layout, extra, extra + 1)
+        sizes = [p.hi - p.lo for p in self.pieces]
+        self._offsets = [int(o) for o in np.cumsum([0] + sizes[:-1])]  # piece -> shard row
+        self.shard_rows = sum(sizes)
+
+    @property
+    def local_cache_complete(self) -> bool:
+        """True once later epochs read the local cache only."""
+        return self._local is not None and len(self._in_local) == len(self.pieces)
 
     def __len__(self) -> int:
         return self.steps
@@ -129,6 +147,13 @@ class ShardReader:
         """The ``self.steps`` batches of ``epoch`` (shuffled per epoch when ``shuffle``):
         ``steps - 1`` batches of ``batch_size`` rows, then the rest of the shard."""
         rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
+        if self.local_cache_complete:
+            yield from self._cached_epoch(rng)
+            return
+        if self._local_wanted and self._local is None:
+            self._local_wanted = False  # one try per reader
+            self._local = RankCache.create(self.columns, self.shard_rows, self._cache_root,
+                                           label=f"rank {self.rank}'s shard")
         order = list(range(len(self.pieces)))
         if rng is not None:
             order = [order[i] for i in rng.permutation(len(order))]
@@ -167,6 +192,17 @@ class ShardReader:
                 carry_rows = rows - offset
         if carry_rows:  # the last, short batch
             yield _concat(carry)
+
+    def _cached_epoch(self, rng: Optional[np.random.Generator]) -> Iterator[Batch]:
+        """An epoch from the local cache: batches of rows drawn over the whole shard."""
+        self._close_files()  # no file is read again
+        size, rows = self.batch_size, self.shard_rows
+        order = rng.permutation(rows) if rng is not None else None
+        for start in range(0, rows, size):
+            if order is None:
+                yield self._local.slice(start, min(start + size, rows))
+            else:  # sorted: rows in file order touch fewer pages; a batch is a set anyway
+                yield self._local.batch(np.sort(order[start:start + size]))
 
     def _chunks(self, order: List[int]) -> Iterator[Batch]:
         if self.inmemory_cache_all and len(self._cache) == len(self.pieces):
@@ -219,6 +255,12 @@ class ShardReader:
             chunk = self._read(self.pieces[index])
             if self.inmemory_cache_all:
                 self._cache[index] = chunk
+            local = self._local
+            if local is not None and index not in self._in_local:
+                if local.write(self._offsets[index], chunk):
+                    self._in_local.add(index)
+                else:
+                    self._local, self._in_local = None, set()
         return chunk
 
     def _read(self, piece: Piece) -> Batch:
@@ -289,9 +331,12 @@ class ShardReader:
         return handle
 
     def close(self) -> None:
-        """Close open files and drop the in-memory cache."""
+        """Close open files, drop the in-memory cache and remove the local one."""
         self._close_files()
         self._cache.clear()
+        if self._local is not None:
+            self._local.close()
+            self._local, self._in_local = None, set()
 
     def _close_files(self) -> None:
         while self._handles:
@@ -356,14 +401,16 @@ def take_steps(reader: "ShardReader", epoch: int, steps: Optional[int]) -> Itera
 
 def shard_readers(spec: LoopSpec, rank: int, world_size: int) -> Dict[str, ShardReader]:
     """This rank's shard of each split of ``spec``'s dataset, as every rank loop reads it:
-    ``"train"``, and ``"val"`` when the fit has validation data (never shuffled)."""
+    ``"train"``, and ``"val"`` when the fit has validation data (never shuffled); kept in a
+    local cache when the fit reads it more than once. Close them when done."""
     columns = [ColumnSpec.from_json(c) for c in spec.columns]
     splits = [("train", spec.batch_size, spec.shuffle, spec.train_prefetch)]
     if spec.layouts.get("val"):
         splits.append(("val", spec.val_batch_size, False, spec.val_prefetch))
     return {split: ShardReader(spec.dataset_root, spec.layouts[split], columns, rank, world_size,
                                batch_size, shuffle, spec.seed, spec.storage_options,
-                               prefetch=prefetch, inmemory_cache_all=spec.inmemory_cache_all)
+                               prefetch=prefetch, inmemory_cache_all=spec.inmemory_cache_all,
+                               local_cache=spec.epochs > 1)
             for split, batch_size, shuffle, prefetch in splits}
 
 

@@ -1,5 +1,5 @@
-"""Prediction's shared steps: feature columns as Arrow hands them to a pandas UDF -> the numpy
-form training fed the model -> the model's outputs -> prediction columns. Used by ``transform``'s
+"""Prediction's shared steps: feature columns as Arrow hands them to a UDF -> the numpy form
+training fed the model -> the model's outputs -> prediction columns. Used by ``transform``'s
 UDF (:func:`prediction_udf`) and the MLflow pyfunc (:mod:`sparktrain.mlflow.models`).
 
 Example::
@@ -16,9 +16,9 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from sparktrain.data.batch import model_ready, values_to_numpy
+from sparktrain.data.batch import arrow_to_numpy, model_ready, values_to_numpy
 from sparktrain.data.materialize import stored_value
-from sparktrain.data.schema import SCALAR, ColumnSpec
+from sparktrain.data.schema import ARRAY, SCALAR, VECTOR, ColumnSpec
 
 
 def feature_expr(spec: ColumnSpec) -> Column:
@@ -51,20 +51,40 @@ def predict_columns(predict: Callable[[List[Any]], List[Any]], columns: Sequence
                     specs: Sequence[ColumnSpec], transform: Optional[Callable],
                     batch_size: int, n_outputs: int,
                     feature_names: Optional[Sequence[str]] = None) -> List[Any]:
-    """The model's outputs (numpy, one row per input row) for pandas input ``columns`` (one
-    per spec, as Arrow hands them to the prediction UDF): ``transform`` first (the model's
-    ``predict_transformation_fn``), then ``predict`` on the ``feature_names`` columns (default:
-    the specs' names) in slices of ``batch_size`` rows. Shared by ``transform``'s UDF and the
-    MLflow pyfunc (:mod:`sparktrain.mlflow.models`)."""
+    """The model's outputs for pandas input ``columns`` (one per spec, as Arrow hands them to a
+    pandas UDF): :func:`predict_batch` of their numpy forms. Used by the MLflow pyfunc
+    (:mod:`sparktrain.mlflow.models`) and by ``transform`` where Spark has no Arrow UDFs."""
+    batch = {spec.name: series_values(s, spec) for s, spec in zip(columns, specs)}
+    return predict_batch(predict, batch, specs, transform, batch_size, n_outputs, feature_names)
+
+
+def arrow_values(array: Any, spec: ColumnSpec):
+    """An Arrow feature column in the numpy form training fed it (no pandas in between)."""
+    if spec.kind in (VECTOR, ARRAY) and not (spec.shape or spec.size):
+        # a model built by hand, its sizes unknown: the values tell (as series_values does)
+        return values_to_numpy(array.to_pylist(), spec)
+    values = arrow_to_numpy(array, spec)
+    if spec.kind in (SCALAR, VECTOR, ARRAY) and values.dtype != spec.dtype:
+        return values.astype(spec.dtype)
+    return values
+
+
+def predict_batch(predict: Callable[[List[Any]], List[Any]], batch: Dict[str, Any],
+                  specs: Sequence[ColumnSpec], transform: Optional[Callable],
+                  batch_size: int, n_outputs: int,
+                  feature_names: Optional[Sequence[str]] = None) -> List[Any]:
+    """The model's outputs (numpy, one row per input row) for ``batch`` (numpy columns by
+    name): ``transform`` first (the model's ``predict_transformation_fn``), then ``predict`` on
+    the ``feature_names`` columns (default: the specs' names) in slices of ``batch_size``
+    rows."""
     import numpy as np
 
     names = list(feature_names) if feature_names else [spec.name for spec in specs]
-    batch = {spec.name: series_values(s, spec) for s, spec in zip(columns, specs)}
+    rows = len(next(iter(batch.values())))
     if transform is not None:  # decoding, as in training (vectorized per Arrow batch)
         batch = transform(batch)
     batch = model_ready(batch, names, transform is not None)
     features = [as_model_input(batch[name]) for name in names]
-    rows = len(columns[0])
     parts: List[List[Any]] = []
     for start in range(0, max(rows, 1), batch_size):
         parts.append(predict([f[start:start + batch_size] for f in features]))
@@ -79,6 +99,27 @@ def output_series(outputs: Sequence[Any], scalar_out: Sequence[bool],
     return [pd.Series(o.reshape(rows).astype("float64")) if scalar
             else pd.Series(list(o.reshape(rows, -1).astype("float64")))
             for o, scalar in zip(outputs, scalar_out)]
+
+
+def output_arrays(outputs: Sequence[Any], scalar_out: Sequence[bool], rows: int) -> Any:
+    """The prediction column's Arrow values: ``double`` for a one-number output, else
+    ``array<double>`` built from the flat values (no Python object per row); several outputs
+    as a struct of ``_0``, ``_1``, ..."""
+    import numpy as np
+    import pyarrow as pa
+
+    arrays = []
+    for output, scalar in zip(outputs, scalar_out):
+        values = np.ascontiguousarray(output, dtype=np.float64).reshape(rows, -1)
+        if scalar:
+            arrays.append(pa.array(values.reshape(rows)))
+            continue
+        width = values.shape[1]
+        offsets = pa.array(np.arange(0, rows * width + 1, width, dtype=np.int32))
+        arrays.append(pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1))))
+    if len(arrays) == 1:
+        return arrays[0]
+    return pa.StructArray.from_arrays(arrays, names=[f"_{i}" for i in range(len(arrays))])
 
 
 def _pass_batches(batches: Iterator[Any]) -> Iterator[Any]:
@@ -113,35 +154,78 @@ def with_profile(result: DataFrame, profile: Any) -> DataFrame:
 _PREDICTORS: Dict[str, Callable] = {}
 
 
+def _predictor(key: str, factory: Callable) -> Callable:
+    predict = _PREDICTORS.get(key)
+    if predict is None:
+        if len(_PREDICTORS) >= 4:
+            _PREDICTORS.clear()
+        predict = _PREDICTORS[key] = factory()
+    return predict
+
+
+def _worker_transform(transform_bytes: Optional[bytes]) -> Optional[Callable]:
+    import os
+    import pickle
+
+    # A Hugging Face tokenizer in the transformation: one thread per Python worker, the task
+    # slots being the parallelism (as in the decode workers); the user's value wins.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return pickle.loads(transform_bytes) if transform_bytes is not None else None
+
+
 def prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
                    types: Sequence[T.DataType], batch_size: int,
                    transform_bytes: Optional[bytes] = None,
                    feature_names: Optional[Sequence[str]] = None) -> Callable[..., Column]:
-    """The iterator ``pandas_udf`` predicting ``types`` from the ``specs`` columns with the
-    predictor ``factory()`` makes (once per Python worker and ``key``)."""
+    """The iterator UDF predicting ``types`` from the ``specs`` columns with the predictor
+    ``factory()`` makes (once per Python worker and ``key``).
+
+    An Arrow UDF (pyspark >= 4.1, ``arrow_udf``): Arrow record batches become the numpy arrays
+    training fed the model and the outputs Arrow arrays, with no pandas in between (measured in
+    bench/bench_transform.py). Older pyspark: the same steps in an iterator ``pandas_udf``.
+    """
     multi = len(types) > 1
     return_type = (T.StructType([T.StructField(f"_{i}", t, False) for i, t in enumerate(types)])
                    if multi else types[0])
     scalar_out = [isinstance(t, T.DoubleType) for t in types]
+    if not hasattr(F, "arrow_udf"):
+        return _pandas_prediction_udf(key, factory, specs, scalar_out, return_type, batch_size,
+                                      transform_bytes, feature_names)
+
+    def predict_arrow(batches):  # type hints set below: they select the UDF's shape
+        transform = _worker_transform(transform_bytes)
+        predict = _predictor(key, factory)
+        for arrays in batches:
+            arrays = arrays if isinstance(arrays, tuple) else (arrays,)
+            batch = {spec.name: arrow_values(a, spec) for a, spec in zip(arrays, specs)}
+            outputs = predict_batch(predict, batch, specs, transform, batch_size, len(types),
+                                    feature_names)
+            yield output_arrays(outputs, scalar_out, len(arrays[0]))
+
+    import pyarrow as pa
+
+    # Spark picks the iterator Arrow UDF flavour from these hints (SCALAR_ARROW_ITER).
+    predict_arrow.__annotations__ = {
+        "batches": Iterator[Tuple[pa.Array, ...]] if len(specs) > 1 else Iterator[pa.Array],
+        "return": Iterator[pa.Array]}
+    return F.arrow_udf(predict_arrow, return_type)
+
+
+def _pandas_prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
+                           scalar_out: Sequence[bool], return_type: T.DataType,
+                           batch_size: int, transform_bytes: Optional[bytes],
+                           feature_names: Optional[Sequence[str]]) -> Callable[..., Column]:
+    """:func:`prediction_udf` as an iterator ``pandas_udf`` (pyspark < 4.1)."""
+    multi = len(scalar_out) > 1
 
     def predict_batches(batches):  # type hints set below: they select the UDF's shape
-        import os
-        import pickle
-
-        # A Hugging Face tokenizer in the transformation: one thread per Python worker, the
-        # task slots being the parallelism (as in the decode workers); the user's value wins.
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        transform = pickle.loads(transform_bytes) if transform_bytes is not None else None
-        predict = _PREDICTORS.get(key)
-        if predict is None:
-            if len(_PREDICTORS) >= 4:
-                _PREDICTORS.clear()
-            predict = _PREDICTORS[key] = factory()
+        transform = _worker_transform(transform_bytes)
+        predict = _predictor(key, factory)
         for columns in batches:
             columns = columns if isinstance(columns, tuple) else (columns,)
             rows = len(columns[0])
-            outputs = predict_columns(predict, columns, specs, transform, batch_size, len(types),
-                                      feature_names)
+            outputs = predict_columns(predict, columns, specs, transform, batch_size,
+                                      len(scalar_out), feature_names)
             series = output_series(outputs, scalar_out, rows)
             yield pd.DataFrame({f"_{i}": s for i, s in enumerate(series)}) if multi else series[0]
 

@@ -275,6 +275,11 @@ class _KerasEpochs:
                 callback.on_train_end({k: v[-1] for k, v in self.driver.history.items()})
         self.feed.close()
 
+    def close_readers(self) -> None:
+        for reader in (self.train_reader, self.val_reader):
+            if reader is not None:
+                reader.close()
+
     def output_shapes(self) -> List[List[int]]:
         """The model's output shapes (without the batch), from one row of the training data."""
         from sparktrain.data.feed import BatchFeed
@@ -324,12 +329,15 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
         progress=_progress, meta={"framework": "keras"},
         board=lambda: _TensorBoard(tf, spec.run_path, spec.storage_options))
     epochs = _KerasEpochs(tf, keras, spec, payload, workdir, custom, strategy, distributed, driver)
-    driver.agree(epochs.all_reduce_sum)
-    driver.start(epochs.train_steps, strategy.describe())
-    epochs.train_begin()
-    stop_reason = driver.run(epochs)
-    epochs.train_end()
-    output_shapes = epochs.output_shapes()
+    try:
+        driver.agree(epochs.all_reduce_sum)
+        driver.start(epochs.train_steps, strategy.describe())
+        epochs.train_begin()
+        stop_reason = driver.run(epochs)
+        epochs.train_end()
+        output_shapes = epochs.output_shapes()
+    finally:
+        epochs.close_readers()  # removes the local caches
     if spec.rank != 0:
         return {}
     return {"model": epochs.fitted_model(), "history": driver.history,

@@ -380,6 +380,8 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     finally:
         trained = epochs = None  # a DDP reducer holds the process group: release it first
         feed.close()
+        for reader in readers.values():  # removes the local caches
+            reader.close()
         dist.close()
 
 
