@@ -101,6 +101,12 @@ def output_series(outputs: Sequence[Any], scalar_out: Sequence[bool],
             for o, scalar in zip(outputs, scalar_out)]
 
 
+def _list_of_doubles() -> Any:
+    import pyarrow as pa
+
+    return pa.list_(pa.field("element", pa.float64(), nullable=False))  # array<double> not null
+
+
 def output_arrays(outputs: Sequence[Any], scalar_out: Sequence[bool], rows: int) -> Any:
     """The prediction column's Arrow values: ``double`` for a one-number output, else
     ``array<double>`` built from the flat values (no Python object per row); several outputs
@@ -116,7 +122,8 @@ def output_arrays(outputs: Sequence[Any], scalar_out: Sequence[bool], rows: int)
             continue
         width = values.shape[1]
         offsets = pa.array(np.arange(0, rows * width + 1, width, dtype=np.int32))
-        arrays.append(pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1))))
+        arrays.append(pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1)),
+                                               type=_list_of_doubles()))
     if len(arrays) == 1:
         return arrays[0]
     return pa.StructArray.from_arrays(arrays, names=[f"_{i}" for i in range(len(arrays))])
@@ -185,7 +192,8 @@ def prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
     bench/bench_transform.py). Older pyspark: the same steps in an iterator ``pandas_udf``.
     """
     multi = len(types) > 1
-    return_type = (T.StructType([T.StructField(f"_{i}", t, False) for i, t in enumerate(types)])
+    # nullable fields: what pandas and Arrow build, and Spark 4 compares the nullability
+    return_type = (T.StructType([T.StructField(f"_{i}", t, True) for i, t in enumerate(types)])
                    if multi else types[0])
     scalar_out = [isinstance(t, T.DoubleType) for t in types]
     if not hasattr(F, "arrow_udf"):
