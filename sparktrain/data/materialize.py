@@ -54,6 +54,9 @@ class MaterializedDataset:
     reused: bool = False
     seconds: float = 0.0
     files: Dict[str, List[List]] = field(default_factory=dict)  # split -> [[file, [rg rows]]]
+    # input_mode="stream": nothing in the store; the training stage reads this DataFrame's rows
+    # (its columns in their stored form, and the split column) and each rank spools its own
+    stream: Any = field(default=None, repr=False)
 
     @property
     def train_rows(self) -> int:
@@ -193,7 +196,7 @@ def _row_shape_text(col: Column, depth: int) -> Column:
     return F.concat_ws(", ", *parts)
 
 
-def _prepared_column(spec: ColumnSpec, nullable_elements: bool) -> List[Column]:
+def prepared_column(spec: ColumnSpec, nullable_elements: bool) -> List[Column]:
     """The stored form of one column, and checks that abort the write on a bad row."""
     name = spec.name
     col = F.col(f"`{name}`")
@@ -238,7 +241,7 @@ def _codec(store: Store, columns: Sequence[ColumnSpec]) -> str:
     return "snappy"
 
 
-def _sized(df: DataFrame, columns: Sequence[ColumnSpec], variable_length: bool
+def sized_columns(df: DataFrame, columns: Sequence[ColumnSpec], variable_length: bool
            ) -> List[ColumnSpec]:
     """``columns`` with sizes and shapes from the first row (one tiny job); 1-D arrays whose
     lengths vary become ``varlen`` when ``variable_length`` (one more job over those columns).
@@ -279,7 +282,7 @@ def length_ranges(df: DataFrame, names: Sequence[str]) -> Dict[str, Tuple[int, i
             for i, name in enumerate(names)}
 
 
-def _nullable_elements(dtype: Any) -> bool:
+def nullable_elements(dtype: Any) -> bool:
     """True when a (nested) array type may hold null numbers."""
     nullable = False
     while hasattr(dtype, "elementType"):
@@ -386,6 +389,21 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
             lease.release()
 
 
+def streamed(df: DataFrame, columns: Sequence[ColumnSpec],
+             validation: Union[None, float, str] = None, seed: Optional[int] = None,
+             variable_length: bool = False) -> MaterializedDataset:
+    """``input_mode="stream"``: ``columns`` sized and checked as :func:`materialize` does, and
+    nothing written: the training stage reads the returned dataset's ``stream``, ``df``'s rows
+    in their stored form with their split (:mod:`sparktrain.data.stream`)."""
+    start = time.perf_counter()
+    specs = sized_columns(df, columns, variable_length)
+    nullable = {f.name: nullable_elements(f.dataType) for f in df.schema.fields}
+    selected = [expr for spec in specs for expr in prepared_column(spec, nullable[spec.name])]
+    split = split_column(df, validation, seed) or [F.lit("train").alias(SPLIT_COL)]
+    return MaterializedDataset("", specs, {}, "stream", seconds=time.perf_counter() - start,
+                               stream=df.select(*selected, *split))
+
+
 def _reused(store: Store, key: str, found: Commit, start: float) -> MaterializedDataset:
     meta = found.meta
     root = f"{store.dataset_path(key)}/{ATTEMPTS}/{found.attempt}"
@@ -402,11 +420,11 @@ def _write(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
     """Write one attempt of the dataset and commit it (the caller holds ``lease``)."""
     attempt = lease.owner
     root = f"{store.dataset_path(key)}/{ATTEMPTS}/{attempt}"
-    specs = _sized(df, columns, variable_length)
-    nullable = {f.name: _nullable_elements(f.dataType) for f in df.schema.fields}
+    specs = sized_columns(df, columns, variable_length)
+    nullable = {f.name: nullable_elements(f.dataType) for f in df.schema.fields}
     selected = [expr for spec in specs
-                for expr in _prepared_column(spec, nullable[spec.name])]
-    writer_df = df.select(*selected, *_split_column(df, validation, seed))
+                for expr in prepared_column(spec, nullable[spec.name])]
+    writer_df = df.select(*selected, *split_column(df, validation, seed))
     writer = (writer_df.write.mode("overwrite")
               .option("parquet.block.size", ROW_GROUP_BYTES)
               .option("compression", _codec(store, specs)))
@@ -440,7 +458,7 @@ def _write(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
     return MaterializedDataset(root, specs, rows, key, False, seconds, files)
 
 
-def _split_column(df: DataFrame, validation: Union[None, float, str], seed: Optional[int]
+def split_column(df: DataFrame, validation: Union[None, float, str], seed: Optional[int]
                   ) -> List[Column]:
     if not validation:
         return []

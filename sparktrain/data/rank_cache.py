@@ -113,6 +113,18 @@ def _allocated(path: str, column: ColumnSpec, rows: int) -> np.ndarray:
     return array
 
 
+def owned_folder(root: str) -> str:
+    """A new folder under ``root`` marked as this process's (so that :func:`remove_orphans`
+    removes it once the process is gone), after removing the orphans already there."""
+    os.makedirs(root, exist_ok=True)
+    remove_orphans(root)
+    folder = os.path.join(root, uuid.uuid4().hex)
+    os.makedirs(folder)
+    with open(os.path.join(folder, _OWNER), "w") as f:
+        f.write(f"{os.getpid()}:{_start_time(os.getpid())}")
+    return folder
+
+
 class RankCache:
     """One split's shard of one rank on the local disk; see the module docstring."""
 
@@ -135,7 +147,6 @@ class RankCache:
         need = rows * row_bytes
         try:
             os.makedirs(root, exist_ok=True)
-            remove_orphans(root)
             free = shutil.disk_usage(root).free
         except OSError as exc:
             log.warning("no local cache for %s (%s): every epoch reads the store", label, exc)
@@ -145,15 +156,14 @@ class RankCache:
                         "(%d MiB kept free); every epoch reads the store", label, need / 2**20,
                         root, free / 2**20, HEADROOM_BYTES >> 20)
             return None
-        folder = os.path.join(root, uuid.uuid4().hex)
+        folder = None
         try:
-            os.makedirs(folder)
-            with open(os.path.join(folder, _OWNER), "w") as f:
-                f.write(f"{os.getpid()}:{_start_time(os.getpid())}")
+            folder = owned_folder(root)
             arrays = {c.name: _allocated(os.path.join(folder, f"{i}.npy"), c, rows)
                       for i, c in enumerate(columns)}
         except OSError as exc:
-            shutil.rmtree(folder, ignore_errors=True)
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
             log.warning("no local cache for %s (%s): every epoch reads the store", label, exc)
             return None
         return cls(folder, arrays, rows)

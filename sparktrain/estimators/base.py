@@ -26,7 +26,8 @@ from pyspark.sql import DataFrame, SparkSession
 from sparktrain.options import horovod as horovod_params
 from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.batch import heavy_decoding
-from sparktrain.data.materialize import MaterializedDataset, lease_seconds, materialize
+from sparktrain.data.materialize import MaterializedDataset, lease_seconds, materialize, \
+    streamed
 from sparktrain.data.run_lock import run_lock
 from sparktrain.data.schema import BINARY, IMAGE, RAW_KINDS, STRING, VARLEN, ColumnSpec, \
     check_validation_column, training_columns
@@ -142,6 +143,21 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         raise NotImplementedError
 
     # -- fit ------------------------------------------------------------------------------------
+    def _rows_to_ranks(self, df: DataFrame, store: Store, specs: List[ColumnSpec],
+                       validation: Any, elastic: ElasticPlan) -> MaterializedDataset:
+        """The dataset the ranks read: materialized in the store (``input_mode="store"``), or
+        streamed by the training stage itself (``"stream"``: nothing written)."""
+        variable = self.getTransformationFn() is not None
+        if self.getInputMode() == "store":
+            return materialize(df, store, specs, validation, self.getRandomSeed(),
+                               variable_length=variable)
+        ranks = elastic.min_num_proc
+        if df.limit(ranks).count() < ranks:
+            raise ValueError(f"input_mode='stream' gives each of the {ranks} ranks its own "
+                             f"rows, and the DataFrame has fewer rows than that; use fewer "
+                             f"ranks (num_proc) or more rows")
+        return streamed(df, specs, validation, self.getRandomSeed(), variable_length=variable)
+
     def _check_params(self, df: DataFrame) -> List[ColumnSpec]:
         for name, low in (("num_proc", 1), ("batch_size", 1), ("epochs", 1),
                           ("backward_passes_per_step", 1)):
@@ -243,8 +259,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
             if latest is not None:
                 log.info("run %s has a checkpoint after epoch %d: resuming from it", run_id,
                          latest.epochs_done)
-            data = materialize(dataset, store, specs, validation, self.getRandomSeed(),
-                               variable_length=self.getTransformationFn() is not None)
+            data = self._rows_to_ranks(dataset, store, specs, validation, elastic)
             result = self._train(FitRun(dataset.sparkSession, data, store, use_gpu, run_id,
                                         progress, time.time(), elastic))
             listener.trained(result)

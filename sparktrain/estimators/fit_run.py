@@ -44,6 +44,8 @@ class FitRun:
     def launch(self, task: Callable[[Any], Any], **options: Any) -> List[Any]:
         """Run ``task`` on the fit's ranks, in generations when the fit is elastic; results in
         rank order (``options``: :func:`~sparktrain.launch.barrier.run_barrier`'s)."""
+        if self.data.stream is not None:  # input_mode="stream": the stage takes the rows
+            options = dict(options, rows=self.data.stream)
         return run_elastic(self.spark, self.elastic, task, on_progress=self.progress.update,
                            **options)
 

@@ -1,7 +1,7 @@
 """Run a function as ``num_proc`` Spark barrier tasks, one per training rank.
 
 One code path for classic and Spark Connect sessions: the tasks are a barrier
-``DataFrame.mapInPandas`` (Spark >= 3.5), cancelled through job tags, and everything a rank
+``DataFrame.mapInArrow`` (Spark >= 3.5), cancelled through job tags, and everything a rank
 says (``[rank N]`` log lines, progress, its traceback) travels through the store
 (:mod:`.events`), so executors never open a connection to the client. The launcher checks up
 front that the cluster has enough concurrent task slots (Spark's own barrier check retries for
@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import cloudpickle
 from pyspark import BarrierTaskContext
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 
 from sparktrain.errors import TrainingError  # noqa: F401 - raised here, importable from here
 from sparktrain.fs import DEFAULT_LAUNCH_DIR, filesystem
@@ -76,6 +76,8 @@ class RankContext:
     client: Optional[RankEvents] = field(default=None, repr=False)
     attempt: int = 0  # 0 on the first run of the stage, n on Spark's n-th retry
     generation: Any = None  # an elastic fit's generation (sparktrain.launch.elastic)
+    # input_mode="stream": this rank's rows, Arrow record batches (run_barrier's ``rows``)
+    rows: Any = field(default=None, repr=False)
 
     def log(self, text: str) -> None:
         """Send ``text`` to the client's log as ``[rank N] text``."""
@@ -153,7 +155,8 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
                 on_progress: Optional[Callable[[Dict[str, Any]], None]] = None,
                 max_attempts: Optional[int] = None, workdir: Optional[str] = None,
                 storage_options: Optional[Dict[str, Any]] = None,
-                tag: Optional[str] = None, when_exhausted: str = "giving up") -> List[Any]:
+                tag: Optional[str] = None, when_exhausted: str = "giving up",
+                rows: Optional[DataFrame] = None) -> List[Any]:
     """Run ``task(RankContext)`` in ``num_proc`` barrier tasks; results in rank order.
 
     ``task`` must be picklable with plain values only (no SparkSession, no ``self``). A failed
@@ -163,8 +166,9 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
     default local store, which suits local masters); the launch's events and large results
     pass through it and are deleted after. ``tag``: the Spark job tag (default: a new one),
     for a caller that cancels the job itself (:mod:`.elastic`); ``when_exhausted``: what the
-    log line of the last attempt's failure says happens next. Raises :class:`TrainingError`
-    with the first failing rank's traceback.
+    log line of the last attempt's failure says happens next. ``rows``: a DataFrame whose rows
+    the barrier stage itself takes, one partition per rank (``RankContext.rows``: input_mode=
+    "stream"). Raises :class:`TrainingError` with the first failing rank's traceback.
     """
     if num_proc < 1:
         raise ValueError(f"num_proc must be >= 1, got {num_proc}")
@@ -201,14 +205,22 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
     try:
         with EventWatcher(f"{launch_dir}/events", storage_options, echo=echo_logs,
                           on_progress=on_progress, on_error=on_error) as watcher:
-            def partition(batches: Iterator[Any]) -> Iterator[Any]:
-                for _ in batches:  # the input rows only number the tasks
-                    pass
-                yield _rank_result_frame(*run_rank(task, where), launch_dir, storage_options)
+            streamed = rows is not None
 
+            def partition(batches: Iterator[Any]) -> Iterator[Any]:
+                if not streamed:
+                    for _ in batches:  # the input rows only number the tasks
+                        pass
+                    batches = None
+                yield _rank_result_batch(*run_rank(task, where, batches), launch_dir,
+                                         storage_options)
+
+            # One partition a rank: the rows to stream (a shuffle, which a barrier stage may
+            # follow; coalesce may not, SPARK-24820), or just the ranks' numbers.
+            source = rows.repartition(num_proc) if streamed else \
+                spark.range(0, num_proc, 1, num_proc)
             # repartition(1) makes the barrier stage a shuffle map stage: Spark retries those.
-            frame = spark.range(0, num_proc, 1, num_proc) \
-                .mapInPandas(partition, _RESULT_SCHEMA, barrier=True).repartition(1)
+            frame = source.mapInArrow(partition, _RESULT_SCHEMA, barrier=True).repartition(1)
             with job_tag(spark, tag, description):
                 try:
                     rows = frame.collect()
@@ -230,10 +242,10 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
     return [results[rank] for rank in sorted(results)]
 
 
-def _rank_result_frame(rank: int, result: Any, launch_dir: str,
+def _rank_result_batch(rank: int, result: Any, launch_dir: str,
                        storage_options: Optional[Dict[str, Any]]) -> Any:
-    """The one-row pandas frame a rank returns: its pickled result, or where it stored it."""
-    import pandas as pd
+    """The one-row Arrow batch a rank returns: its pickled result, or where it stored it."""
+    import pyarrow as pa
 
     data, stored = cloudpickle.dumps(result), None
     if len(data) > INLINE_RESULT_BYTES:
@@ -242,7 +254,9 @@ def _rank_result_frame(rank: int, result: Any, launch_dir: str,
         fs.makedirs(f"{root}/results", exist_ok=True)
         fs.pipe_file(stored, data)
         data = b""
-    return pd.DataFrame({"rank": [rank], "result": [data], "stored": [stored]})
+    return pa.RecordBatch.from_pydict(
+        {"rank": pa.array([rank], pa.int32()), "result": pa.array([data], pa.binary()),
+         "stored": pa.array([stored], pa.string())})
 
 
 def _load_result(row: Any, fs: Any) -> Any:
@@ -361,10 +375,11 @@ def rank_context(barrier: Any, client: Optional[RankEvents] = None) -> RankConte
                        client=client)
 
 
-def run_rank(task: Callable[[RankContext], Any], where: Sequence) -> Tuple[int, Any]:
+def run_rank(task: Callable[[RankContext], Any], where: Sequence,
+             rows: Optional[Iterator[Any]] = None) -> Tuple[int, Any]:
     """Executor entry point: build the :class:`RankContext`, run ``task``, report failures.
     ``where`` is ``(launch directory, storage_options, mirror output to the executor log,
-    the most attempts to start)``."""
+    the most attempts to start)``; ``rows``: the rank's streamed rows, if any."""
     barrier = BarrierTaskContext.get()
     rank = barrier.partitionId()
     client = RankEvents(f"{where[0]}/events", where[1], rank)
@@ -376,6 +391,7 @@ def run_rank(task: Callable[[RankContext], Any], where: Sequence) -> Tuple[int, 
     try:
         with _captured_output(client, mirror=where[2]):
             context = rank_context(barrier, client)
+            context.rows = rows
             # every rank counted its own starts; agree on one number (the largest)
             context.attempt = max(int(a) for a in barrier.allGather(str(started)))
             client.attempt = context.attempt

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from sparktrain.data.feed import BatchFeed
-from sparktrain.data.reader import ShardReader, shard_readers, take_steps
+from sparktrain.data.reader import ShardReader, take_steps
+from sparktrain.data.stream import rank_readers
 from sparktrain.loop.epochs import EpochBoard, EpochDriver, Logs, StepReporter
 from sparktrain.loop.torch_batch import Batches, LossComputer, as_outputs, match_label, \
     select_device
@@ -359,7 +360,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         require_finite=True, meta={"framework": "torch", "strategy": spec.strategy})
     device = select_device(ctx, spec.use_gpu)
 
-    readers = shard_readers(spec, ctx.rank, ctx.world_size)
+    readers = rank_readers(spec, ctx.rank, ctx.world_size, ctx.rows, ctx.all_gather)
     train_steps = spec.train_steps or len(readers["train"])
     feed = BatchFeed.for_spec(spec, shipped.transform)
     dist = load_backend(TORCH_BACKENDS, spec.backend)(ctx, device)

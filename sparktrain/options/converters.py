@@ -25,6 +25,8 @@ MP_START_METHODS = ("fork", "spawn", "forkserver")
 BATCH_RULES = ("global", "rank")
 #: ``lr_scheduler_interval`` values: when ``lr_scheduler`` steps
 INTERVALS = ("step", "epoch")
+#: ``input_mode`` values: how the rows reach the ranks
+INPUT_MODES = ("store", "stream")
 # The strategy registries, named (not imported): the registry module sits in a higher layer
 # and the converters run only on the driver (sparktrain.plugins).
 _TORCH_STRATEGIES = "sparktrain.strategies:TORCH_STRATEGIES"

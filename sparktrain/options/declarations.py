@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from sparktrain.options.converters import BATCH_RULES, INTERVALS, MP_START_METHODS, \
+from sparktrain.options.converters import BATCH_RULES, INPUT_MODES, INTERVALS, MP_START_METHODS, \
     READER_POOL_TYPES, EnvVars, to_backend_name, to_bool, to_choice, to_count, to_env, \
     to_int, to_keras_strategy, to_list_string, to_loss_weights, to_mixed_precision, \
     to_module_classes, to_num_ps, to_optional_bool, to_optional_float, to_optional_int, \
@@ -85,6 +85,10 @@ COMMON = (
            Optional[str], rank=True),
     Option("validation", "fraction of rows held out for validation, or a boolean column "
            "marking them", None, to_validation),
+    Option("input_mode", "how the rows reach the ranks: 'store' (written to the store as "
+           "Parquet once, reused by later fits of the same DataFrame) or 'stream' (the training "
+           "stage reads the DataFrame's partitions itself, nothing written to the store)",
+           "store", to_choice("input_mode", INPUT_MODES), Optional[str], rank=True),
     Option("batch_size", "rows per batch on each process", 32, to_int, _INTS, rank=True),
     Option("val_batch_size", "rows per validation batch (default: batch_size)", None, to_int,
            _INTS, rank=True),

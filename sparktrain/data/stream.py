@@ -1,0 +1,162 @@
+"""``input_mode="stream"``: each rank takes its rows from the training stage itself.
+
+No dataset goes to the store. The barrier stage runs on the DataFrame's rows (its columns in
+their stored form and a split column, :func:`sparktrain.data.materialize.streamed`),
+repartitioned into one partition per rank. Each rank writes the Arrow record batches it
+receives into one local Arrow IPC file per split (:func:`spool`, in the folder the rank-local
+cache uses, removed when done or orphaned), the ranks agree on the most rows any of them got,
+and every epoch reads that memory-mapped file (:class:`StreamShard`): shuffled over all the
+rank's rows, every row once per epoch, a rank with fewer rows than the most repeating some of
+its own so that every rank runs the same steps. A retried or regrouped stage streams the rows
+again.
+
+Example (on a rank)::
+
+    readers = rank_readers(spec, rank, world_size, rows=ctx.rows, all_gather=ctx.all_gather)
+    for batch in readers["train"].epoch(0):
+        batch["features"].shape      # (batch_size, 32)
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import weakref
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from sparktrain.data.batch import arrow_to_numpy
+from sparktrain.data.columns import ColumnSpec
+from sparktrain.data.rank_cache import cache_root, owned_folder
+from sparktrain.data.reader import shard_readers
+from sparktrain.loop.spec import LoopSpec
+
+Batch = Dict[str, np.ndarray]
+SPLIT_COL = "split"  # as sparktrain.data.materialize writes it
+SPLITS = ("train", "val")
+
+
+def spool(batches: Iterable[Any], columns: Sequence[ColumnSpec], folder: str
+          ) -> Dict[str, Tuple[str, int]]:
+    """Write the Arrow record ``batches`` into ``folder``, one IPC file per split:
+    ``{split: (path, rows)}`` for the splits that got rows."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    names = [c.name for c in columns]
+    writers: Dict[str, Any] = {}
+    counts = {split: 0 for split in SPLITS}
+    try:
+        for batch in batches:
+            if not batch.num_rows:
+                continue
+            split_of = batch.column(SPLIT_COL)
+            for split in SPLITS:
+                part = batch.filter(pc.equal(split_of, split))
+                if not part.num_rows:
+                    continue
+                part = pa.RecordBatch.from_arrays([part.column(n) for n in names], names=names)
+                if split not in writers:
+                    writers[split] = pa.ipc.new_file(os.path.join(folder, f"{split}.arrow"),
+                                                     part.schema)
+                writers[split].write_batch(part)
+                counts[split] += part.num_rows
+    finally:
+        for writer in writers.values():
+            writer.close()
+    return {split: (os.path.join(folder, f"{split}.arrow"), counts[split]) for split in writers}
+
+
+class StreamShard:
+    """One split of one rank's streamed rows, from its spooled file; ``epoch`` yields
+    ``len(self)`` batches as :class:`~sparktrain.data.reader.ShardReader` does."""
+
+    def __init__(self, path: str, columns: Sequence[ColumnSpec], rows_per_epoch: int,
+                 batch_size: int, shuffle: bool, seed: Optional[int], rank: int) -> None:
+        import pyarrow as pa
+
+        self.columns = list(columns)
+        self.table = pa.ipc.open_file(pa.memory_map(path)).read_all()  # zero copy
+        self.rows = self.table.num_rows
+        self.rows_per_epoch = rows_per_epoch
+        self.batch_size = batch_size
+        self.shuffle, self.seed, self.rank = shuffle, 0 if seed is None else seed, rank
+        self.steps = max(1, math.ceil(rows_per_epoch / batch_size))
+        self.spooled: Any = None  # the rank's spool folder (removed once no reader holds it)
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def epoch(self, epoch: int = 0) -> Iterator[Batch]:
+        """Every row of the shard once (shuffled when ``shuffle``), then as many of them again
+        as this rank is short of the most rows a rank has."""
+        rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
+        order = rng.permutation(self.rows) if rng is not None else np.arange(self.rows)
+        order = np.resize(order, self.rows_per_epoch)  # repeats from the start when short
+        for start in range(0, self.rows_per_epoch, self.batch_size):
+            rows = order[start:start + self.batch_size]
+            if rng is not None:
+                rows = np.sort(rows)  # nearby rows together: fewer pages; a batch is a set
+            part = self.table.take(rows)
+            yield {c.name: arrow_to_numpy(part.column(c.name), c) for c in self.columns}
+
+    def close(self) -> None:
+        """Let the file go; the spooled folder is removed once no reader holds it."""
+        self.table = None
+        self.__dict__.pop("spooled", None)
+
+
+class _Spooled:
+    """The folder of a rank's spooled files: removed with the readers (or with the process,
+    or by the next fit on the machine if the process was killed)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.remove = weakref.finalize(self, shutil.rmtree, folder, True)
+
+
+def stream_readers(spec: LoopSpec, rank: int, world_size: int, rows: Iterable[Any],
+                   all_gather: Callable[[str], List[str]]) -> Dict[str, Any]:
+    """Spool this rank's ``rows``, agree with the other ranks on the steps, and return the
+    ``"train"`` (and ``"val"``) readers over the spooled files."""
+    columns = [ColumnSpec.from_json(c) for c in spec.columns]
+    spooled = _Spooled(owned_folder(cache_root()))
+    files = spool(rows, columns, spooled.folder)
+    counts = [json.loads(text) for text in all_gather(json.dumps(
+        {split: n for split, (_, n) in files.items()}))]
+    most = {split: max(c.get(split, 0) for c in counts) for split in SPLITS}
+    for split in (s for s in SPLITS if most[s]):
+        empty = [r for r, c in enumerate(counts) if not c.get(split)]
+        if empty:
+            spooled.remove()
+            raise ValueError(
+                f"input_mode='stream': rank(s) {empty} of {world_size} received no "
+                f"{'training' if split == 'train' else 'validation'} rows (rows per rank: "
+                f"{[c.get(split, 0) for c in counts]}); the DataFrame has too few rows for "
+                f"num_proc={world_size}: use fewer ranks or input_mode='store'")
+    if not most["train"]:
+        spooled.remove()
+        raise ValueError("input_mode='stream': the DataFrame reached the ranks without rows")
+    options = {"train": (spec.batch_size, spec.shuffle), "val": (spec.val_batch_size, False)}
+    readers: Dict[str, Any] = {}
+    for split in (s for s in SPLITS if most[s]):
+        size, shuffle = options[split]
+        readers[split] = StreamShard(files[split][0], columns, most[split], size, shuffle,
+                                     spec.seed, rank)
+        readers[split].spooled = spooled  # the folder lives as long as a reader holds it
+    return readers
+
+
+def rank_readers(spec: LoopSpec, rank: int, world_size: int, rows: Optional[Iterable[Any]] = None,
+                 all_gather: Optional[Callable[[str], List[str]]] = None
+                 ) -> Dict[str, Any]:
+    """This rank's readers of the fit's data, whatever its ``input_mode``: shards of the
+    materialized dataset (:func:`~sparktrain.data.reader.shard_readers`), or the rows the
+    training stage streamed to it (``rows``, agreeing on steps through ``all_gather``)."""
+    if spec.input_mode != "stream":
+        return shard_readers(spec, rank, world_size)
+    if rows is None or all_gather is None:
+        raise RuntimeError("input_mode='stream' but this rank was given no rows")
+    return stream_readers(spec, rank, world_size, rows, all_gather)

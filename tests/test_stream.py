@@ -1,0 +1,104 @@
+"""input_mode="stream": the training stage takes the DataFrame's rows itself (real Spark, real
+barrier tasks): every row trains once per epoch, nothing is written to the store."""
+from __future__ import annotations
+
+import collections
+import os
+
+import numpy as np
+import pytest
+
+
+class _RecordIds:
+    """A transformation_fn appending, on the ranks, the ids of every batch it sees."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def __call__(self, batch):
+        from pyspark import BarrierTaskContext
+
+        rank = BarrierTaskContext.get().partitionId()
+        with open(os.path.join(self.folder, f"rank-{rank}"), "a") as f:
+            f.write(" ".join(str(int(i)) for i in batch["id"].ravel()) + "\n")
+        return batch
+
+
+def _net():
+    """A linear model of ``features`` that takes (and ignores) the ``id`` column too."""
+    import torch
+
+    class IgnoreId(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+
+        def forward(self, ids, features):
+            return self.linear(features)
+
+    torch.manual_seed(0)
+    return IgnoreId()
+
+
+@pytest.fixture(scope="module")
+def id_frame(spark):
+    """1000 rows: ``id``, ``features`` (4 floats), ``label``, ``is_val`` (every 5th row)."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(1000, 4))
+    y = x @ np.array([1.0, -2.0, 0.5, 3.0])
+    rows = [(i, a.tolist(), float(b), i % 5 == 0) for i, (a, b) in enumerate(zip(x, y))]
+    return spark.createDataFrame(rows, "id long, features array<double>, label double, "
+                                       "is_val boolean").repartition(3).cache()
+
+
+def _seen(folder):
+    return [[int(v) for v in line.split()] for name in sorted(os.listdir(folder))
+            for line in open(os.path.join(folder, name)) if line.strip()]
+
+
+@pytest.mark.parametrize("validation", [None, "is_val"], ids=["no_validation", "val_column"])
+def test_a_stream_fit_trains_every_row_once_an_epoch_and_writes_no_dataset(
+        spark, id_frame, tmp_path, validation):
+    import torch
+
+    from sparktrain import TorchEstimator
+
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    store = tmp_path / "store"
+    net = _net()
+    est = TorchEstimator(num_proc=2, model=net, optimizer=torch.optim.SGD(net.parameters(), 0.01),
+                         loss=torch.nn.MSELoss(), feature_cols=["id", "features"],
+                         label_cols=["label"], batch_size=64, epochs=3, validation=validation,
+                         input_mode="stream", store=str(store), verbose=0, random_seed=1,
+                         transformation_fn=_RecordIds(str(seen)))
+    model = est.fit(id_frame)
+    history = model.getHistory()
+    assert len(history["loss"]) == 3 and ("val_loss" in history) == bool(validation)
+    counts = collections.Counter(i for batch in _seen(seen) for i in batch)
+    val_ids = set(range(0, 1000, 5)) if validation else set()
+    train_ids = set(range(1000)) - val_ids
+    # every training row 3 times (one a epoch), a few repeated by a rank that got fewer rows
+    assert {i for i in counts if counts[i] >= 3} >= train_ids
+    trained = sum(counts[i] for i in train_ids)
+    assert 3 * len(train_ids) <= trained <= 3 * (len(train_ids) + 2 * 3)
+    assert not (store / "datasets").exists() or not os.listdir(store / "datasets")
+    predictions = model.transform(id_frame.limit(10)).collect()
+    assert len(predictions) == 10 and all(np.isfinite(r["label__output"]) for r in predictions)
+
+
+def test_stream_input_errors_come_before_training(spark, id_frame, tmp_path):
+    import torch
+
+    from sparktrain import TorchEstimator
+
+    with pytest.raises(ValueError, match=r"input_mode='files'; expected one of \['store', "
+                                         r"'stream'\]"):
+        TorchEstimator(input_mode="files")
+    net = _net()
+    est = TorchEstimator(num_proc=2, model=net, optimizer=torch.optim.SGD(net.parameters(), 0.01),
+                         loss=torch.nn.MSELoss(), feature_cols=["id", "features"],
+                         label_cols=["label"], input_mode="stream", store=str(tmp_path),
+                         verbose=0)
+    with pytest.raises(ValueError, match="fewer rows than that"):
+        est.fit(id_frame.limit(1))
