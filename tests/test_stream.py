@@ -102,3 +102,28 @@ def test_stream_input_errors_come_before_training(spark, id_frame, tmp_path):
                          verbose=0)
     with pytest.raises(ValueError, match="fewer rows than that"):
         est.fit(id_frame.limit(1))
+
+
+def test_a_keras_stream_fit_trains_and_predicts(spark, regression_df, tmp_path):
+    import keras
+
+    from sparktrain import KerasEstimator
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    est = KerasEstimator(num_proc=2, model=model, optimizer=keras.optimizers.Adam(0.05),
+                         loss="mse", feature_cols=["features"], label_cols=["label"],
+                         batch_size=64, epochs=4, validation=0.2, input_mode="stream",
+                         store=str(tmp_path), verbose=0, random_seed=3)
+    fitted = est.fit(regression_df)
+    history = fitted.getHistory()
+    assert len(history["loss"]) == 4 and len(history["val_loss"]) == 4
+    assert history["loss"][-1] < history["loss"][0]
+    assert not (tmp_path / "datasets").exists() or not os.listdir(tmp_path / "datasets")
+    out = fitted.transform(regression_df.limit(20)).collect()
+    assert len(out) == 20 and all(np.isfinite(r["label__output"]) for r in out)
+    with pytest.raises(ValueError, match="input_mode='stream' is not available with backend="
+                                         "'tfos'"):
+        KerasEstimator(num_proc=2, model=model, optimizer="adam", loss="mse",
+                       feature_cols=["features"], backend="tfos", input_mode="stream",
+                       store=str(tmp_path)).fit(regression_df)

@@ -117,16 +117,20 @@ class _Spooled:
         self.remove = weakref.finalize(self, shutil.rmtree, folder, True)
 
 
-def stream_readers(spec: LoopSpec, rank: int, world_size: int, rows: Iterable[Any],
-                   all_gather: Callable[[str], List[str]]) -> Dict[str, Any]:
-    """Spool this rank's ``rows``, agree with the other ranks on the steps, and return the
-    ``"train"`` (and ``"val"``) readers over the spooled files."""
+def spool_shard(spec: LoopSpec, world_size: int, rows: Iterable[Any],
+                all_gather: Callable[[str], List[str]]) -> Tuple[Any, Dict[str, List[Any]]]:
+    """Spool this rank's ``rows`` and agree with the other ranks on the rows an epoch has:
+    ``(the spool folder's owner, {split: [file, rows per epoch]})``. The folder goes when the
+    owner object does (keep it while the files are read)."""
     columns = [ColumnSpec.from_json(c) for c in spec.columns]
     spooled = _Spooled(owned_folder(cache_root()))
     files = spool(rows, columns, spooled.folder)
     counts = [json.loads(text) for text in all_gather(json.dumps(
         {split: n for split, (_, n) in files.items()}))]
     most = {split: max(c.get(split, 0) for c in counts) for split in SPLITS}
+    if not most["train"]:
+        spooled.remove()
+        raise ValueError("input_mode='stream': the DataFrame reached the ranks without rows")
     for split in (s for s in SPLITS if most[s]):
         empty = [r for r, c in enumerate(counts) if not c.get(split)]
         if empty:
@@ -136,27 +140,35 @@ def stream_readers(spec: LoopSpec, rank: int, world_size: int, rows: Iterable[An
                 f"{'training' if split == 'train' else 'validation'} rows (rows per rank: "
                 f"{[c.get(split, 0) for c in counts]}); the DataFrame has too few rows for "
                 f"num_proc={world_size}: use fewer ranks or input_mode='store'")
-    if not most["train"]:
-        spooled.remove()
-        raise ValueError("input_mode='stream': the DataFrame reached the ranks without rows")
+    return spooled, {split: [files[split][0], most[split]] for split in SPLITS if most[split]}
+
+
+def streamed_readers(spec: LoopSpec, files: Dict[str, List[Any]], rank: int,
+                     spooled: Any = None) -> Dict[str, StreamShard]:
+    """The readers of spooled ``files`` (:func:`spool_shard`'s); ``spooled`` stays alive with
+    them."""
+    columns = [ColumnSpec.from_json(c) for c in spec.columns]
     options = {"train": (spec.batch_size, spec.shuffle), "val": (spec.val_batch_size, False)}
-    readers: Dict[str, Any] = {}
-    for split in (s for s in SPLITS if most[s]):
+    readers = {}
+    for split, (path, rows_per_epoch) in files.items():
         size, shuffle = options[split]
-        readers[split] = StreamShard(files[split][0], columns, most[split], size, shuffle,
-                                     spec.seed, rank)
-        readers[split].spooled = spooled  # the folder lives as long as a reader holds it
+        readers[split] = StreamShard(path, columns, rows_per_epoch, size, shuffle, spec.seed,
+                                     rank)
+        readers[split].spooled = spooled
     return readers
 
 
 def rank_readers(spec: LoopSpec, rank: int, world_size: int, rows: Optional[Iterable[Any]] = None,
-                 all_gather: Optional[Callable[[str], List[str]]] = None
-                 ) -> Dict[str, Any]:
+                 all_gather: Optional[Callable[[str], List[str]]] = None) -> Dict[str, Any]:
     """This rank's readers of the fit's data, whatever its ``input_mode``: shards of the
-    materialized dataset (:func:`~sparktrain.data.reader.shard_readers`), or the rows the
-    training stage streamed to it (``rows``, agreeing on steps through ``all_gather``)."""
+    materialized dataset (:func:`~sparktrain.data.reader.shard_readers`), the files its Spark
+    task spooled (``spec.streamed``: a Keras child process), or the rows the training stage
+    streams to it (``rows``, agreeing on the steps through ``all_gather``)."""
     if spec.input_mode != "stream":
         return shard_readers(spec, rank, world_size)
+    if spec.streamed:
+        return streamed_readers(spec, spec.streamed, rank)
     if rows is None or all_gather is None:
         raise RuntimeError("input_mode='stream' but this rank was given no rows")
-    return stream_readers(spec, rank, world_size, rows, all_gather)
+    spooled, files = spool_shard(spec, world_size, rows, all_gather)
+    return streamed_readers(spec, files, rank, spooled)

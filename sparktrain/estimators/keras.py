@@ -133,6 +133,12 @@ class KerasEstimator(EstimatorBase, KerasParams):
             raise TypeError(f"model must be a keras.Model (Keras {keras.__version__}), got "
                             f"{type(self.getModel()).__name__}")
         horovod_params.check_common(self)
+        if self.getInputMode() == "stream" and (self.getBackend() == "tfos" or
+                                                self.getStrategy() == "parameter_server"):
+            raise ValueError(f"input_mode='stream' is not available with backend="
+                             f"{self.getBackend()!r} and strategy={self.getStrategy()!r} (their "
+                             f"tasks do not all train on their own rows); use "
+                             f"input_mode='store'")
         from sparktrain.loop.keras_checkpoint import checkpoint_settings
 
         checkpoint_settings(self.getCheckpointCallback(), self.getValidation())

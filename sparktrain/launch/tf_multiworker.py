@@ -32,6 +32,7 @@ from typing import IO, Any, Callable, Dict, List, Optional, Tuple, Union
 
 from sparktrain.launch import zygote
 from sparktrain.launch.zygote import die_with_parent
+from sparktrain.data.stream import spool_shard
 from sparktrain.launch.barrier import RankContext
 from sparktrain.faults import mark_user_error
 from sparktrain.launch.gpus import gpu_environment, rank_gpu
@@ -131,13 +132,20 @@ def run_tf_worker(ctx: RankContext, spec: KerasTrainSpec, payload: bytes, use_gp
     """Run this barrier task's part of the cluster the Keras ``strategy`` (a class) forms;
     return what it returned."""
     spec = replace(spec, attempt=ctx.attempt)
+    spooled = None
+    if spec.input_mode == "stream":  # the child reads the rows this task spools for it
+        spooled, files = spool_shard(spec, ctx.world_size, ctx.rows, ctx.all_gather)
+        spec = replace(spec, streamed=files)
     chosen = strategy(spec)
     host = ctx.hosts[ctx.rank]
     addresses = ctx.all_gather(f"{host}:{_free_port(host)}")
     roles = chosen.roles(ctx.world_size)
     task = TFTask(ctx, roles[ctx.rank], cluster_config(addresses, roles, ctx.rank), spec,
                   payload, use_gpu)
-    return chosen.run_task(task)
+    try:
+        return chosen.run_task(task)
+    finally:
+        del spooled  # the spooled files go with it
 
 
 def spawn_keras_worker(rank: int, world_size: int, config: str, spec: KerasTrainSpec,

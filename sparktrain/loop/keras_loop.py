@@ -132,14 +132,14 @@ class _KerasEpochs:
                  workdir: str, custom: Dict[str, Any], strategy: KerasStrategy, distributed: Any,
                  driver: EpochDriver) -> None:
         from sparktrain.data.feed import BatchFeed
-        from sparktrain.data.reader import shard_readers
+        from sparktrain.data.stream import rank_readers
 
         self.tf, self.spec, self.workdir, self.strategy = tf, spec, workdir, strategy
         self.driver, self.payload = driver, payload
         self.model, self.optimizer, self.loss_fn = self._load_model(keras, custom, distributed)
         with user_code("the metrics"):
             self.metrics = resolve_metrics(keras, payload["metrics"], custom)
-        readers = shard_readers(spec, spec.rank, spec.world_size)
+        readers = rank_readers(spec, spec.rank, spec.world_size)
         self.train_reader, self.val_reader = readers["train"], readers.get("val")
         self.train_steps = strategy.steps_per_epoch(spec.train_steps or len(self.train_reader))
         self.transform = payload.get("transformation_fn")

@@ -73,6 +73,9 @@ class LoopSpec:
     fit_id: str = ""  # the fit's attempts share it (see sparktrain.loop.epochs)
     run_path: str = ""  # the run's directory in the store: checkpoints, TensorBoard; "": none
     generation: Optional[Dict[str, Any]] = None  # an elastic fit's (launch.elastic.for_rank)
+    # input_mode="stream" in a child process: the files its Spark task spooled, split ->
+    # [path, rows per epoch] (sparktrain.data.stream.spool_shard)
+    streamed: Optional[Dict[str, List[Any]]] = None
     # how the ranks read and decode (sparktrain.options.horovod.reader_options)
     train_prefetch: int = 2  # row groups the readers decode ahead
     val_prefetch: int = 2
