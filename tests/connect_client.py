@@ -246,6 +246,27 @@ def horovod(spark, workdir: str) -> Dict[str, Any]:
     return {"history": model.getHistory()["loss"]}
 
 
+def stream(spark, workdir: str) -> Dict[str, Any]:
+    """input_mode='stream' over Connect: the barrier stage reads the DataFrame's rows, nothing
+    goes to the store."""
+    from helpers import linear_estimator
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1000, 4))
+    y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
+    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y)],
+                               "features array<double>, label double")
+    store = os.path.join(workdir, "store")
+    model = linear_estimator(store, input_mode="stream", validation=0.2, epochs=3,
+                             batch_size=50).fit(df)
+    datasets = os.path.join(store, "datasets")
+    return {"history": model.getHistory()["loss"],
+            "datasets": len(os.listdir(datasets)) if os.path.isdir(datasets) else 0,
+            "predicted": model.transform(df).count()}
+
+
 def huggingface(spark, workdir: str) -> Dict[str, Any]:
     """A tiny BERT as it is (loss=None, keyword forward) on a text column over Connect: the
     columns the tokenizer makes are learned on the client, and transform reads the text."""
@@ -369,6 +390,7 @@ def _big_keras_model(spark, workdir: str, x, y) -> Dict[str, Any]:
 
 
 SCENARIOS: Dict[str, Callable] = {"readme": readme, "faults": faults, "horovod": horovod,
+                                  "stream": stream,
                                   "huggingface": huggingface, "big_model": big_model,
                                   "mlflow": mlflow_tracking}
 

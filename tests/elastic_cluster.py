@@ -195,7 +195,7 @@ def main(workdir: str) -> dict:
 
         # -- horovod, fsdp and keras: one shrink each ---------------------------------------------
         for name, params in (("horovod", {"backend": "horovod"}), ("fsdp", {"strategy": "fsdp"}),
-                             ("keras", {})):
+                             ("keras", {}), ("stream", {"input_mode": "stream"})):
             if name == "horovod":
                 try:
                     import horovod.torch  # noqa: F401

@@ -86,7 +86,9 @@ def test_faults_over_connect_without_executors_reaching_the_client(connect_url, 
     ("horovod", "horovod.torch", 3, {}),
     # a Hugging Face model as it is
     ("huggingface", "transformers", 2, {"predicted": 50, "width": 2}),
-], ids=["horovod", "huggingface"])
+    # input_mode="stream": the barrier stage takes the rows, no dataset in the store
+    ("stream", "torch", 3, {"datasets": 0, "predicted": 1000}),
+], ids=["horovod", "huggingface", "stream"])
 def test_more_engines_over_connect(connect_url, tmp_path, scenario, module, epochs, more):
     pytest.importorskip(module)
     found, _ = run_client(scenario, connect_url, tmp_path)

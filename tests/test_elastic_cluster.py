@@ -54,7 +54,7 @@ def test_fewer_slots_than_min_num_proc_fail_fast(found):
     assert "the cluster has 2" in failure["error"] and failure["seconds"] < 30, failure
 
 
-@pytest.mark.parametrize("engine", ["horovod", "fsdp", "keras"])
+@pytest.mark.parametrize("engine", ["horovod", "fsdp", "keras", "stream"])  # stream: ddp, rows streamed again
 def test_each_engine_survives_a_shrink(found, engine):
     outcome = found[engine]
     if "skipped" in outcome:

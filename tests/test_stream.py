@@ -127,3 +127,24 @@ def test_a_keras_stream_fit_trains_and_predicts(spark, regression_df, tmp_path):
         KerasEstimator(num_proc=2, model=model, optimizer="adam", loss="mse",
                        feature_cols=["features"], backend="tfos", input_mode="stream",
                        store=str(tmp_path)).fit(regression_df)
+
+
+def _double(batch):
+    """A transformation_fn for decode worker processes."""
+    return dict(batch, features=batch["features"] * 2.0)
+
+
+@pytest.mark.parametrize("params", [{"backend": "horovod"}, {"strategy": "fsdp"},
+                                    {"transformation_fn": _double,
+                                     "reader_pool_type": "process"}],
+                         ids=["horovod", "fsdp", "process_decoding"])
+def test_stream_fits_with_every_torch_engine_and_decoding(spark, regression_df, tmp_path, params):
+    from helpers import linear_estimator
+
+    if params.get("backend") == "horovod":
+        pytest.importorskip("horovod.torch")
+    est = linear_estimator(str(tmp_path), input_mode="stream", validation="is_val", epochs=3,
+                           batch_size=50, **params)
+    history = est.fit(regression_df).getHistory()
+    assert len(history["loss"]) == 3 and history["loss"][-1] < history["loss"][0]
+    assert not (tmp_path / "datasets").exists() or not os.listdir(tmp_path / "datasets")
