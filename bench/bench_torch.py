@@ -18,6 +18,8 @@ Figures (see bench/README.md for what each one compares and why):
   materialize  seconds to materialize the frame into a fresh store vs df.write.parquet
                (extra: second materialize call = reuse, Petastorm converter creation)
   fit          wall time of a warm 1-step 2-rank TorchEstimator.fit vs TorchDistributor.run
+  stream       seconds of a 2-epoch fit with input_mode='stream' vs 'store' (a new store each
+               time: the dataset is written), and the dataset bytes each leaves in the store
   inference    TorchModel.transform rows/s vs a hand-written iterator pandas_udf
                (extra: vs pyspark.ml.functions.predict_batch_udf)
 
@@ -41,7 +43,7 @@ from common import (add_common_args, add_frame_args, arg_meta, bench_session, ca
                     new_parser, parse_common, progress, quiet_warnings, remove_tmp, report,
                     session_kind, spark_conf, timed, versions)
 
-FIGURES = ("read", "materialize", "fit", "inference")
+FIGURES = ("read", "materialize", "fit", "stream", "inference")
 READ_BATCH = 1024
 HIDDEN, CLASSES = 64, 2
 FIT_BATCH = 64  # rows per rank per step in the fit-overhead figure
@@ -392,6 +394,51 @@ def bench_fit(spark, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict[str,
                   st / td, 0.5, "<=", extras)
 
 
+# -- figure 5: a whole fit, the rows streamed or through the store -----------------------------
+STREAM_EPOCHS = 2
+STREAM_BATCH = 1024
+
+
+def _bytes_under(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path)
+               for f in files)
+
+
+def bench_stream(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) -> Dict[str, Any]:
+    """End to end, DataFrame to fitted model: input_mode='stream' against 'store' with a new
+    store each time (so the store path writes its dataset, as a first fit of a DataFrame does)."""
+    runs: Dict[str, List[float]] = {"store": [], "stream": []}
+    written: Dict[str, int] = {}
+
+    def fit(mode: str, index: int) -> None:
+        store = os.path.join(tmp, f"store-{mode}-{index}")
+        est = make_estimator(state["features"], STREAM_BATCH, store)
+        est.setParams(epochs=STREAM_EPOCHS, shuffle=True, input_mode=mode)
+        seconds, model = timed(lambda: est.fit(df))
+        assert len(model.getHistory()["loss"]) == STREAM_EPOCHS
+        if index >= 0:
+            runs[mode].append(seconds)
+        written[mode] = _bytes_under(os.path.join(store, "datasets"))
+        shutil.rmtree(store, ignore_errors=True)
+        progress(f"stream: {mode} fit {index + 1}/{repeats}: {seconds:.2f}s "
+                 f"({written[mode] / 2**20:.0f} MiB of dataset in the store)")
+
+    for mode in ("store", "stream"):  # warm-up: Python workers, imports
+        fit(mode, -1)
+    for i in range(repeats):
+        for mode in ("store", "stream"):
+            fit(mode, i)
+    stream, store = statistics.median(runs["stream"]), statistics.median(runs["store"])
+    extras = {"dataset bytes in the store": {
+        "value": written["stream"], "unit": "bytes",
+        "note": f"store mode wrote {written['store'] / 2**20:.0f} MiB"},
+        "runs": {"stream_s": runs["stream"], "store_s": runs["store"]}}
+    return figure("stream", f"seconds of a fit, {state['rows']:,} rows, {STREAM_EPOCHS} epochs, "
+                  f"2 ranks, batch {STREAM_BATCH}, new store each fit, median of {repeats}", "s",
+                  stream, store, "input_mode='store' (dataset written to a new store)",
+                  stream / store, 1.0, "<=", extras)
+
+
 # -- figure 4: inference ------------------------------------------------------------------------
 class _Closure:
     """The broadcast interface (``value``, ``destroy``) for values carried in a closure."""
@@ -560,6 +607,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             order = [("materialize", lambda: bench_materialize(spark, df, tmp, repeats, state)),
                      ("read", lambda: bench_read(spark, df, tmp, repeats, state)),
                      ("fit", lambda: bench_fit(spark, tmp, repeats, state)),
+                     ("stream", lambda: bench_stream(spark, df, tmp, repeats, state)),
                      ("inference", lambda: bench_inference(spark, df, tmp, repeats, state))]
             for name, run in order:
                 if name in args.skip:
@@ -578,8 +626,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         remove_tmp(tmp, args.keep_tmp)
 
-    order = {name: i for i, name in enumerate(("read", "read:pyarrow", "read:cached", "materialize", "fit",
-                                               "inference"))}
+    order = {name: i for i, name in enumerate(("read", "read:pyarrow", "read:cached",
+                                               "materialize", "fit", "stream", "inference"))}
     results.sort(key=lambda r: order[r["figure"]])
     title = (f"sparktrain torch benchmark: {args.rows:,} rows x {args.features} features, "
              f"{args.master}, {session_kind(args)}, {load_note(load_before)}")
