@@ -29,7 +29,7 @@ import numpy as np
 
 from sparktrain.data.batch import arrow_to_numpy
 from sparktrain.data.columns import ColumnSpec
-from sparktrain.data.rank_cache import cache_root, owned_folder
+from sparktrain.data.rank_cache import RankCache, cache_root, owned_folder
 from sparktrain.data.reader import shard_readers
 from sparktrain.loop.spec import LoopSpec
 
@@ -71,20 +71,32 @@ def spool(batches: Iterable[Any], columns: Sequence[ColumnSpec], folder: str
 
 class StreamShard:
     """One split of one rank's streamed rows, from its spooled file; ``epoch`` yields
-    ``len(self)`` batches as :class:`~sparktrain.data.reader.ShardReader` does."""
+    ``len(self)`` batches as :class:`~sparktrain.data.reader.ShardReader` does. Numeric
+    columns are moved once into the rank-local cache's memory-mapped arrays (a batch is then a
+    slice or a gather of them); other columns are taken from the Arrow table."""
 
     def __init__(self, path: str, columns: Sequence[ColumnSpec], rows_per_epoch: int,
                  batch_size: int, shuffle: bool, seed: Optional[int], rank: int) -> None:
         import pyarrow as pa
 
         self.columns = list(columns)
-        self.table = pa.ipc.open_file(pa.memory_map(path)).read_all()  # zero copy
-        self.rows = self.table.num_rows
+        table = pa.ipc.open_file(pa.memory_map(path)).read_all()  # zero copy
+        self.rows = table.num_rows
         self.rows_per_epoch = rows_per_epoch
         self.batch_size = batch_size
         self.shuffle, self.seed, self.rank = shuffle, 0 if seed is None else seed, rank
         self.steps = max(1, math.ceil(rows_per_epoch / batch_size))
         self.spooled: Any = None  # the rank's spool folder (removed once no reader holds it)
+        self.cache = RankCache.create(self.columns, self.rows, label=f"rank {rank}'s rows")
+        offset = 0
+        for batch in table.to_batches() if self.cache is not None else ():
+            chunk = {c.name: arrow_to_numpy(batch.column(c.name), c) for c in self.columns}
+            if not self.cache.write(offset, chunk):
+                self.cache = None
+                break
+            offset += batch.num_rows
+        # one chunk: ``take`` over many record batches is slow
+        self.table = None if self.cache is not None else table.combine_chunks()
 
     def __len__(self) -> int:
         return self.steps
@@ -99,12 +111,21 @@ class StreamShard:
             rows = order[start:start + self.batch_size]
             if rng is not None:
                 rows = np.sort(rows)  # nearby rows together: fewer pages; a batch is a set
-            part = self.table.take(rows)
-            yield {c.name: arrow_to_numpy(part.column(c.name), c) for c in self.columns}
+            yield self._rows(rows)
+
+    def _rows(self, rows: np.ndarray) -> Batch:
+        if self.cache is not None:
+            contiguous = len(rows) and rows[-1] - rows[0] == len(rows) - 1
+            return self.cache.slice(int(rows[0]), int(rows[-1]) + 1) if contiguous \
+                else self.cache.batch(rows)
+        part = self.table.take(rows)
+        return {c.name: arrow_to_numpy(part.column(c.name), c) for c in self.columns}
 
     def close(self) -> None:
-        """Let the file go; the spooled folder is removed once no reader holds it."""
+        """Let the files go; the spooled folder is removed once no reader holds it."""
         self.table = None
+        if self.cache is not None:
+            self.cache.close()
         self.__dict__.pop("spooled", None)
 
 

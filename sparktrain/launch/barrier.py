@@ -49,8 +49,8 @@ from sparktrain.errors import TrainingError  # noqa: F401 - raised here, importa
 from sparktrain.fs import DEFAULT_LAUNCH_DIR, filesystem
 from sparktrain.launch.events import EventWatcher, RankEvents
 from sparktrain.faults import user_error_source
-from sparktrain.session.spark_api import cancel_tag, conf_value, is_local_master, is_remote, job_tag, \
-    master, task_slots
+from sparktrain.session.spark_api import cancel_tag, conf_value, is_local_master, is_remote, \
+    job_tag, master, num_partitions, task_slots
 
 log = logging.getLogger(__name__)
 
@@ -205,22 +205,7 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
     try:
         with EventWatcher(f"{launch_dir}/events", storage_options, echo=echo_logs,
                           on_progress=on_progress, on_error=on_error) as watcher:
-            streamed = rows is not None
-
-            def partition(batches: Iterator[Any]) -> Iterator[Any]:
-                if not streamed:
-                    for _ in batches:  # the input rows only number the tasks
-                        pass
-                    batches = None
-                yield _rank_result_batch(*run_rank(task, where, batches), launch_dir,
-                                         storage_options)
-
-            # One partition a rank: the rows to stream (a shuffle, which a barrier stage may
-            # follow; coalesce may not, SPARK-24820), or just the ranks' numbers.
-            source = rows.repartition(num_proc) if streamed else \
-                spark.range(0, num_proc, 1, num_proc)
-            # repartition(1) makes the barrier stage a shuffle map stage: Spark retries those.
-            frame = source.mapInArrow(partition, _RESULT_SCHEMA, barrier=True).repartition(1)
+            frame = _barrier_frame(spark, num_proc, task, where, rows)
             with job_tag(spark, tag, description):
                 try:
                     rows = frame.collect()
@@ -240,6 +225,34 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
         except (FileNotFoundError, OSError):
             pass
     return [results[rank] for rank in sorted(results)]
+
+
+def _barrier_frame(spark: SparkSession, num_proc: int, task: Callable[[RankContext], Any],
+                   where: Sequence, rows: Optional[DataFrame]) -> DataFrame:
+    """The barrier stage as a DataFrame of the ranks' results (one row each)."""
+    streamed = rows is not None
+
+    def partition(batches: Iterator[Any]) -> Iterator[Any]:
+        if not streamed:
+            for _ in batches:  # the input rows only number the tasks
+                pass
+            batches = None
+        yield _rank_result_batch(*run_rank(task, where, batches), where[0], where[1])
+
+    # One partition a rank: the rows to stream, or just the ranks' numbers.
+    source = _partition_a_rank(rows, num_proc) if streamed else \
+        spark.range(0, num_proc, 1, num_proc)
+    # repartition(1) makes the barrier stage a shuffle map stage: Spark retries those.
+    return source.mapInArrow(partition, _RESULT_SCHEMA, barrier=True).repartition(1)
+
+
+def _partition_a_rank(rows: DataFrame, num_proc: int) -> DataFrame:
+    """``rows`` in ``num_proc`` partitions: as they are when they already are (no shuffle, as
+    XGBoost's PySpark estimators do), else repartitioned (a shuffle, which a barrier stage may
+    follow; ``coalesce`` may not, SPARK-24820)."""
+    if num_partitions(rows) == num_proc:
+        return rows
+    return rows.repartition(num_proc)
 
 
 def _rank_result_batch(rank: int, result: Any, launch_dir: str,

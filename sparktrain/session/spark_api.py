@@ -215,6 +215,14 @@ def plan_fingerprint(df: DataFrame) -> str:
     return f"{re.sub(r'#[0-9]+L?', '', analyzed)}|{df.semanticHash()}"
 
 
+def num_partitions(df: DataFrame) -> Optional[int]:
+    """``df``'s number of partitions where the session can tell without running it (classic
+    sessions); ``None`` over Spark Connect, whose DataFrames have no RDD."""
+    if is_remote(df.sparkSession):
+        return None
+    return df.rdd.getNumPartitions()
+
+
 def classic_only(spark: SparkSession, what: str, instead: str) -> None:
     """Raise before any job when ``what`` needs a driver-side SparkContext and ``spark`` is a
     Spark Connect session; ``instead`` says what to use."""
