@@ -109,6 +109,13 @@ def keras_estimator(store: str, run_id: str, epochs: int, paced_until: str):
     from sparktrain import KerasEstimator
 
     class KerasPace(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            # The Keras loop checkpoints after its callbacks' on_epoch_end: a machine lost at
+            # a checkpoint must find the next epoch still starting (its rows come from the
+            # rank-local cache in well under a second)
+            if epoch >= 1:
+                Pace(1.0, paced_until).on_epoch_end(epoch)
+
         def on_epoch_end(self, epoch, logs=None):
             Pace(1.0, paced_until).on_epoch_end(epoch)
 
