@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
 SCALAR, VECTOR, ARRAY = "scalar", "vector", "array"
+#: the column (and partition) naming each row's split, "train" or "val"
+SPLIT_COL = "split"
 #: variable-length 1-D numeric arrays (token ids, events): need a transformation_fn
 VARLEN = "varlen"
 #: raw bytes (binaryFile's ``content``: encoded JPEG/PNG/audio), stored verbatim

@@ -30,15 +30,14 @@ from pyspark.sql import functions as F
 from sparktrain.data.commit import ATTEMPTS, Commit, DatasetDirectory
 from sparktrain.data.lease import DEFAULT_TTL_SECONDS, Lease, live_leases
 from sparktrain.data.batch import values_to_numpy
-from sparktrain.data.columns import (ARRAY, BINARY, IMAGE, IMAGE_FIELDS, SCALAR, STRING, VARLEN,
-                                     VECTOR, ColumnSpec)
+from sparktrain.data.columns import (ARRAY, BINARY, IMAGE, IMAGE_FIELDS, SCALAR, SPLIT_COL, STRING,
+                                     VARLEN, VECTOR, ColumnSpec)
 from sparktrain.data.store import Store
 from sparktrain.session.spark_api import conf_value, plan_fingerprint
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: attempts + commit files (sparktrain.data.commit)
-SPLIT_COL = "split"
 ROW_GROUP_BYTES = 32 * 1024 * 1024
 _ERROR_TAG = "sparktrain-data-error: "
 

@@ -28,13 +28,12 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import numpy as np
 
 from sparktrain.data.batch import arrow_to_numpy
-from sparktrain.data.columns import ColumnSpec
+from sparktrain.data.columns import SPLIT_COL, ColumnSpec
 from sparktrain.data.rank_cache import RankCache, cache_root, owned_folder
 from sparktrain.data.reader import shard_readers
 from sparktrain.loop.spec import LoopSpec
 
 Batch = Dict[str, np.ndarray]
-SPLIT_COL = "split"  # as sparktrain.data.materialize writes it
 SPLITS = ("train", "val")
 
 
@@ -95,8 +94,12 @@ class StreamShard:
                 self.cache = None
                 break
             offset += batch.num_rows
-        # one chunk: ``take`` over many record batches is slow
-        self.table = None if self.cache is not None else table.combine_chunks()
+        if self.cache is not None:  # the rows are on the disk once, in the cache
+            del table
+            os.remove(path)
+            self.table = None
+        else:  # one chunk: ``take`` over many record batches is slow
+            self.table = table.combine_chunks()
 
     def __len__(self) -> int:
         return self.steps
