@@ -16,9 +16,12 @@ Checks (one ``CHECK <name> PASS|FAIL|SKIP <figures>`` line each):
 * ``fsdp_bf16``: ``strategy="fsdp"`` (FSDP2, blocks = the Linears, bf16 policy) on an MLP.
 * ``hf_bert_bf16``: the tiny BERT of ``tests/hf_models.py`` fine-tuned on raw text through the
   rank loop (tokenizer as ``transformation_fn``, the model's own loss), held-out accuracy.
-* ``gpu_inference``: ``TorchModel``'s per-Arrow-batch prediction function (the pandas UDF's
-  body) in a task holding GPU 0, against the module on the CPU; rows/s GPU vs CPU.
+* ``gpu_inference``: ``TorchModel``'s per-Arrow-batch prediction function (the Arrow UDF's
+  body; the pandas UDF's before pyspark 4.1) in a task holding GPU 0, against the module on the
+  CPU; rows/s GPU vs CPU.
 * ``ddp_throughput``: steady steps/s of the rank loop vs a hand-written loop on the same device.
+* ``gpu_feed``: rows/s one rank feeds its device from the rank-local cache in epochs after the
+  first, against the same rows sliced from one host tensor (the ceiling).
 * ``no_jvm``: no SparkContext/gateway/session exists at the end.
 
 Run on the GPU machine from the repository root (pure-Python pyspark and py4j on the path)::
@@ -97,11 +100,14 @@ class Sizes:
     hidden: int  # MLP width of fsdp_bf16 and ddp_throughput
     infer_rows: int  # gpu_inference's rows (256 -> 1024 -> 1024 -> 10)
     tput_rows: int  # ddp_throughput's rows per epoch (batch 256, 3 epochs)
+    feed_rows: int  # gpu_feed's rows (64 float32 features + a long label)
 
 
-GPU_SIZES = Sizes(mlp_rows=8192, hidden=1024, infer_rows=100_000, tput_rows=65_536)
-CPU_SIZES = Sizes(mlp_rows=4096, hidden=128, infer_rows=20_000, tput_rows=16_384)
-FEATURES, CLASSES, ARROW_BATCH = 64, 10, 10_000
+GPU_SIZES = Sizes(mlp_rows=8192, hidden=1024, infer_rows=100_000, tput_rows=65_536,
+                  feed_rows=2_000_000)
+CPU_SIZES = Sizes(mlp_rows=4096, hidden=128, infer_rows=20_000, tput_rows=16_384,
+                  feed_rows=200_000)
+FEATURES, CLASSES, ARROW_BATCH, FEED_BATCH = 64, 10, 10_000, 1024
 INFERENCE_BATCH_SIZES = (4096, 10_000)  # gpu_inference on a GPU, besides the param's default
 
 
@@ -252,8 +258,17 @@ def classes_table(rows: int, seed: int, features: int = FEATURES) -> Any:
 
     teacher = np.random.default_rng(99).normal(size=(features, CLASSES)).astype(np.float32)
     x = np.random.default_rng(seed).normal(size=(rows, features)).astype(np.float32)
-    return pa.table({"features": pa.array(list(x), type=pa.list_(pa.float32())),
+    return pa.table({"features": list_array(x),
                      "label": pa.array((x @ teacher).argmax(axis=1).astype(np.int64))})
+
+
+def list_array(x: np.ndarray) -> Any:
+    """The rows of the 2-d ``x`` as an Arrow ``list<float>`` array, without a Python object per
+    row (what Spark sends for an ``array<float>`` column)."""
+    import pyarrow as pa
+
+    offsets = pa.array(np.arange(0, x.size + 1, x.shape[1], dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(x.reshape(-1)))
 
 
 def classes_data(env: Env, name: str, rows: int, val_rows: int) -> Dict[str, Any]:
@@ -437,7 +452,7 @@ def spark_task(cpus: int, gpus: List[str]) -> Iterator[None]:
 
 
 def check_inference(env: Env) -> Dict[str, Any]:
-    """The body of ``TorchModel.transform``'s pandas UDF on Arrow batches, in a task holding GPU
+    """The body of ``TorchModel.transform``'s UDF on Arrow batches, in a task holding GPU
     0, against the module called on the CPU; rows/s on the GPU vs the CPU."""
     import pyarrow as pa
 
@@ -455,9 +470,19 @@ def check_inference(env: Env) -> Dict[str, Any]:
 
     udf = prediction_udf(model.getBatchSize())
     x = np.random.default_rng(5).normal(size=(rows, width)).astype(np.float32)
-    # what Arrow hands the UDF for an array<float> column: a Series of numpy arrays per batch
-    batches = [pa.array(list(x[i:i + ARROW_BATCH]), type=pa.list_(pa.float32())).to_pandas()
-               for i in range(0, rows, ARROW_BATCH)]
+    # what Spark hands the UDF for an array<float> column: Arrow arrays (the Arrow UDF of
+    # pyspark >= 4.1) or pandas Series of numpy arrays (the pandas UDF before)
+    from pyspark.util import PythonEvalType
+
+    arrow = udf.evalType == getattr(PythonEvalType, "SQL_SCALAR_ARROW_ITER_UDF", None)
+    batches = [list_array(x[i:i + ARROW_BATCH]) for i in range(0, rows, ARROW_BATCH)]
+    if not arrow:
+        batches = [b.to_pandas() for b in batches]
+
+    def stacked(outputs: List[Any]) -> np.ndarray:
+        if arrow:
+            return np.concatenate([np.asarray(a.flatten()).reshape(len(a), -1) for a in outputs])
+        return np.stack([v for s in outputs for v in s])
     with torch.inference_mode():
         expected = net(torch.from_numpy(x)).numpy()
 
@@ -469,9 +494,9 @@ def check_inference(env: Env) -> Dict[str, Any]:
                 list(udf.func(iter(batches[:1])))  # loads the module (and places it) once
                 first = time.perf_counter() - start
                 start = time.perf_counter()
-                series = list(udf.func(iter(batches)))
+                outputs = list(udf.func(iter(batches)))
                 rate = rows / (time.perf_counter() - start)
-                return np.stack([v for s in series for v in s]), first, rate
+                return stacked(outputs), first, rate
         finally:
             torch.set_num_threads(threads)
 
@@ -493,7 +518,90 @@ def check_inference(env: Env) -> Dict[str, Any]:
     for key in ("cpu_rows_s", "gpu_rows_s"):
         if key in figures:
             figures[key] = round(figures[key])
-    figures.update(rows=rows, batch_size=model.getBatchSize(), cpus=env.cpus)
+    figures.update(rows=rows, batch_size=model.getBatchSize(), cpus=env.cpus,
+                   udf="arrow" if arrow else "pandas")
+    return figures
+
+
+def check_feed(env: Env) -> Dict[str, Any]:
+    """What one rank feeds its device in epochs after the first: the rank-local cache
+    (``ShardReader(local_cache=True)``, shuffled over the shard, as a fit with ``epochs > 1``
+    reads) through the loop's ``Batches`` onto the device, against the ceiling of the same
+    rows already in memory (one host tensor sliced and copied to the device), and against
+    slicing a tensor already on the device."""
+    from sparktrain.data.columns import ColumnSpec
+    from sparktrain.data.reader import ShardReader
+    from sparktrain.loop.torch_batch import Batches
+
+    rows = env.sizes.feed_rows
+    data = classes_data(env, "feed-data", rows, 0)
+    spec = spec_for(env, data, "feed", batch_size=FEED_BATCH)
+    to_device = Batches(spec, env.device)
+    reader = ShardReader(data["root"], data["layouts"]["train"],
+                         [ColumnSpec.from_json(c) for c in data["columns"]], 0, 1, FEED_BATCH,
+                         shuffle=True, seed=0, local_cache=True,
+                         cache_root=os.path.join(env.root, "feed-cache"))
+
+    def sync() -> None:
+        if env.gpu:
+            torch.cuda.synchronize()
+
+    def rate(one_pass: Callable[[int], int], repeats: int = 3) -> float:
+        rates = []
+        for epoch in range(1, repeats + 1):
+            start = time.perf_counter()
+            seen = one_pass(epoch)
+            sync()
+            expect(seen == rows, f"a pass fed {seen} rows, expected {rows}")
+            rates.append(seen / (time.perf_counter() - start))
+        return sorted(rates)[len(rates) // 2]
+
+    def cached_pass(epoch: int) -> int:
+        fed = 0
+        for batch in reader.epoch(epoch):
+            features, labels, _ = to_device(batch)
+            fed += features[0].shape[0]
+        return fed
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(env.cpus)
+    try:
+        start = time.perf_counter()
+        first = cached_pass(0)  # reads the Parquet once, fills the cache
+        sync()
+        first_s = time.perf_counter() - start
+        expect(first == rows and reader.local_cache_complete, "the local cache was not made")
+        cached = rate(cached_pass)
+        reader.close()
+        parts = list(ShardReader(data["root"], data["layouts"]["train"],
+                                 [ColumnSpec.from_json(c) for c in data["columns"]], 0, 1,
+                                 1 << 16).epoch(0))
+        x = torch.from_numpy(np.concatenate([p["features"] for p in parts]))
+        y = torch.from_numpy(np.concatenate([p["label"] for p in parts]))
+        del parts
+
+        def sliced(xs: torch.Tensor, ys: torch.Tensor) -> Callable[[int], int]:
+            def one_pass(epoch: int) -> int:
+                fed = 0
+                for i in range(0, rows, FEED_BATCH):
+                    xb = xs[i:i + FEED_BATCH].to(env.device, non_blocking=True)
+                    yb = ys[i:i + FEED_BATCH].to(env.device, non_blocking=True)
+                    if xs.device == env.device:  # already there: a copy, as a batch is new
+                        xb, yb = xb.clone(), yb.clone()
+                    fed += xb.shape[0]
+                return fed
+            return one_pass
+
+        ceiling = rate(sliced(x, y))
+        resident = rate(sliced(x.to(env.device), y.to(env.device))) if env.gpu else None
+    finally:
+        torch.set_num_threads(threads)
+    figures = {"cached_rows_s": round(cached), "ceiling_rows_s": round(ceiling),
+               "ratio": round(cached / ceiling, 3), "first_epoch_s": round(first_s, 2),
+               "rows": rows, "batch": FEED_BATCH, "device": str(env.device)}
+    if resident:
+        figures.update(resident_rows_s=round(resident),
+                       ratio_to_resident=round(cached / resident, 3))
     return figures
 
 
@@ -568,6 +676,7 @@ CHECKS: Dict[str, Callable[[Env], Dict[str, Any]]] = {
     "hf_bert_bf16": check_hf,
     "gpu_inference": check_inference,
     "ddp_throughput": check_throughput,
+    "gpu_feed": check_feed,
     "no_jvm": check_no_jvm,
 }
 

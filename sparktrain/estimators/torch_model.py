@@ -225,7 +225,10 @@ def _make_predictor(source: Tuple[Any, ...],
         device = predict_device(task_gpu(use_gpu))
         if device not in placed:
             placed[device] = copy.deepcopy(module).to(device)
-        tensors = [torch.from_numpy(f).to(device) for f in features]
+        # Arrow's zero-copy arrays are read-only; torch warns on them and a module writing into
+        # its input in place would write into Arrow's buffer: such an array is copied
+        tensors = [torch.from_numpy(f if f.flags.writeable else f.copy()).to(device)
+                   for f in features]
         if input_shapes:
             tensors = [t.reshape(shape) for t, shape in zip(tensors, input_shapes)]
         # the current CUDA device too, for modules that make tensors on "cuda" themselves
