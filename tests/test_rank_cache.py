@@ -139,10 +139,13 @@ def test_a_dead_process_cache_is_removed_by_the_next_one(tmp_path):
 
 class _CacheWatch:
     """A transformation_fn recording, on the ranks, the caches that exist at each batch; with
-    ``fail_at``, rank 0 raises at that batch (a bug in user code: the fit fails at once)."""
+    ``fail_at``, rank 0 raises at that batch (a bug in user code: the fit fails at once); with
+    ``hide``, rank 0 moves that folder (the store's datasets) away at batch ``hide_at``, so any
+    later read from the store would fail."""
 
-    def __init__(self, folder: str, fail_at: int = 0) -> None:
+    def __init__(self, folder: str, fail_at: int = 0, hide: str = "", hide_at: int = 0) -> None:
         self.folder, self.fail_at, self.seen = folder, fail_at, 0
+        self.hide, self.hide_at = hide, hide_at
 
     def __call__(self, batch):
         from pyspark import BarrierTaskContext
@@ -157,22 +160,28 @@ class _CacheWatch:
             f.write("\n".join([root] + caches))
         if self.fail_at and rank == 0 and self.seen == self.fail_at:
             raise RuntimeError("user bug in epoch 2")
+        if self.hide and rank == 0 and self.seen == self.hide_at:
+            os.rename(self.hide, self.hide + "-hidden")
         return batch
 
 
 @pytest.mark.parametrize("fail", [False, True], ids=["fit", "failed_fit"])
-def test_a_fit_trains_from_its_caches_and_removes_them(spark, regression_df, store, tmp_path,
-                                                      fail):
+def test_a_fit_trains_from_its_caches_and_removes_them(spark, regression_df, tmp_path, fail):
+    """From the second epoch on the ranks read nothing from the store: their dataset is moved
+    away at the second epoch's first batch and the fit trains on to its end."""
     from helpers import linear_estimator
 
     from sparktrain.errors import TrainingError
 
-    watched = tmp_path / "watch"
+    watched, store = tmp_path / "watch", tmp_path / "store"
     watched.mkdir()
     # 1600 training rows, 800 a rank, batch 100: 8 batches an epoch and rank, then 2 of
-    # validation (400 rows): batches 11 and on are the second epoch
-    est = linear_estimator(store, epochs=3, batch_size=100, validation="is_val",
-                           transformation_fn=_CacheWatch(str(watched), fail_at=12 if fail else 0))
+    # validation (400 rows): batches 11 and on are the second epoch, which starts once every
+    # rank has validated the first (its metrics are averaged over the ranks)
+    watch = _CacheWatch(str(watched), fail_at=12 if fail else 0,
+                        hide="" if fail else str(store / "datasets"), hide_at=11)
+    est = linear_estimator(str(store), epochs=3, batch_size=100, validation="is_val",
+                           transformation_fn=watch)
     if fail:
         with pytest.raises(TrainingError, match="user bug in epoch 2"):
             est.fit(regression_df)
@@ -186,3 +195,5 @@ def test_a_fit_trains_from_its_caches_and_removes_them(spark, regression_df, sto
     assert later and all(len(caches) >= 2 for caches in later)
     root = roots.pop()
     assert not (os.path.isdir(root) and os.listdir(root)), "caches left after the fit"
+    if not fail:  # the ranks trained two epochs without their dataset in the store
+        assert (store / "datasets-hidden").is_dir() and not (store / "datasets").exists()
