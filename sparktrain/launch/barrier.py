@@ -48,6 +48,8 @@ from pyspark.sql import DataFrame, SparkSession
 from sparktrain.errors import TrainingError  # noqa: F401 - raised here, importable from here
 from sparktrain.fs import DEFAULT_LAUNCH_DIR, filesystem
 from sparktrain.launch.events import EventWatcher, RankEvents
+from sparktrain.launch.rank_gather import NO_SERVER, GatherServer, RankGather, connect, \
+    publish
 from sparktrain.faults import user_error_source
 from sparktrain.session.spark_api import cancel_tag, conf_value, is_local_master, is_remote, \
     job_tag, master, num_partitions, task_slots
@@ -78,6 +80,8 @@ class RankContext:
     generation: Any = None  # an elastic fit's generation (sparktrain.launch.elastic)
     # input_mode="stream": this rank's rows, Arrow record batches (run_barrier's ``rows``)
     rows: Any = field(default=None, repr=False)
+    # the ranks' own gather (rank_gather.RankGather); None: Spark's allGather
+    gather: Any = field(default=None, repr=False)
 
     def log(self, text: str) -> None:
         """Send ``text`` to the client's log as ``[rank N] text``."""
@@ -90,6 +94,10 @@ class RankContext:
             self.client.progress(event)
 
     def all_gather(self, message: str) -> List[str]:
+        """Every rank's ``message``, in rank order: through rank 0's gather server (a few ms),
+        or Spark's ``allGather`` (about 1 s: :mod:`.rank_gather`) where there is none."""
+        if self.gather is not None:
+            return self.gather(message)
         return list(self.barrier.allGather(message))
 
 
@@ -401,12 +409,15 @@ def run_rank(task: Callable[[RankContext], Any], where: Sequence,
         client.close()
         raise RuntimeError(f"{_FAILURE_TAG} rank={rank}\nnot retried: an earlier attempt "
                            f"failed in the user's code\n{_FAILURE_TAG} end")
+    server = gather = None
     try:
         with _captured_output(client, mirror=where[2]):
             context = rank_context(barrier, client)
             context.rows = rows
+            server, gather = _rank_gather(barrier, context, where)
+            context.gather = gather
             # every rank counted its own starts; agree on one number (the largest)
-            context.attempt = max(int(a) for a in barrier.allGather(str(started)))
+            context.attempt = max(int(a) for a in context.all_gather(str(started)))
             client.attempt = context.attempt
             if len(where) > 3 and context.attempt >= where[3]:
                 _give_up(client, rank, where[3])
@@ -426,4 +437,28 @@ def run_rank(task: Callable[[RankContext], Any], where: Sequence,
         # Spark shows only the task's exception text: carry the traceback inside it, tagged.
         raise RuntimeError(f"{_FAILURE_TAG} rank={rank}\n{remote}\n{_FAILURE_TAG} end") from None
     finally:
+        if gather is not None:
+            gather.close()
+        if server is not None:
+            server.close()
         client.close()
+
+
+def _rank_gather(barrier: Any, context: RankContext, where: Sequence
+                 ) -> Tuple[Optional[GatherServer], Optional[RankGather]]:
+    """Rank 0's gather server (on rank 0) and this rank's connection to it, found through the
+    launch folder (:mod:`.rank_gather`); no connection where rank 0 could not start a server
+    (the ranks then use Spark's allGather)."""
+    fs = filesystem(where[0], where[1])[0]
+    path = f"{where[0]}/gather-{barrier.stageId()}"
+    if context.rank != 0:
+        return None, connect(fs, path, context.rank)
+    try:
+        server = GatherServer(context.world_size, context.hosts[0])
+    except OSError as exc:
+        context.log(f"no gather server ({exc}): the ranks exchange messages through Spark's "
+                    f"allGather (about 1 s each)")
+        publish(fs, path, NO_SERVER)
+        return None, None
+    publish(fs, path, server.address)
+    return server, RankGather(server.address, 0)
