@@ -26,6 +26,7 @@ _EXPORTS = {
     "Store": "sparktrain.data.store",
     "TrainingError": "sparktrain.errors",
     "RunInUseError": "sparktrain.errors",
+    "CheckpointError": "sparktrain.errors",
     "PreflightError": "sparktrain.errors",
     "ExecutorEnvironmentError": "sparktrain.errors",
     "local_spark": "sparktrain.session.local",

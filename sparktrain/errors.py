@@ -46,5 +46,10 @@ class ExecutorEnvironmentError(TrainingError):
         self.missing = list(missing)
 
 
+class CheckpointError(RuntimeError):
+    """No checkpoint of a run can be resumed from: every one is damaged (the message names
+    the files and what is wrong with each)."""
+
+
 class RunInUseError(RuntimeError):
     """Another fit is training with the same ``run_id`` right now."""

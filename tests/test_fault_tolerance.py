@@ -7,7 +7,7 @@ import os
 import pytest
 
 from helpers import KillRankOnce, linear_estimator
-from sparktrain import TrainingError
+from sparktrain import CheckpointError, TrainingError
 from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.store import Store
 
@@ -84,6 +84,54 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     assert latest.epochs_done == 3 and ckpts.read(latest) == b"weights 3"
     assert sorted(p.name for p in root.glob("*.json")) == ["epoch-000002.json",
                                                              "epoch-000003.json"]
+
+
+def test_a_damaged_checkpoint_is_skipped_with_a_warning_naming_it(tmp_path):
+    ckpts = Checkpoints(str(tmp_path / "run"), keep=2)
+    assert ckpts.latest_intact() == (None, None)
+    for epoch in (1, 2):
+        ckpts.write(epoch, f"weights {epoch}".encode() * 100, {"history": {}})
+    root = tmp_path / "run" / "checkpoints"
+    newest = root / "epoch-000002.ckpt"
+    newest.write_bytes(newest.read_bytes()[:-7])  # truncated after it was written
+    warnings = []
+    latest, data = ckpts.latest_intact(warn=warnings.append)
+    assert latest.epochs_done == 1 and data == b"weights 1" * 100
+    assert len(warnings) == 1 and str(newest) in warnings[0] and "truncated" in warnings[0]
+    older = root / "epoch-000001.ckpt"
+    older.write_bytes(b"X" + older.read_bytes()[1:])  # same size, other bytes
+    with pytest.raises(CheckpointError) as info:
+        ckpts.latest_intact()
+    message = str(info.value)
+    assert str(newest) in message and str(older) in message and "SHA-256" in message
+    (root / "epoch-000002.json").write_bytes(b"\xff{not json")
+    with pytest.raises(CheckpointError, match="epoch-000002.json \\(unreadable"):
+        ckpts.latest_intact()
+
+
+def test_a_fit_resumes_from_the_newest_intact_checkpoint(spark, regression_df, store, caplog):
+    df = regression_df.select("features", "label")
+    first = _estimator(store, "damaged-run", epochs=3).fit(df)
+    checkpoints = Checkpoints(Store.create(store).run_path("damaged-run"))
+    newest = checkpoints.latest()
+    assert newest.epochs_done == 3
+    with open(newest.payload_path, "r+b") as f:  # the disk lost its tail
+        f.truncate(os.path.getsize(newest.payload_path) // 2)
+    with caplog.at_level("WARNING"):
+        second = _estimator(store, "damaged-run", epochs=4).fit(df)
+    # epoch 3 is trained again from the checkpoint after epoch 2: one epoch lost, not the run
+    assert second.getHistory()["loss"][:2] == first.getHistory()["loss"][:2]
+    assert len(second.getHistory()["loss"]) == 4
+    assert any(newest.payload_path in r.getMessage() and "truncated" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    attempts = checkpoints.latest().meta["attempts"]
+    assert [a["start_epoch"] for a in attempts] == [0, 2]
+    for epochs_done in (3, 4):  # nothing intact left: the fit fails at once, naming the files
+        with open(checkpoints.at(epochs_done).payload_path, "wb") as f:
+            f.write(b"garbage")
+    with pytest.raises(TrainingError, match="no intact checkpoint") as info:
+        _estimator(store, "damaged-run", epochs=6).fit(df)
+    assert info.value.attempts == 1 and "epoch-000004.ckpt" in str(info.value)
 
 
 def test_run_of_another_framework_is_refused_before_training(spark, regression_df, store):

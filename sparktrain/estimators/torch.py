@@ -415,12 +415,10 @@ def _last_optimizer_state(run_path: str, storage_options: Dict[str, Any]) -> Any
     import torch
 
     try:
-        checkpoints = Checkpoints(run_path, storage_options)
-        latest = checkpoints.latest()
+        latest, data = Checkpoints(run_path, storage_options).latest_intact()
         if latest is None:
             return None
-        state = torch.load(io.BytesIO(checkpoints.read(latest)), map_location="cpu",
-                           weights_only=True)
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         return state.get("optimizer")
     except Exception:  # noqa: BLE001 - the model is complete without it
         return None

@@ -37,6 +37,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 from sparktrain.fs import filesystem
 
 log = logging.getLogger("sparktrain.rank")
+WARNING = "warning: "  # a rank's line starting so is logged on the client as a warning
 
 FLUSH_SECONDS = 0.5  # a rank's buffered lines reach the store at most this late
 POLL_SECONDS = 0.5  # the client looks for new segments this often
@@ -203,7 +204,8 @@ class EventWatcher:
             self.lines.append((rank, text))
             if self.echo:
                 for line in text.rstrip("\n").splitlines():
-                    log.info("[rank %d] %s", rank, line)
+                    level = logging.WARNING if line.startswith(WARNING) else logging.INFO
+                    log.log(level, "[rank %d] %s", rank, line)
 
     def first_error(self) -> Optional[Tuple[int, str]]:
         """``(rank, traceback)`` of the earliest failure of the earliest failed attempt."""

@@ -8,22 +8,29 @@ Layout under ``<store>/runs/<run_id>/checkpoints/``::
 A checkpoint exists only once its ``.json`` does. Both files are written under a temporary name
 and renamed into place (atomic on local disks and HDFS; an S3 object appears whole or not at
 all), so a crash while writing leaves at most a stray temporary file, never a corrupt latest
-checkpoint. The ``keep`` most recent checkpoints are kept, older ones deleted.
+checkpoint; a write that fails (a full disk) leaves the earlier checkpoints as they were. The
+``keep`` most recent checkpoints are kept, older ones deleted.
+
+A checkpoint damaged afterwards (a truncated or overwritten file, a disk error) is found by its
+size and SHA-256, kept in the ``.json``: resuming takes the newest intact checkpoint, with a
+warning naming the damaged ones, and fails with :class:`CheckpointError` naming every file when
+none is intact (costing an epoch, not the run).
 
 Example::
 
     ckpts = Checkpoints(store.run_path("my-run"))
     ckpts.write(3, model_bytes, {"history": history})
-    latest = ckpts.latest()            # Checkpoint(epochs_done=3, meta={...}, ...) or None
-    model_bytes = ckpts.read(latest)
+    latest, model_bytes = ckpts.latest_intact(warn=print)   # (None, None) on a fresh run
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from sparktrain.errors import CheckpointError
 from sparktrain.fs import filesystem, put_file
 
 _NAME = re.compile(r"epoch-(\d{6})\.json$")
@@ -74,10 +81,45 @@ class Checkpoints:
     def read(self, checkpoint: Checkpoint) -> bytes:
         return self.fs.cat_file(checkpoint.payload_path)
 
+    def latest_intact(self, warn: Callable[[str], None] = lambda text: None
+                      ) -> Tuple[Optional[Checkpoint], Optional[bytes]]:
+        """The newest checkpoint whose files are whole, and its bytes; ``(None, None)`` when
+        the run has none. Damaged ones are skipped with ``warn``; when every one is damaged,
+        :class:`CheckpointError` names them."""
+        damaged: List[str] = []
+        for epochs_done in reversed(self._done()):
+            marker = self._path(epochs_done, "json")
+            try:
+                checkpoint = self.at(epochs_done)
+            except FileNotFoundError:
+                continue  # removed meanwhile (pruned)
+            except ValueError as exc:  # JSON that does not parse (UnicodeDecodeError too)
+                damaged.append(f"{marker} (unreadable: {exc})")
+                continue
+            try:
+                payload = self.read(checkpoint)
+            except FileNotFoundError:
+                damaged.append(f"{checkpoint.payload_path} (missing)")
+                continue
+            problem = _damage(payload, checkpoint.meta.get("payload"))
+            if problem:
+                damaged.append(f"{checkpoint.payload_path} ({problem})")
+                continue
+            if damaged:
+                warn(f"damaged checkpoint(s) skipped: {'; '.join(damaged)}. Resuming from the "
+                     f"intact checkpoint after epoch {epochs_done}")
+            return checkpoint, payload
+        if damaged:
+            raise CheckpointError(
+                f"no intact checkpoint to resume the run from in {self.root}: "
+                f"{'; '.join(damaged)}. Remove them to start the run over from epoch 0, or "
+                f"fit with a new run_id")
+        return None, None
+
     def write(self, epochs_done: int, payload: bytes, meta: Dict[str, Any]) -> Checkpoint:
         """Write the checkpoint after ``epochs_done`` epochs, then prune old ones."""
         self.fs.makedirs(self.root, exist_ok=True)
-        meta = dict(meta, epochs_done=epochs_done)
+        meta = dict(meta, epochs_done=epochs_done, payload=_fingerprint(payload))
         put_file(self.fs, self._path(epochs_done, "ckpt"), payload)
         put_file(self.fs, self._path(epochs_done, "json"), json.dumps(meta).encode())
         for old in self._done()[:-self.keep]:
@@ -87,3 +129,19 @@ class Checkpoints:
                 except FileNotFoundError:
                     pass
         return Checkpoint(epochs_done, meta, self._path(epochs_done, "ckpt"))
+
+
+def _fingerprint(payload: bytes) -> Dict[str, Any]:
+    return {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+
+
+def _damage(payload: bytes, expected: Optional[Dict[str, Any]]) -> str:
+    """What is wrong with ``payload`` against its recorded fingerprint ("" when whole; older
+    checkpoints without one are taken as they are)."""
+    if not expected:
+        return ""
+    if len(payload) != expected.get("bytes"):
+        return f"{len(payload)} bytes, written with {expected.get('bytes')}: truncated or changed"
+    if hashlib.sha256(payload).hexdigest() != expected.get("sha256"):
+        return "its SHA-256 differs from the one written: changed or corrupted"
+    return ""

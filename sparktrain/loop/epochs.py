@@ -34,9 +34,11 @@ import math
 import time
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from sparktrain.loop.checkpoint import Checkpoints
+from sparktrain.errors import CheckpointError
+from sparktrain.loop.checkpoint import Checkpoint, Checkpoints
 from sparktrain.fs import filesystem
 from sparktrain.launch.elastic import Generation, Regroup
+from sparktrain.launch.events import WARNING
 from sparktrain.faults import mark_user_error
 from sparktrain.loop.spec import LoopSpec
 
@@ -139,7 +141,7 @@ class EpochDriver:
         self.deadline, self.log, self.progress = deadline, log, progress
         self.require_finite, self.extra_meta = require_finite, dict(meta or {})
         self.checkpoints = Checkpoints(run_path, storage_options or {}) if run_path else None
-        self.resume = self.checkpoints.latest() if self.checkpoints is not None else None
+        self.resume, self._resume_bytes = self._intact_checkpoint(rank, log)
         self.meta: Dict[str, Any] = self.resume.meta if self.resume is not None else {}
         self.first: int = self.meta.get("epochs_done", 0)
         self.history: Dict[str, List[float]] = {
@@ -169,9 +171,25 @@ class EpochDriver:
                    deadline=spec.deadline, attempt=attempt, fit_id=spec.fit_id,
                    generation=Generation.from_json(spec.generation), **hooks)
 
+    def _intact_checkpoint(self, rank: int, log: Callable[[str], None]
+                           ) -> Tuple[Optional[Checkpoint], Optional[bytes]]:
+        """The newest intact checkpoint and its bytes (rank 0 warns about damaged ones); no
+        intact one at all fails the fit, not retried (it would find the same files)."""
+        if self.checkpoints is None:
+            return None, None
+        try:
+            return self.checkpoints.latest_intact(
+                warn=(lambda text: log(WARNING + text)) if rank == 0 else lambda text: None)
+        except CheckpointError as exc:
+            raise mark_user_error(exc, "the run's checkpoints") from None
+
     def resume_bytes(self) -> Optional[bytes]:
-        """The checkpoint this attempt resumes from (the framework's bytes), or ``None``."""
-        return self.checkpoints.read(self.resume) if self.resume is not None else None
+        """The checkpoint this attempt resumes from (the framework's bytes, read once), or
+        ``None``."""
+        data, self._resume_bytes = self._resume_bytes, None
+        if data is None and self.resume is not None:
+            data = self.checkpoints.read(self.resume)
+        return data
 
     def agree(self, all_reduce_sum: Callable[[Sequence[float]], List[float]]) -> None:
         """Fail the attempt (Spark retries it) unless every rank found the same latest

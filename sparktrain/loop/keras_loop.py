@@ -40,7 +40,7 @@ from sparktrain.loop.keras_batch import batch_tensors, forward_stats, per_row_lo
 from sparktrain.loop.keras_inputs import keras_inputs
 from sparktrain.loop.keras_saving import loading_objects
 from sparktrain.launch.elastic import REGROUP, Regroup, scaling_ranks
-from sparktrain.faults import user_code, user_error_source
+from sparktrain.faults import mark_user_error, user_code, user_error_source
 from sparktrain.model_files import ModelFile
 from sparktrain.launch.tf_protocol import ERROR_FILE, PAYLOAD_FILE, \
     RESULT_FILE, USER_ERROR_FILE, progress, read_spec
@@ -163,7 +163,13 @@ class _KerasEpochs:
         model_bytes, optimizer_state = self.payload["model"], None
         resumed = self.driver.resume_bytes()
         if resumed is not None:
-            model_bytes, optimizer_state = _read_checkpoint(resumed)
+            try:
+                model_bytes, optimizer_state = _read_checkpoint(resumed)
+            except Exception as exc:  # a damaged file written before fingerprints
+                raise mark_user_error(RuntimeError(
+                    f"{self.driver.resume.payload_path} cannot be loaded ({exc}): the file is "
+                    f"damaged; remove it to resume from the checkpoint before it, or fit with a "
+                    f"new run_id"), "resuming from the run's checkpoint") from None
         model_path = os.path.join(self.workdir, "model.keras")
         with open(model_path, "wb") as f:
             f.write(model_bytes)

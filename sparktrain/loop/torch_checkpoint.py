@@ -55,10 +55,17 @@ def checkpoint_bytes(model: torch.nn.Module, weights: Dict[str, torch.Tensor],
     return buffer.getvalue()
 
 
-def restore(data: bytes, model: torch.nn.Module, optimizer: Any) -> Dict[str, Any]:
-    """Load a checkpoint into ``model`` and ``optimizer``; returns the whole checkpoint (its
-    ``scheduler`` state is restored once the scheduler exists)."""
-    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+def restore(data: bytes, model: torch.nn.Module, optimizer: Any,
+            source: str = "the run's checkpoint") -> Dict[str, Any]:
+    """Load a checkpoint (read from ``source``) into ``model`` and ``optimizer``; returns the
+    whole checkpoint (its ``scheduler`` state is restored once the scheduler exists)."""
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # a damaged file written before checkpoints had fingerprints
+        raise mark_user_error(RuntimeError(
+            f"{source} cannot be loaded ({type(exc).__name__}: {exc}): the file is damaged; "
+            f"remove it to resume from the checkpoint before it, or fit with a new run_id"),
+            "resuming from the run's checkpoint") from None
     try:
         if state.get("frozen_omitted"):
             missing, unexpected = model.load_state_dict(state["model"], strict=False)

@@ -403,7 +403,8 @@ def _set_up(spec: TorchTrainSpec, ctx: RankContext, shipped: _Payload, driver: E
     scaled) and set up by the strategy: the strategy, the module training and the step rule."""
     model, optimizer, extras = shipped.model, shipped.optimizer, shipped.extras
     resumed = driver.resume_bytes()
-    state = restore(resumed, model, optimizer) if resumed is not None else {}
+    state = restore(resumed, model, optimizer, driver.resume.payload_path) \
+        if resumed is not None else {}
     if resumed is None and spec.scale_learning_rate:
         factor = scaling_ranks(spec, ctx.world_size) * spec.backward_passes_per_step
         for group in optimizer.param_groups:
