@@ -49,6 +49,43 @@ def is_fault(exc: BaseException) -> bool:
     return bool(_FAULT_TEXT.search(str(exc)))
 
 
+def is_fault_text(traceback_text: str) -> bool:
+    """:func:`is_fault` for a reported traceback (its last line names the exception)."""
+    lines = traceback_text.strip().splitlines()
+    last = lines[-1] if lines else ""
+    name = last.split(":", 1)[0].strip().rsplit(".", 1)[-1]
+    return name in _FAULT_CLASSES or name in _FAULT_BUILTINS or bool(_FAULT_TEXT.search(last))
+
+
+_FAULT_BUILTINS = {"ConnectionError", "ConnectionResetError", "ConnectionAbortedError",
+                   "ConnectionRefusedError", "BrokenPipeError", "TimeoutError", "EOFError"}
+
+
+_MEMORY_HINT = ("If memory is the cause, give the executors more (spark.executor.memory, "
+                "spark.executor.memoryOverhead) or lower batch_size. It is a fault: Spark "
+                "re-runs the ranks (max_attempts counts it).")
+
+
+def lost_rank_text(rank: int, host: str) -> str:
+    """What the fit says about a rank whose process ended without a Python error."""
+    return (f"rank {rank}'s process on {host} ended without a Python error: it was killed by "
+            f"a signal (SIGKILL, most often from the operating system's out-of-memory killer) "
+            f"or crashed in native code. {_MEMORY_HINT}")
+
+
+def killed_text(what: str, signal_number: int) -> str:
+    """What the fit says about a process of a rank (``what``) killed by ``signal_number``."""
+    import signal
+
+    try:
+        name = signal.Signals(signal_number).name
+    except ValueError:
+        name = f"signal {signal_number}"
+    usual = " (most often from the operating system's out-of-memory killer)" \
+        if signal_number == signal.SIGKILL else ""
+    return f"{what} was killed by {name}{usual}. {_MEMORY_HINT}"
+
+
 def mark_user_error(exc: BaseException, what: str) -> BaseException:
     """Mark ``exc`` as raised by the user's code (``what``: where), so it is not retried."""
     try:

@@ -38,6 +38,36 @@ def test_killed_rank_resumes_from_last_checkpoint(spark, regression_df, store, t
     assert mse < 1.0
 
 
+class _KilledEveryAttempt:
+    """transformation_fn: rank 1 prints a line, waits for it to reach the driver, then
+    SIGKILLs its own process (what the out-of-memory killer does), on every attempt."""
+
+    def __call__(self, batch):
+        import signal
+        import time
+
+        from pyspark import BarrierTaskContext
+
+        if BarrierTaskContext.get().partitionId() == 1:
+            print("rank 1 about to allocate 80 GiB", flush=True)
+            time.sleep(1.5)  # > the events' flush interval
+            os.kill(os.getpid(), signal.SIGKILL)
+        return batch
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_its_last_lines(spark, regression_df, store):
+    est = _estimator(store, "oom-run", transformation_fn=_KilledEveryAttempt(), max_attempts=2)
+    with pytest.raises(TrainingError) as info:
+        est.fit(regression_df.select("features", "label"))
+    error = info.value
+    assert error.rank == 1 and error.attempts == 2, (error.rank, error.attempts, str(error))
+    summary = str(error).splitlines()[0]
+    assert "rank 1's process" in summary and "ended without a Python error" in summary
+    assert "killed by a signal" in summary and "out-of-memory" in summary
+    assert "rank 1 about to allocate 80 GiB" in error.remote_traceback
+    assert "gloo" not in summary  # not the survivor's view of it
+
+
 def _peer_always_lost(batch):
     raise ConnectionResetError("Connection reset by peer")  # what a collective says
 

@@ -47,12 +47,17 @@ class KillWorkerOnce:
 
 
 @pytest.mark.slow
-def test_killed_worker_resumes_from_checkpoint(spark, regression_df, store, tmp_path):
+def test_killed_worker_resumes_from_checkpoint(spark, regression_df, store, tmp_path, caplog):
     df = regression_df.select("features", "label")
     # 10 batches per epoch and worker: batch 15 is the 5th of epoch 2
     est = _estimator(store, "keras-kill", transformation_fn=KillWorkerOnce(str(tmp_path / "m"), 15))
-    model = est.fit(df)
+    with caplog.at_level("WARNING", logger="sparktrain"):
+        model = est.fit(df)
     assert os.path.exists(tmp_path / "m")
+    # the attempt's failure says which process, which signal, and that memory is the usual cause
+    assert any("the TensorFlow worker process of rank 1 was killed by SIGKILL" in r.getMessage()
+               and "out-of-memory" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
     assert len(model.getHistory()["loss"]) == 3
     assert _attempts(store, "keras-kill") == (3, [(0, 0), (1, 1)])
     assert model.transform(df).count() == 2000

@@ -13,16 +13,17 @@ from sparktrain.launch.rank_gather import (NO_SERVER, GatherServer, RankGather, 
 
 def _ranks(world_size: int, tmp_path, rounds, fail_rank=None):
     """Run ``world_size`` rank threads: rank 0 serves and publishes, the others connect
-    through the published file; each gathers ``rounds(rank)`` messages. Returns per rank the
-    answers or the exception."""
+    through the published file; each gathers ``rounds(rank)`` messages; at the message
+    "leave", ``fail_rank`` drops its connection without a goodbye (its process died). Returns
+    per rank the answers or the exception, and the ranks reported lost."""
     fs, path = fsspec.filesystem("file"), str(tmp_path / "gather-7")
-    results = {}
+    results, lost = {}, []
 
     def rank_main(rank: int) -> None:
         server = None
         try:
             if rank == 0:
-                server = GatherServer(world_size, "127.0.0.1")
+                server = GatherServer(world_size, "127.0.0.1", on_lost=lost.append)
                 publish(fs, path, server.address)
                 gather = RankGather(server.address, 0)
             else:
@@ -31,10 +32,11 @@ def _ranks(world_size: int, tmp_path, rounds, fail_rank=None):
             answers = []
             for message in rounds(rank):
                 if rank == fail_rank and message == "leave":
-                    gather.close()  # the rank's process died mid-fit
+                    gather._sock.close()  # as when its process dies: no goodbye
                     answers.append("left")
                     break
                 answers.append(gather(message))
+            gather.close()
             results[rank] = answers
         except Exception as exc:  # noqa: BLE001 - checked by the test
             results[rank] = exc
@@ -48,24 +50,43 @@ def _ranks(world_size: int, tmp_path, rounds, fail_rank=None):
     for t in threads:
         t.join(30)
     assert not any(t.is_alive() for t in threads), "a rank is stuck"
-    return results
+    return results, lost
 
 
 def test_every_rank_gets_every_message_in_rank_order(tmp_path):
-    results = _ranks(3, tmp_path, lambda rank: [f"a{rank}", "", f"c{rank}" * 1000])
+    results, lost = _ranks(3, tmp_path, lambda rank: [f"a{rank}", "", f"c{rank}" * 1000])
     for rank in range(3):
         assert results[rank] == [["a0", "a1", "a2"], ["", "", ""],
                                  ["c0" * 1000, "c1" * 1000, "c2" * 1000]]
+    assert lost == []  # every rank said goodbye
 
 
-def test_a_rank_that_leaves_fails_the_others_at_once(tmp_path):
+def test_a_rank_that_dies_is_reported_and_fails_the_others_at_once(tmp_path):
     start = time.monotonic()
-    results = _ranks(3, tmp_path, lambda rank: ["first", "leave", "never"], fail_rank=2)
+    results, lost = _ranks(3, tmp_path, lambda rank: ["first", "leave", "never"], fail_rank=2)
     assert results[2] == [["first"] * 3, "left"]
+    assert lost == [2]
     for rank in (0, 1):
         assert isinstance(results[rank], ConnectionError), results[rank]
-        assert "a rank left the launch" in str(results[rank])
+        assert "rank 2's process ended" in str(results[rank])
     assert time.monotonic() - start < 10
+
+
+def test_rank_0_dying_is_seen_by_the_others_between_gathers():
+    listener = socket.create_server(("127.0.0.1", 0))
+    lost = []
+    gather = RankGather(f"127.0.0.1 {listener.getsockname()[1]} {'2' * 32}", 1,
+                        on_lost=lost.append)
+    accepted, _ = listener.accept()
+    time.sleep(0.5)
+    assert lost == []  # quiet: nothing to see
+    accepted.close()  # rank 0's process died: its end of the connection goes, no goodbye
+    deadline = time.monotonic() + 5
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lost == [0]
+    gather.close()
+    listener.close()
 
 
 def test_a_stranger_without_the_secret_is_not_counted(tmp_path):

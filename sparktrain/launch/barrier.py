@@ -50,7 +50,7 @@ from sparktrain.fs import DEFAULT_LAUNCH_DIR, filesystem
 from sparktrain.launch.events import EventWatcher, RankEvents
 from sparktrain.launch.rank_gather import NO_SERVER, GatherServer, RankGather, connect, \
     publish
-from sparktrain.faults import user_error_source
+from sparktrain.faults import lost_rank_text, user_error_source
 from sparktrain.session.spark_api import cancel_tag, conf_value, is_local_master, is_remote, \
     job_tag, master, num_partitions, task_slots
 
@@ -222,7 +222,7 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
                     if isinstance(exc, KeyboardInterrupt):
                         raise
                     watcher.poll()
-                    error = _training_error(watcher.first_error(), exc,
+                    error = _training_error(_with_last_lines(watcher), exc,
                                             max(1, watcher.failed_attempts()))
                     error.user_error = watcher.user_error()
                     raise error from None
@@ -282,6 +282,17 @@ def _rank_result_batch(rank: int, result: Any, launch_dir: str,
 
 def _load_result(row: Any, fs: Any) -> Any:
     return cloudpickle.loads(fs.cat_file(row["stored"]) if row["stored"] else row["result"])
+
+
+def _with_last_lines(watcher: EventWatcher) -> Optional[Tuple[int, str]]:
+    """The first error to report; a rank that died without a word gets its last lines."""
+    reported = watcher.first_error()
+    if reported is None or not any(rank == reported[0] for _, rank in watcher.lost):
+        return reported
+    lines = watcher.last_lines(reported[0])
+    shown = "\n".join(f"  {line}" for line in lines) if lines else "  (none reached the driver)"
+    # the report stays the last line: the error's summary
+    return reported[0], f"Its last lines:\n{shown}\n{reported[1]}"
 
 
 def _training_error(reported: Optional[Tuple[int, str]], exc: BaseException,
@@ -451,10 +462,15 @@ def _rank_gather(barrier: Any, context: RankContext, where: Sequence
     (the ranks then use Spark's allGather)."""
     fs = filesystem(where[0], where[1])[0]
     path = f"{where[0]}/gather-{barrier.stageId()}"
+
+    def on_lost(rank: int) -> None:  # a rank's process died without a word: say so
+        if context.client is not None:
+            context.client.error(lost_rank_text(rank, context.hosts[rank]), lost=rank)
+
     if context.rank != 0:
-        return None, connect(fs, path, context.rank)
+        return None, connect(fs, path, context.rank, on_lost=on_lost)
     try:
-        server = GatherServer(context.world_size, context.hosts[0])
+        server = GatherServer(context.world_size, context.hosts[0], on_lost=on_lost)
     except OSError as exc:
         context.log(f"no gather server ({exc}): the ranks exchange messages through Spark's "
                     f"allGather (about 1 s each)")

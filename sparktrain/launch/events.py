@@ -34,9 +34,11 @@ import uuid
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
+from sparktrain.faults import is_fault_text
 from sparktrain.fs import filesystem
 
 log = logging.getLogger("sparktrain.rank")
+CAUSE_SECONDS = 1.0  # a rank's death this soon after a peer's fault is taken as its cause
 WARNING = "warning: "  # a rank's line starting so is logged on the client as a warning
 
 FLUSH_SECONDS = 0.5  # a rank's buffered lines reach the store at most this late
@@ -157,6 +159,7 @@ class EventWatcher:
         self.on_error = on_error
         # (time, attempt, rank, traceback, fatal)
         self.errors: List[Tuple[float, int, int, str, bool]] = []
+        self.lost: set = set()  # (attempt, rank): ranks whose process died without a word
         self.lines: Deque[Tuple[int, str]] = deque(maxlen=1000)  # the latest, for inspection
         self._attempts_failed = 0
         self._fs = filesystem(self.url, storage_options)[0]
@@ -195,6 +198,9 @@ class EventWatcher:
                 self.on_progress(json.loads(text))
         elif kind == "error":
             fatal = bool(message.get("fatal", False))
+            if "lost" in message:  # a rank reporting another's death (rank_gather)
+                rank = int(message["lost"])
+                self.lost.add((attempt, rank))
             self.errors.append((float(message.get("t", 0.0)), attempt, rank, text, fatal))
             self._attempts_failed = max(self._attempts_failed,
                                         int(message.get("attempts_failed", 0)))
@@ -208,11 +214,24 @@ class EventWatcher:
                     log.log(level, "[rank %d] %s", rank, line)
 
     def first_error(self) -> Optional[Tuple[int, str]]:
-        """``(rank, traceback)`` of the earliest failure of the earliest failed attempt."""
+        """``(rank, traceback)`` of the earliest failure of the earliest failed attempt; when
+        that failure is a fault (a peer gone) and a rank of that attempt died without a word,
+        that rank's death, which caused it."""
         if not self.errors:
             return None
-        _, attempt, rank, text, _ = min(self.errors, key=lambda e: (e[1], e[0]))
+        first, attempt, rank, text, _ = min(self.errors, key=lambda e: (e[1], e[0]))
+        if (attempt, rank) not in self.lost and is_fault_text(text):
+            # a death seconds later is Spark killing the others' tasks, not the cause
+            deaths = [e for e in self.errors if (e[1], e[2]) in self.lost and e[1] == attempt
+                      and e[0] <= first + CAUSE_SECONDS]
+            if deaths:
+                _, _, rank, text, _ = min(deaths)
         return rank, text
+
+    def last_lines(self, rank: int, count: int = 20) -> List[str]:
+        """The last ``count`` lines rank ``rank`` sent (those it flushed before it ended)."""
+        lines = [line for r, text in self.lines if r == rank for line in text.splitlines()]
+        return lines[-count:]
 
     def user_error(self) -> bool:
         """Whether a rank reported an error in the user's code (``fatal``: never retried)."""

@@ -28,15 +28,20 @@ from __future__ import annotations
 import hmac
 import json
 import secrets
+import select
+import selectors
 import socket
 import struct
 import threading
 import time
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 _HEADER = struct.Struct("!I")  # a frame: its length, then that many bytes of UTF-8
 CONNECT_SECONDS = 60.0  # how long a rank tries to reach rank 0's server
 HANDSHAKE_SECONDS = 10.0  # how long the server waits for a new connection to say who it is
+WATCH_SECONDS = 0.2  # how often an idle rank looks at its connection to rank 0
+BYE = "\x00bye"  # a rank (or the server) ending normally
+LOST = "\x00lost "  # the server to the others: this rank died
 
 
 def _send(sock: socket.socket, text: str) -> None:
@@ -62,11 +67,17 @@ def _exactly(sock: socket.socket, size: int) -> bytes:
 
 class GatherServer:
     """Rank 0's side: accepts the ``world_size`` ranks (each proves the secret and says its
-    rank), then answers gathers until a rank leaves or :meth:`close`. ``address`` is what the
-    ranks need (``host port secret``), to send through Spark's one ``allGather``."""
+    rank), then answers gathers until every rank said goodbye or :meth:`close`. ``address``
+    is what the ranks need (``host port secret``), published through the launch folder.
 
-    def __init__(self, world_size: int, host: str) -> None:
+    A rank whose connection ends without a goodbye died without a Python error (killed by a
+    signal, or crashed): ``on_lost(rank)`` is called once, every other rank is told (their
+    gathers and watchers see ``LOST``), and the server stops."""
+
+    def __init__(self, world_size: int, host: str,
+                 on_lost: Callable[[int], None] = lambda rank: None) -> None:
         self.world_size = world_size
+        self.on_lost = on_lost
         self._secret = secrets.token_hex(16)
         if socket.has_dualstack_ipv6():
             self._listener = socket.create_server(("", 0), family=socket.AF_INET6,
@@ -76,50 +87,100 @@ class GatherServer:
         self._listener.listen(world_size)
         self.address = f"{host} {self._listener.getsockname()[1]} {self._secret}"
         self._closed = threading.Event()
+        self._wake, self._waker = socket.socketpair()  # close() -> the serving thread
         self._ranks: List[Optional[socket.socket]] = [None] * world_size
         self._thread = threading.Thread(target=self._serve, name="sparktrain-rank-gather",
                                         daemon=True)
         self._thread.start()
 
-    def _serve(self) -> None:
+    def _accept(self) -> None:
         ranks = self._ranks
+        while any(s is None for s in ranks):
+            sock, _ = self._listener.accept()
+            try:
+                sock.settimeout(HANDSHAKE_SECONDS)  # a silent stranger cannot stall it
+                secret, rank = _receive(sock).split()
+                sock.settimeout(None)
+                if not hmac.compare_digest(secret, self._secret) or \
+                        not 0 <= int(rank) < self.world_size or ranks[int(rank)]:
+                    raise ValueError("not a rank of this launch")
+            except (ValueError, OSError):
+                sock.close()  # a stranger, or a rank that gave up: not counted
+                continue
+            ranks[int(rank)] = sock
+        self._listener.close()
+
+    def _serve(self) -> None:
+        ranks, pending, gone = self._ranks, {}, set()
         try:
-            while any(s is None for s in ranks):
-                sock, _ = self._listener.accept()
-                try:
-                    sock.settimeout(HANDSHAKE_SECONDS)  # a silent stranger cannot stall it
-                    secret, rank = _receive(sock).split()
-                    sock.settimeout(None)
-                    if not hmac.compare_digest(secret, self._secret) or \
-                            not 0 <= int(rank) < self.world_size or ranks[int(rank)]:
-                        raise ValueError("not a rank of this launch")
-                except (ValueError, OSError):
-                    sock.close()  # a stranger, or a rank that gave up: not counted
-                    continue
-                ranks[int(rank)] = sock
-            self._listener.close()
-            while not self._closed.is_set():
-                messages = [_receive(s) for s in ranks]
-                answer = json.dumps(messages)
-                for s in ranks:
-                    _send(s, answer)
-        except OSError:  # a rank left (or close()): every other rank's gather fails at once
+            self._accept()
+            with selectors.DefaultSelector() as selector:
+                for rank, sock in enumerate(ranks):
+                    selector.register(sock, selectors.EVENT_READ, rank)
+                selector.register(self._wake, selectors.EVENT_READ, None)
+                while len(gone) < self.world_size:
+                    for key, _ in selector.select():
+                        rank = key.data
+                        if rank is None:  # close(): goodbye to the ranks, from this thread
+                            self._goodbye()
+                            return
+                        try:
+                            text = _receive(ranks[rank])
+                        except OSError:  # ConnectionError: no goodbye
+                            if not self._closed.is_set():
+                                self._lost(rank)
+                            return
+                        if text == BYE or gone:  # a gather after a goodbye cannot complete
+                            gone.add(rank)
+                            selector.unregister(ranks[rank])
+                            continue
+                        pending[rank] = text
+                    if len(pending) == self.world_size:
+                        answer = json.dumps([pending[r] for r in range(self.world_size)])
+                        pending.clear()
+                        for sock in ranks[1:] + ranks[:1]:  # rank 0 (this process) last
+                            _send(sock, answer)
+        except OSError:  # close(), or a rank gone while it was answered
             pass
         finally:
             self._listener.close()
-            for s in ranks:
-                if s is not None:
-                    s.close()
+            self._wake.close()
+            for sock in ranks:
+                if sock is not None:
+                    sock.close()
 
-    def close(self) -> None:
-        """Stop serving (a thread blocked in ``accept`` or ``recv`` wakes up: shutdown)."""
-        self._closed.set()
-        for sock in [self._listener] + [s for s in self._ranks if s is not None]:
+    def _goodbye(self) -> None:
+        for sock in self._ranks:
             try:
-                sock.shutdown(socket.SHUT_RDWR)
+                _send(sock, BYE)
             except OSError:
                 pass
+
+    def _lost(self, rank: int) -> None:
+        """``rank`` died: report it, tell the others (best effort)."""
+        try:
+            self.on_lost(rank)
+        finally:
+            for other, sock in enumerate(self._ranks):
+                if other != rank and sock is not None:
+                    try:
+                        _send(sock, f"{LOST}{rank}")
+                    except OSError:
+                        pass
+
+    def close(self) -> None:
+        """Stop serving; the ranks get a goodbye."""
+        self._closed.set()
+        try:
+            self._waker.send(b"x")  # the serving thread says goodbye and ends
+        except OSError:
+            pass
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes a thread still in accept()
+        except OSError:
+            pass
         self._thread.join(5)
+        self._waker.close()
 
 
 NO_SERVER = "spark"  # what rank 0 publishes when it has no server: every rank uses Spark's
@@ -132,7 +193,8 @@ def publish(fs: Any, path: str, address: str) -> None:
     fs.pipe_file(path, f"{address}\n".encode("utf-8"))
 
 
-def connect(fs: Any, path: str, rank: int, wait: float = WAIT_SECONDS) -> Optional["RankGather"]:
+def connect(fs: Any, path: str, rank: int, wait: float = WAIT_SECONDS,
+            on_lost: Callable[[int], None] = lambda rank: None) -> Optional["RankGather"]:
     """Rank ``rank``'s connection to the server whose address is (or will be) at ``path``;
     ``None`` when rank 0 has none. Only rank 0 decides: a read that fails here is tried again
     (a rank that chose Spark's allGather alone would wait forever on the others)."""
@@ -146,7 +208,7 @@ def connect(fs: Any, path: str, rank: int, wait: float = WAIT_SECONDS) -> Option
             return None
         if text.endswith("\n") and text not in refused:
             try:
-                return RankGather(text.strip(), rank)
+                return RankGather(text.strip(), rank, on_lost)
             except ConnectionRefusedError:  # an earlier attempt's server, gone
                 refused.add(text)
         if time.monotonic() > deadline:
@@ -157,9 +219,13 @@ def connect(fs: Any, path: str, rank: int, wait: float = WAIT_SECONDS) -> Option
 
 
 class RankGather:
-    """A rank's side: ``gather(message)`` returns every rank's message in rank order."""
+    """A rank's side: ``gather(message)`` returns every rank's message in rank order.
 
-    def __init__(self, address: str, rank: int) -> None:
+    Between gathers a thread watches the connection: when it ends without the server's
+    goodbye, rank 0 died without a Python error and ``on_lost(0)`` is called."""
+
+    def __init__(self, address: str, rank: int,
+                 on_lost: Callable[[int], None] = lambda rank: None) -> None:
         host, port, secret = address.split()
         try:
             self._sock = socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS)
@@ -172,17 +238,56 @@ class RankGather:
                                   f"also need") from exc
         self._sock.settimeout(None)  # a gather waits for the slowest rank, as Spark's does
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.rank, self.on_lost = rank, on_lost
         self._lock = threading.Lock()
+        self._done = threading.Event()  # the server's goodbye or a LOST seen, or close()
         _send(self._sock, f"{secret} {rank}")
+        if rank != 0:  # rank 0's server is in this very process
+            threading.Thread(target=self._watch, name="sparktrain-rank-watch",
+                             daemon=True).start()
 
     def __call__(self, message: str) -> List[str]:
         with self._lock:
             try:
                 _send(self._sock, message)
-                return json.loads(_receive(self._sock))
+                answer = _receive(self._sock)
             except OSError as exc:
                 raise ConnectionError(f"a rank left the launch while the others gathered "
                                       f"({exc}); Spark re-runs the stage") from exc
+            if answer.startswith(LOST):
+                self._done.set()
+                raise ConnectionError(f"rank {answer[len(LOST):]}'s process ended while the "
+                                      f"others gathered; Spark re-runs the stage")
+            if answer == BYE:
+                self._done.set()
+                raise ConnectionError("rank 0 left the launch while the others gathered")
+            return json.loads(answer)
+
+    def _watch(self) -> None:
+        """Look at the connection while no gather uses it (every ``WATCH_SECONDS``)."""
+        while not self._done.wait(WATCH_SECONDS):
+            if not self._lock.acquire(timeout=WATCH_SECONDS):
+                continue  # a gather is waiting on the server: it sees what happens
+            try:
+                if self._done.is_set() or not select.select([self._sock], [], [], 0)[0]:
+                    continue
+                try:
+                    text = _receive(self._sock)
+                except OSError:  # ended without a word from rank 0: its process died
+                    self._done.set()
+                    self.on_lost(0)
+                    return
+                if text == BYE or text.startswith(LOST):
+                    self._done.set()  # rank 0 ended, or told of another rank's loss
+            finally:
+                self._lock.release()
 
     def close(self) -> None:
-        self._sock.close()
+        """Say goodbye (this rank ends normally, even on an error it reported) and close."""
+        self._done.set()
+        with self._lock:
+            try:
+                _send(self._sock, BYE)
+            except OSError:
+                pass
+            self._sock.close()

@@ -27,14 +27,15 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import IO, Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import IO, Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 from sparktrain.launch import zygote
 from sparktrain.launch.zygote import die_with_parent
 from sparktrain.data.stream import spool_shard
 from sparktrain.launch.barrier import RankContext
-from sparktrain.faults import mark_user_error
+from sparktrain.faults import killed_text, mark_user_error
 from sparktrain.launch.gpus import gpu_environment, rank_gpu
 from sparktrain.launch.tf_protocol import ERROR_FILE, PROGRESS_PREFIX, RESULT_FILE, \
     USER_ERROR_FILE, WORKER_MODULE, write_inputs
@@ -157,18 +158,24 @@ def spawn_keras_worker(rank: int, world_size: int, config: str, spec: KerasTrain
     try:
         write_inputs(workdir, replace(spec, rank=rank, world_size=world_size), payload)
         child = start_tf_child(workdir, config, gpu, subprocess.PIPE)
+        last: Deque[str] = deque(maxlen=20)  # its last lines, for the error if it is killed
         try:
             for line in child.stdout:
                 if line.startswith(PROGRESS_PREFIX):
                     progress(**json.loads(line[len(PROGRESS_PREFIX):]))
                 elif not _noise(line, gpu):
                     sys.stdout.write(line)
+                    last.append(line.rstrip("\n"))
             code = child.wait()
         finally:
             if child.poll() is None:
                 child.kill()
                 child.wait()
         error = os.path.join(workdir, ERROR_FILE)
+        if code < 0:  # a signal, e.g. the out-of-memory killer's SIGKILL: no traceback
+            lines = "\n".join(f"  {line}" for line in last) or "  (none)"
+            raise RuntimeError(f"its last lines:\n{lines}\n" + killed_text(
+                f"the TensorFlow worker process of rank {rank}", -code))
         if code != 0:
             detail = open(error).read() if os.path.exists(error) else f"exit code {code}"
             failure = RuntimeError(f"the TensorFlow worker process of rank {rank} failed:\n"
