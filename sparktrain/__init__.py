@@ -27,6 +27,7 @@ _EXPORTS = {
     "TrainingError": "sparktrain.errors",
     "RunInUseError": "sparktrain.errors",
     "CheckpointError": "sparktrain.errors",
+    "StoreFullError": "sparktrain.errors",
     "PreflightError": "sparktrain.errors",
     "ExecutorEnvironmentError": "sparktrain.errors",
     "local_spark": "sparktrain.session.local",

@@ -51,5 +51,19 @@ class CheckpointError(RuntimeError):
     the files and what is wrong with each)."""
 
 
+class StoreFullError(OSError):
+    """A write to the store ran out of space: ``path`` (what was written), ``needed`` (its
+    bytes, where known). An ``OSError`` with ``errno.ENOSPC``, so ``except OSError`` sees it."""
+
+    def __init__(self, message: str, path: str, needed: Optional[int] = None) -> None:
+        import errno
+
+        super().__init__(errno.ENOSPC, message)
+        self.path, self.needed = path, needed
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
 class RunInUseError(RuntimeError):
     """Another fit is training with the same ``run_id`` right now."""

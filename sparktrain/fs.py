@@ -12,12 +12,17 @@ Example::
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import posixpath
+import re
+import shutil
 import tempfile
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
+
+from sparktrain.errors import StoreFullError
 
 # Hadoop scheme -> fsspec protocol, where the two differ.
 _SPARK_TO_FSSPEC = {"s3a": "s3", "s3n": "s3", "wasbs": "abfs", "abfss": "abfs"}
@@ -119,21 +124,67 @@ def put_file(fs: Any, path: str, data: bytes) -> None:
     by itself. Listings that skip dot-names (:func:`list_json`) never see the temporary file.
     """
     directory, name = posixpath.split(path)
-    fs.makedirs(directory, exist_ok=True)
     temporary = f"{directory}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
     try:
-        fs.pipe_file(temporary, data)
-    except FileNotFoundError:  # an empty directory removed meanwhile (remove_empty)
         fs.makedirs(directory, exist_ok=True)
-        fs.pipe_file(temporary, data)
-    try:
-        fs.mv(temporary, path)
-    except Exception:
         try:
-            fs.rm(temporary)
+            fs.pipe_file(temporary, data)
+        except FileNotFoundError:  # an empty directory removed meanwhile (remove_empty)
+            fs.makedirs(directory, exist_ok=True)
+            fs.pipe_file(temporary, data)
+        fs.mv(temporary, path)
+    except Exception as exc:
+        try:
+            fs.rm(temporary)  # a half-written temporary file would keep the space
         except Exception:  # noqa: BLE001 - the original error matters more
             pass
+        if out_of_space(exc):
+            raise store_full(fs, path, len(data), exc) from None
         raise
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the text of a Java error) says a filesystem is full."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return bool(_NO_SPACE.search(str(exc)))
+
+
+_NO_SPACE = re.compile(r"No space left on device|Disk quota exceeded|DiskSpaceQuotaExceeded|"
+                       r"NSQuotaExceeded|ENOSPC")
+
+
+def store_full(fs: Any, path: str, needed: Optional[int], exc: BaseException,
+               what: str = "", note: str = "") -> StoreFullError:
+    """The error for a write of ``needed`` bytes (``what``) to ``path`` that found no room."""
+    free = free_bytes(fs, path)
+    room = f"; {free / 2**20:.1f} MiB free there now" if free is not None else ""
+    size = f" needed {needed / 2**20:.1f} MiB" if needed is not None else ""
+    text = (f"the store is out of space: writing {what or path}{size}{room}{note}. Make room "
+            f"there (or use another store) and fit again: the run's earlier checkpoints and "
+            f"datasets are intact. ({_first_line(exc)})")
+    return StoreFullError(text, path, needed)
+
+
+def free_bytes(fs: Any, path: str) -> Optional[int]:
+    """Free bytes of the local filesystem holding ``path`` (``None`` for remote stores)."""
+    if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        return None
+    path = path.split("://", 1)[-1]
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path or "/").free
+    except OSError:
+        return None
+
+
+def _first_line(exc: BaseException) -> str:
+    """The line of ``exc``'s text that says what was full (Java's ``Caused by:`` dropped)."""
+    for line in str(exc).splitlines():
+        if _NO_SPACE.search(line):
+            return line.strip().removeprefix("Caused by: ")[:300]
+    return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
 
 
 def read_json(fs: Any, path: str) -> Optional[Dict[str, Any]]:

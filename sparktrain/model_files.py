@@ -31,7 +31,7 @@ import tempfile
 import uuid
 from typing import Any, Dict, Iterator, Optional
 
-from sparktrain.fs import filesystem
+from sparktrain.fs import filesystem, out_of_space, store_full
 
 #: where executors keep their copies of remote model files (one directory per file version)
 LOCAL_COPIES = os.path.join(tempfile.gettempdir(), "sparktrain-models")
@@ -71,9 +71,11 @@ class ModelFile:
             with fs.open(temporary, "wb") as out:
                 yield out
             fs.mv(temporary, path)
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(Exception):
                 fs.rm(temporary)
+            if out_of_space(exc):
+                raise store_full(fs, path, None, exc, what=f"the model file {url}") from None
             raise
 
     @property

@@ -57,6 +57,33 @@ def spark():
     session.stop()
 
 
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(size)``: a new tmpfs of ``size`` ("8m") mounted under ``tmp_path`` (a real disk
+    that fills up; needs root, as CI runs) and unmounted after the test; ``tmpfs.resize(path,
+    size)`` gives one more room, as a user freeing space would."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: str):
+        folder = tmp_path / f"tmpfs-{len(mounted)}"
+        folder.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                          capture_output=True).returncode:
+            pytest.skip("mounting a tmpfs needs root")
+        mounted.append(folder)
+        return folder
+
+    def resize(folder, size: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(folder)], check=True)
+
+    mount.resize = resize
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
 @pytest.fixture(scope="session")
 def store(tmp_path_factory):
     """A store shared by the session, so tests reusing a DataFrame reuse its materialization."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 
 import numpy as np
 import pytest
@@ -89,15 +88,9 @@ def test_columns_it_cannot_map_are_read_from_the_store(tmp_path):
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmpfs):
     """A real full disk: an 8 MiB tmpfs (needs root, as CI runs)."""
-    folder = tmp_path / "small"
-    folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(folder)],
-                      capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root")
-    yield folder
-    subprocess.run(["umount", "-l", str(folder)], check=False)
+    return tmpfs("8m")
 
 
 @pytest.mark.parametrize("headroom", [rank_cache.HEADROOM_BYTES, 0])

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 from pyspark.ml.functions import vector_to_array
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
@@ -33,6 +34,7 @@ from sparktrain.data.batch import values_to_numpy
 from sparktrain.data.columns import (ARRAY, BINARY, IMAGE, IMAGE_FIELDS, SCALAR, SPLIT_COL, STRING,
                                      VARLEN, VECTOR, ColumnSpec)
 from sparktrain.data.store import Store
+from sparktrain.fs import out_of_space, store_full
 from sparktrain.session.spark_api import conf_value, plan_fingerprint
 
 log = logging.getLogger(__name__)
@@ -444,7 +446,13 @@ def _write(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
             raise RuntimeError(f"the lease on {root} expired while Spark wrote it (the store "
                                f"was unreachable for over {lease.ttl:g}s?); fit again")
     except Exception as exc:  # a failed check inside the job, or a genuine write error
-        directory.remove_attempt(attempt)
+        written = _bytes_under(store.fs, root) if out_of_space(exc) else 0
+        directory.remove_attempt(attempt)  # the space goes back; nothing half-written is kept
+        if out_of_space(exc):
+            row = sum(_row_bytes(spec) for spec in specs)
+            raise store_full(store.fs, root, None, exc, what=f"the dataset to {root}", note=(
+                f" (the write stopped after {written / 2**20:.1f} MiB; a row takes {row} "
+                f"bytes before compression)")) from None
         message = _data_error(exc)
         if message:
             raise ValueError(_explained(df, specs, message)) from None
@@ -455,6 +463,21 @@ def _write(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
     log.info("materialized %d train / %d validation rows to %s in %.1fs",
              rows["train"], rows["val"], root, seconds)
     return MaterializedDataset(root, specs, rows, key, False, seconds, files)
+
+
+def _bytes_under(fs: Any, path: str) -> int:
+    try:
+        return int(fs.du(path))
+    except (OSError, ValueError):
+        return 0
+
+
+def _row_bytes(spec: ColumnSpec) -> int:
+    """A row's bytes of ``spec`` before compression (fixed-size columns; 0 for the others)."""
+    try:
+        return int(np.prod(spec.row_shape, dtype=np.int64)) * np.dtype(spec.dtype).itemsize
+    except (TypeError, ValueError):
+        return 0
 
 
 def split_column(df: DataFrame, validation: Union[None, float, str], seed: Optional[int]

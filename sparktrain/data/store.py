@@ -22,8 +22,8 @@ import warnings
 from typing import Any, Dict, Optional, Tuple, Union
 
 # the URL and filesystem helpers live in sparktrain.fs; these names stay importable from here
-from sparktrain.fs import DEFAULT_LOCAL_STORE, filesystem, redact, split_scheme, to_fsspec_url, \
-    to_spark_url  # noqa: F401 - re-exported
+from sparktrain.fs import DEFAULT_LOCAL_STORE, filesystem, put_file, redact, split_scheme, \
+    to_fsspec_url, to_spark_url  # noqa: F401 - re-exported
 
 
 # Horovod 0.28.1's Store.create keywords (horovod/spark/common/store.py: AbstractFilesystemStore
@@ -204,8 +204,7 @@ class StoredBytes:
     def put(cls, url: str, data: bytes,
             storage_options: Optional[Dict[str, Any]] = None) -> "StoredBytes":
         fs, path = filesystem(url, storage_options)
-        fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        fs.pipe_file(path, data)
+        put_file(fs, path, data)
         return cls(url, storage_options)
 
     @property

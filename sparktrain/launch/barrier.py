@@ -439,7 +439,8 @@ def run_rank(task: Callable[[RankContext], Any], where: Sequence,
         remote = traceback.format_exc()
         source = user_error_source(exc)
         if source is not None:  # first: the traceback's last line stays the error's summary
-            remote = f"Raised by {source} (user code): not retried.\n{remote}"
+            label = source if source.endswith(")") else f"{source} (user code)"
+            remote = f"Raised by {label}: not retried.\n{remote}"
         if isinstance(exc, ModuleNotFoundError):
             remote += (f"\nThe executors' Python ({sys.executable}) cannot import {exc.name!r}: "
                        f"install it there, or point PYSPARK_PYTHON / spark.pyspark.python at a "

@@ -30,8 +30,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from sparktrain.errors import CheckpointError
-from sparktrain.fs import filesystem, put_file
+from sparktrain.errors import CheckpointError, StoreFullError
+from sparktrain.faults import mark_user_error
+from sparktrain.fs import filesystem, put_file, store_full
 
 _NAME = re.compile(r"epoch-(\d{6})\.json$")
 
@@ -120,8 +121,19 @@ class Checkpoints:
         """Write the checkpoint after ``epochs_done`` epochs, then prune old ones."""
         self.fs.makedirs(self.root, exist_ok=True)
         meta = dict(meta, epochs_done=epochs_done, payload=_fingerprint(payload))
-        put_file(self.fs, self._path(epochs_done, "ckpt"), payload)
-        put_file(self.fs, self._path(epochs_done, "json"), json.dumps(meta).encode())
+        marker = json.dumps(meta).encode()
+        try:
+            put_file(self.fs, self._path(epochs_done, "ckpt"), payload)
+            put_file(self.fs, self._path(epochs_done, "json"), marker)
+        except StoreFullError as exc:  # retrying would fill the disk again: fail at once
+            try:
+                self.fs.rm_file(self._path(epochs_done, "ckpt"))  # no data without its marker
+            except OSError:
+                pass
+            raise mark_user_error(store_full(
+                self.fs, self.root, len(payload) + len(marker), exc,
+                what=f"the checkpoint after epoch {epochs_done} to {self.root}"),
+                "the store (out of space)") from None
         for old in self._done()[:-self.keep]:
             for suffix in ("json", "ckpt"):  # the marker first: never a marker without data
                 try:

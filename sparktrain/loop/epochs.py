@@ -181,7 +181,7 @@ class EpochDriver:
             return self.checkpoints.latest_intact(
                 warn=(lambda text: log(WARNING + text)) if rank == 0 else lambda text: None)
         except CheckpointError as exc:
-            raise mark_user_error(exc, "the run's checkpoints") from None
+            raise mark_user_error(exc, "the run's checkpoints (damaged)") from None
 
     def resume_bytes(self) -> Optional[bytes]:
         """The checkpoint this attempt resumes from (the framework's bytes, read once), or
