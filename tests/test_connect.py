@@ -82,6 +82,17 @@ def test_faults_over_connect_without_executors_reaching_the_client(connect_url, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("framework,points", [("torch", 6), ("keras", 1)])
+def test_interrupts_over_connect(connect_url, tmp_path, framework, points):
+    """Ctrl-C over Connect at each point of a fit, in a finalizer and during a prediction
+    (tests/test_interrupts.py says what is checked)."""
+    from test_interrupts import check_interrupts, run_interrupts
+
+    pytest.importorskip(framework)
+    check_interrupts(run_interrupts(connect_url, tmp_path, framework), points)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario,module,epochs,more", [
     ("horovod", "horovod.torch", 3, {}),
     # a Hugging Face model as it is

@@ -45,7 +45,8 @@ from sparktrain.options.declarations import COMMON, Option
 from sparktrain.options.params import EstimatorParams, camel
 from sparktrain.estimators.persistence import EstimatorReader, EstimatorWriter
 from sparktrain.estimators.progress import FitProgress, TqdmLogHandler, interval_from_conf
-from sparktrain.session.spark_api import all_conf, check_store_shared, master
+from sparktrain.session.interrupts import interruptible, raise_if_interrupted
+from sparktrain.session.spark_api import all_conf, check_store_shared, job_tag, master
 
 log = logging.getLogger("sparktrain")
 
@@ -220,7 +221,10 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
     def _fit(self, dataset: DataFrame) -> "ModelBase":
         # the registered fit hooks (MLflow, docs/mlflow.md: it does nothing unless the fit is
         # logged) wrap the fit: plug-ins follow fits without this module importing them
-        with fit_hooks(self) as listener:
+        spark = dataset.sparkSession
+        tag = f"sparktrain-fit-{uuid.uuid4().hex[:12]}"  # every Spark job of this fit
+        with fit_hooks(self) as listener, \
+                interruptible(spark, tag, f"{type(self).__name__}.fit"), job_tag(spark, tag):
             return self._fit_tracked(dataset, listener)
 
     def _fit_tracked(self, dataset: DataFrame, listener: FitListener) -> "ModelBase":
@@ -237,6 +241,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                     name="min_num_proc" if elastic.elastic else "num_proc")
         with _FitLogging(self.getVerbose()):
             run_preflight(self, dataset, specs)
+        raise_if_interrupted()
         check_executors(spark, self._executor_modules(),
                         f"{type(self).__name__}(backend={self.getBackend()!r})")
         store = Store.create(self.getStore())
@@ -259,7 +264,9 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
             if latest is not None:
                 log.info("run %s has a checkpoint after epoch %d: resuming from it", run_id,
                          latest.epochs_done)
+            raise_if_interrupted()
             data = self._rows_to_ranks(dataset, store, specs, validation, elastic)
+            raise_if_interrupted()
             result = self._train(FitRun(dataset.sparkSession, data, store, use_gpu, run_id,
                                         progress, time.time(), elastic))
             listener.trained(result)

@@ -48,6 +48,7 @@ from pyspark.sql import DataFrame, SparkSession
 from sparktrain.errors import TrainingError  # noqa: F401 - raised here, importable from here
 from sparktrain.fs import DEFAULT_LAUNCH_DIR, filesystem
 from sparktrain.launch.events import EventWatcher, RankEvents
+from sparktrain.session.interrupts import raise_if_interrupted
 from sparktrain.launch.rank_gather import NO_SERVER, GatherServer, RankGather, connect, \
     publish
 from sparktrain.faults import lost_rank_text, user_error_source
@@ -214,6 +215,7 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
         with EventWatcher(f"{launch_dir}/events", storage_options, echo=echo_logs,
                           on_progress=on_progress, on_error=on_error) as watcher:
             frame = _barrier_frame(spark, num_proc, task, where, rows)
+            raise_if_interrupted()  # an interrupt lost before this job: do not start it
             with job_tag(spark, tag, description):
                 try:
                     rows = frame.collect()
