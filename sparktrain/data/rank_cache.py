@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import uuid
 import weakref
 from typing import Dict, Optional, Sequence
@@ -58,6 +59,9 @@ def cacheable(columns: Sequence[ColumnSpec]) -> bool:
     return bool(columns) and all(
         c.kind in (SCALAR, ARRAY, VECTOR) and c.dtype not in ("bytes", "str")
         and (c.kind == SCALAR or bool(c.row_shape)) for c in columns)
+
+
+_CREATING_SECONDS = 3600.0  # a hidden folder this old was left by a process that died making it
 
 
 def _start_time(pid: int) -> str:
@@ -89,11 +93,18 @@ def remove_orphans(root: str) -> int:
         return 0
     for name in names:
         folder = os.path.join(root, name)
+        if name.startswith("."):  # being created (owned_folder): only a stale one goes
+            try:
+                if time.time() - os.path.getmtime(folder) > _CREATING_SECONDS:
+                    shutil.rmtree(folder, ignore_errors=True)
+            except OSError:
+                pass
+            continue
         try:
             with open(os.path.join(folder, _OWNER)) as f:
                 owner = f.read()
         except OSError:
-            owner = ""  # being created, or not a cache: left alone unless clearly dead
+            owner = ""  # not a cache: left alone unless clearly dead
             if not os.path.isdir(folder) or os.listdir(folder):
                 continue
         if not _alive(owner):
@@ -118,10 +129,15 @@ def owned_folder(root: str) -> str:
     removes it once the process is gone), after removing the orphans already there."""
     os.makedirs(root, exist_ok=True)
     remove_orphans(root)
-    folder = os.path.join(root, uuid.uuid4().hex)
-    os.makedirs(folder)
-    with open(os.path.join(folder, _OWNER), "w") as f:
+    name = uuid.uuid4().hex
+    # made under a hidden name and renamed once its owner is written: another process's
+    # remove_orphans never sees it without an owner (it would take it for a dead one's)
+    creating = os.path.join(root, f".{name}")
+    os.makedirs(creating)
+    with open(os.path.join(creating, _OWNER), "w") as f:
         f.write(f"{os.getpid()}:{_start_time(os.getpid())}")
+    folder = os.path.join(root, name)
+    os.rename(creating, folder)
     return folder
 
 
