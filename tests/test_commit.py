@@ -117,7 +117,8 @@ def test_run_lock_refuses_a_second_holder_until_released(tmp_path):
     holder.start()
     assert entered.wait(10)
     with pytest.raises(RunInUseError, match=r"run_id='nightly' is in use by a fit of run "
-                                            r"'nightly' on host .*, pid \d+"):
+                                            r"'nightly' on host .*, pid \d+.* lock lapses in "
+                                            r"\d+ s; spark.sparktrain.leaseSeconds=30\)"):
         with run_lock(store, "nightly", ttl=30):
             pass
     leave.set()

@@ -27,7 +27,7 @@ clocks that disagree by that much) can leave two holders, which is why every use
 
 Example::
 
-    lease = Lease.acquire(fs, f"{root}/_leases", ttl=120)
+    lease = Lease.acquire(fs, f"{root}/_leases", ttl=60)
     try:
         ...  # lease.renew() happens on a thread while the block runs
     finally:
@@ -49,7 +49,9 @@ from sparktrain.fs import list_json, put_file, read_json
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TTL_SECONDS = 120.0
+# A dead holder on another host frees its leases after this long (renewed every ttl / 4 = 15 s,
+# so a driver busy for a few seconds never loses one); on this host at once (its pid is gone).
+DEFAULT_TTL_SECONDS = 60.0
 _HOST = socket.gethostname()
 _CHOOSING_POLL_SECONDS = 0.02  # how often first() looks again while another lease is choosing
 

@@ -336,7 +336,7 @@ _WAIT_POLL_SECONDS = 0.5
 
 def lease_seconds(spark: Any) -> float:
     """How long a lease outlives its writer's last sign of life (``spark.sparktrain.
-    leaseSeconds``, default 120): a waiter takes over a crashed writer's dataset or run after
+    leaseSeconds``, default 60): a waiter takes over a crashed writer's dataset or run after
     that long (at once when the writer was a process on this host that is gone)."""
     return float(conf_value(spark, LEASE_CONF, None) or DEFAULT_TTL_SECONDS)
 

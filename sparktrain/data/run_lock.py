@@ -8,11 +8,12 @@ can be resumed.
 
 Example::
 
-    with run_lock(store, "nightly", ttl=120):
+    with run_lock(store, "nightly", ttl=60):
         ...  # train, checkpoint under store.run_path("nightly")
 """
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -32,6 +33,10 @@ def run_lock(store: Store, run_id: str, ttl: float = DEFAULT_TTL_SECONDS) -> Ite
         if not lease.first():
             others = lease.others()
             holder = others[0].describe() if others else "another fit"
+            if others:  # a driver that died on another host: say when its lock lapses
+                left = max(0, round(others[0].expires - time.time()))
+                holder += (f" (if that fit's driver is gone, its lock lapses in {left} s; "
+                           f"spark.sparktrain.leaseSeconds={ttl:g})")
             raise RunInUseError(
                 f"run_id={run_id!r} is in use by {holder}: two fits cannot share one run's "
                 f"checkpoints. Pass another run_id (or none: each fit then gets its own), or "
