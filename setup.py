@@ -48,8 +48,9 @@ MLFLOW = ["mlflow-skinny>=3.1,<4"] + PLOT
 HF = ["transformers>=4.40", "tokenizers>=0.15", "peft>=0.10", "safetensors>=0.4"]
 # Benchmarks only (bench/): the baselines they measure sparktrain against. bench_hf.py's
 # baseline is Databricks' documented path, datasets.Dataset.from_spark + transformers.Trainer
-# (with the `hf` extra). Never needed by sparktrain itself or its tests.
-BENCH = ["datasets>=2.14"] + HF
+# (with the `hf` extra); bench_end_to_end.py's include Ray Data + Ray Train (TorchTrainer).
+# Never needed by sparktrain itself or its tests.
+BENCH = ["datasets>=2.14", "ray[train]>=2.9"] + HF
 # The demos' data (scikit-learn's bundled digits: no download) and images (Pillow).
 EXAMPLES = ["scikit-learn>=1.4", "pillow>=10"]
 TEST = ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "packaging", "psutil",

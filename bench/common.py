@@ -1,12 +1,12 @@
 """Helpers shared by the benchmarks in this directory (``bench_*.py``).
 
 Only driver-side code lives here: the parser, progress lines, logging, timing, the hang watchdog
-for fits, the ``--child`` entry point, the generated DataFrame, result records and their table /
-JSON-lines / JSON-file output. Functions
-that Spark ships to executors (training functions for TorchDistributor, ``horovod.spark.run``,
-UDFs) stay in the benchmark scripts themselves: run as ``__main__``, cloudpickle sends them *by
-value*, whereas a function from this module would be pickled by reference and the executors,
-which do not have ``bench/`` on their path, could not import it.
+for fits, a process tree's peak memory, the ``--child`` entry point, the generated DataFrame,
+result records and their table / JSON-lines / JSON-file output. Functions that Spark ships to
+executors (training functions for TorchDistributor, ``horovod.spark.run``, UDFs) stay in the
+benchmark scripts themselves: run as ``__main__``, cloudpickle sends them *by value*, whereas a
+function from this module would be pickled by reference and the executors, which do not have
+``bench/`` on their path, could not import it.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -181,16 +181,25 @@ def bench_session(args, app_name: str, conf: Dict[str, str]) -> Iterator[Any]:
 
 
 @contextmanager
-def local_session(args, app_name: str, prefix: str,
-                  conf: Optional[Dict[str, str]] = None) -> Iterator[Tuple[Any, str]]:
+def local_session(args, app_name: str, prefix: str, conf: Optional[Dict[str, str]] = None,
+                  jvm_tmpdir: bool = False) -> Iterator[Tuple[Any, str]]:
     """A fresh temp dir and an embedded Spark session on ``--master`` using it (``spark_conf``
-    plus ``conf``); after the block Spark is stopped and the dir removed (``--keep-tmp``)."""
+    plus ``conf``); after the block Spark is stopped and the dir removed (``--keep-tmp``).
+    ``jvm_tmpdir``: the JVM, so its Python workers and what they start, gets ``TMPDIR`` =
+    ``<tmp>/scratch`` (their temporary files can be counted there; this process keeps its own)."""
     from sparktrain import local_spark
 
     tmp = tempfile.mkdtemp(prefix=prefix)
     try:
         progress(f"temp dir {tmp}; starting Spark {args.master}")
-        spark = local_spark(args.master, app_name, conf={**spark_conf(tmp), **(conf or {})})
+        before = os.environ.get("TMPDIR")
+        if jvm_tmpdir:
+            os.makedirs(os.path.join(tmp, "scratch"))
+            os.environ["TMPDIR"] = os.path.join(tmp, "scratch")
+        try:
+            spark = local_spark(args.master, app_name, conf={**spark_conf(tmp), **(conf or {})})
+        finally:
+            os.environ.pop("TMPDIR", None) if before is None else os.environ.update(TMPDIR=before)
         try:
             yield spark, tmp
         finally:
@@ -251,13 +260,70 @@ def hang_extras(hangs: List[Dict[str, Any]], prefix: str) -> Dict[str, Any]:
             "hangs": mine}
 
 
+# -- memory and disk of a run ---------------------------------------------------------------------
+def bytes_under(*paths: str) -> int:
+    """Bytes of the files under ``paths`` (files that vanish meanwhile are skipped)."""
+    total = 0
+    for path in paths:
+        for folder, _, files in os.walk(path):
+            for name in files:
+                try:
+                    total += os.path.getsize(os.path.join(folder, name))
+                except OSError:
+                    pass
+    return total
+
+
+class TreePeaks:
+    """While the block runs, a thread samples (every ``interval`` s) the RSS and PSS summed over
+    this process and all its descendants (JVM, Python workers, ranks...) and the bytes under
+    ``scratch`` above what was there at the start; their peaks are ``rss``, ``pss``,
+    ``scratch_bytes``. RSS counts shared pages once per process, PSS splits them."""
+
+    def __init__(self, scratch: Sequence[str] = (), interval: float = 0.25) -> None:
+        self.scratch, self.interval = list(scratch), interval
+        self.rss = self.pss = self.scratch_bytes = self._base = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="tree-peaks", daemon=True)
+
+    def sample(self) -> None:
+        import psutil
+
+        root, rss, pss = psutil.Process(), 0, 0
+        for proc in [root] + root.children(recursive=True):
+            try:
+                info = proc.memory_full_info()
+                rss, pss = rss + info.rss, pss + info.pss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        self.rss, self.pss = max(self.rss, rss), max(self.pss, pss)
+        self.scratch_bytes = max(self.scratch_bytes, bytes_under(*self.scratch) - self._base)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> "TreePeaks":
+        self._base = bytes_under(*self.scratch)
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
 # -- child processes ----------------------------------------------------------------------------
-def run_child(script: str, spec: Dict[str, Any], timeout: float, what: str) -> Dict[str, Any]:
-    """``script --child JSON`` in a fresh interpreter (nothing of this process's memory counts);
-    the JSON object it printed last. ``what`` names it in the error if it fails."""
-    done = subprocess.run([sys.executable, script, "--child", json.dumps(spec)], timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          cwd=os.path.dirname(script))
+def run_child(script: str, spec: Dict[str, Any], timeout: float, what: str,
+              python: Optional[str] = None) -> Dict[str, Any]:
+    """``script --child JSON`` in a fresh interpreter (nothing of this process's memory counts),
+    this one or ``python`` (e.g. the classic stack's ``.venv-spark35/bin/python``); the JSON
+    object it printed last. ``what`` names it in the error if it fails."""
+    done = subprocess.run([python or sys.executable, script, "--child", json.dumps(spec)],
+                          timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, cwd=os.path.dirname(script))
     if done.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
