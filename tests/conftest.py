@@ -35,7 +35,8 @@ LONGEST_FILES = {
     "test_gpu_inference.py": 44, "test_standalone_cluster.py": 41, "test_fsdp.py": 41,
     "test_keras_estimator.py": 37, "test_keras_fault_tolerance.py": 25,
     "test_progress_lines.py": 25, "test_huggingface.py": 25, "test_loop_features.py": 25,
-    "test_stream.py": 70, "test_rank_cache.py": 20,
+    "test_stream.py": 70, "test_rank_cache.py": 20, "test_interrupts.py": 90,
+    "test_driver_death.py": 70, "test_fault_tolerance.py": 40, "test_full_disk.py": 20,
 }
 
 
