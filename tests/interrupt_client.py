@@ -13,6 +13,7 @@ right after takes the run and resumes from the last checkpoint. Prints one JSON 
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
+HANG_SECONDS = 420
 
 
 POINTS = [  # (name, the log text that arms it (BEAT: a rank's first batch), seconds after)
@@ -193,6 +195,8 @@ def interrupt_transform(spark, workdir: str) -> Dict[str, Any]:
 
 
 def main(where: str, workdir: str, framework: str = "torch") -> None:
+    # a hang shows where every thread waits (in the test's failure), before the test's timeout
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     if where == "classic":
         from sparktrain.session import local_spark

@@ -21,7 +21,7 @@ def run_interrupts(where: str, workdir, framework: str) -> dict:
            if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "PYSPARK_GATEWAY_PORT")}
     result = subprocess.run([sys.executable, os.path.join(HERE, "interrupt_client.py"), where,
                              str(workdir), framework], cwd=os.path.dirname(HERE), env=env,
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

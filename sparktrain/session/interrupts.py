@@ -15,6 +15,13 @@ rely on the exception alone:
 2. it raises ``KeyboardInterrupt``; and the fit calls :func:`raise_if_interrupted` before it
    starts each Spark job and on its way out, so a lost one is raised again there.
 
+The exception is not raised inside gRPC's own code (the Spark Connect client's calls): a
+``KeyboardInterrupt`` there can leave one of the channel's locks held by the main thread, and
+every later call over that channel then waits forever for an answer (seen: the next ``fit``
+hung in its first job). While the main thread is in such code the handler only cancels: the
+cancelled call fails within moments and its error, leaving the block, becomes the
+``KeyboardInterrupt``; a call that ends normally meets :func:`raise_if_interrupted` next.
+
 A second Ctrl-C while the first is being cleaned up exits at once, saying what may be left.
 
 Example::
@@ -26,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -36,6 +44,20 @@ from typing import Any, Iterator, Optional
 from sparktrain.session.spark_api import cancel_tag
 
 log = logging.getLogger("sparktrain")
+
+
+# Code where an exception must not be raised asynchronously: gRPC's Python layer and the
+# Connect client around it hold locks across statements (see the module docstring).
+_UNSAFE_PARTS = (f"{os.sep}grpc{os.sep}", os.path.join("pyspark", "sql", "connect", "client", ""))
+
+
+def in_unsafe_code(frame: Any) -> bool:
+    """Whether ``frame`` or a caller of it runs gRPC's or the Connect client's code."""
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in _UNSAFE_PARTS):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _Scope:
@@ -56,6 +78,10 @@ class _Scope:
             raise KeyboardInterrupt
         self.interrupted_at = time.monotonic()
         threading.Thread(target=self._cancel, name="sparktrain-interrupt", daemon=True).start()
+        if in_unsafe_code(frame):  # raised later, out of gRPC (see the module docstring)
+            log.info("interrupted inside a Spark Connect call: KeyboardInterrupt follows when "
+                     "the cancelled call returns")
+            return
         raise KeyboardInterrupt
 
     def _cancel(self) -> None:
