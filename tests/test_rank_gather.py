@@ -131,3 +131,30 @@ def test_a_stale_address_is_skipped_and_no_server_means_spark(tmp_path):
     assert connect(fs, path, 1) is None
     with pytest.raises(RuntimeError, match="gave no gather address"):
         connect(fs, str(tmp_path / "never"), 1, wait=0.2)
+
+
+def test_a_rank_closes_while_its_other_thread_waits_in_a_gather(tmp_path):
+    """A rank that fails while a helper thread of its own waits in a gather (the parameter-
+    server roles watch their server that way) closes at once; the helper's wait ends."""
+    fs, path = fsspec.filesystem("file"), str(tmp_path / "gather-8")
+    server = GatherServer(3, "127.0.0.1")
+    try:
+        publish(fs, path, server.address)
+        gather = connect(fs, path, 1)
+        ended = []
+
+        def helper() -> None:  # rank 2 never comes: this gather waits until the close
+            try:
+                gather("waiting")
+            except Exception as exc:  # noqa: BLE001 - checked below
+                ended.append(exc)
+        thread = threading.Thread(target=helper, daemon=True)
+        thread.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        gather.close()
+        assert time.monotonic() - start < 3.0
+        thread.join(5)
+        assert not thread.is_alive() and isinstance(ended[0], ConnectionError), ended
+    finally:
+        server.close()

@@ -40,6 +40,7 @@ _HEADER = struct.Struct("!I")  # a frame: its length, then that many bytes of UT
 CONNECT_SECONDS = 60.0  # how long a rank tries to reach rank 0's server
 HANDSHAKE_SECONDS = 10.0  # how long the server waits for a new connection to say who it is
 WATCH_SECONDS = 0.2  # how often an idle rank looks at its connection to rank 0
+CLOSE_WAIT_SECONDS = 1.0  # how long close() waits for a gather of another thread to end
 BYE = "\x00bye"  # a rank (or the server) ending normally
 LOST = "\x00lost "  # the server to the others: this rank died
 
@@ -283,11 +284,21 @@ class RankGather:
                 self._lock.release()
 
     def close(self) -> None:
-        """Say goodbye (this rank ends normally, even on an error it reported) and close."""
+        """Say goodbye (this rank ends normally, even on an error it reported) and close.
+        Never waits for a gather: one that another thread of this rank still waits on (a
+        rank ending on an error while its helper thread waits for the others) has sent its
+        message, so the goodbye goes without the lock, and closing ends that wait."""
         self._done.set()
-        with self._lock:
-            try:
-                _send(self._sock, BYE)
-            except OSError:
-                pass
-            self._sock.close()
+        locked = self._lock.acquire(timeout=CLOSE_WAIT_SECONDS)
+        try:
+            _send(self._sock, BYE)
+        except OSError:
+            pass
+        finally:
+            if locked:
+                self._lock.release()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked reading it
+        except OSError:
+            pass
+        self._sock.close()
