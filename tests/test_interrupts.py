@@ -46,3 +46,21 @@ def test_interrupts_of_torch_fits_and_a_prediction_on_a_classic_session(tmp_path
 
 # KerasEstimator's interrupt goes through the same code (the fit's scope and tag): it is
 # tested over Connect only (test_connect.py), to keep the suite's time.
+
+
+def test_an_interrupt_is_not_raised_inside_grpc_code():
+    """The handler's test for code where a KeyboardInterrupt could leave a gRPC lock held:
+    any frame on the stack from grpc's or the Connect client's files."""
+    from sparktrain.session.interrupts import in_unsafe_code
+
+    def frame_in(filename: str):
+        scope: dict = {}
+        exec(compile("def call(get):\n    return get()\n", filename, "exec"), scope)
+        return scope["call"](sys._getframe)  # the frame of ``call``, compiled as that file
+
+    assert in_unsafe_code(frame_in(os.path.join("x", "site-packages", "grpc", "_channel.py")))
+    assert in_unsafe_code(frame_in(os.path.join("pyspark", "sql", "connect", "client",
+                                                "core.py")))
+    assert not in_unsafe_code(frame_in(os.path.join("pyspark", "sql", "connect",
+                                                    "dataframe.py")))
+    assert not in_unsafe_code(sys._getframe())
