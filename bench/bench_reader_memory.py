@@ -15,6 +15,8 @@ reports its peak RSS (the kernel's high-water mark, ``VmHWM``). Figures (see ben
   rss:1M           sparktrain's peak RSS at the smaller size against a 1 GiB budget
   rss:4M/1M        sparktrain's peak RSS at the larger size / at the smaller (target <= 1.10x)
   rss:petastorm    sparktrain's peak RSS / Petastorm make_batch_reader's, larger size
+  rss:local-cache 4M/1M  peak anonymous RSS over two epochs with ``local_cache=True`` (the
+                   second read from the rank's disk cache), larger / smaller (target <= 1.10x)
 
 Extra lines: baseline RSS, increment, Arrow pool peak, epoch time, and the opt-in
 ``inmemory_cache_all=True`` (two epochs, the second from memory), which grows with the shard.
@@ -62,15 +64,21 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
         from petastorm import make_batch_reader
         from petastorm.pytorch import BatchedDataLoader
     baseline = _status_kib("VmRSS")
+    anon_peak = _status_kib("RssAnon")  # sampled after every batch: VmHWM counts mapped files
     rows = batches = 0
     start = time.perf_counter()
     if spec["reader"].startswith("sparktrain"):
-        cache = spec["reader"] == "sparktrain-cached"  # two epochs, the second from memory
+        # "-cached": two epochs, the second from memory; "-local": two epochs, the second from
+        # the local disk cache (memory-mapped files: their pages count in VmHWM, not RssAnon)
+        cache, local = spec["reader"] == "sparktrain-cached", spec["reader"] == "sparktrain-local"
         columns = [ColumnSpec.from_json(c) for c in spec["columns"]]
         reader = ShardReader(spec["root"], spec["layout"], columns, rank=0, world_size=1,
                              batch_size=BATCH, shuffle=True, seed=spec["seed"],
-                             inmemory_cache_all=cache)
-        for epoch in range(2 if cache else 1):
+                             inmemory_cache_all=cache, local_cache=local,
+                             **({"cache_root": spec["cache_root"]} if local else {}))
+        for epoch in range(2 if cache or local else 1):
+            if local and epoch == 1 and not reader.local_cache_complete:
+                raise AssertionError("the local cache is not complete after the first epoch")
             rows = 0
             for batch in reader.epoch(epoch):
                 features = torch.from_numpy(batch["features"])
@@ -78,6 +86,7 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
                 assert features.shape == (len(label), spec["features"])
                 rows += len(label)
                 batches += 1
+                anon_peak = max(anon_peak, _status_kib("RssAnon"))
         reader.close()
     else:  # Petastorm's defaults, shuffled like sparktrain (row groups, then rows in them)
         with make_batch_reader("file://" + spec["path"], num_epochs=1, shuffle_row_groups=True,
@@ -89,6 +98,7 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
     seconds = time.perf_counter() - start
     return {"reader": spec["reader"], "rows": rows, "batches": batches, "seconds": seconds,
             "baseline_mib": baseline / 1024, "peak_mib": _status_kib("VmHWM") / 1024,
+            "anon_peak_mib": anon_peak / 1024,
             "end_mib": _status_kib("VmRSS") / 1024,
             "arrow_pool_max_mib": pa.default_memory_pool().max_memory() / 2 ** 20,
             "arrow_backend": pa.default_memory_pool().backend_name, "numpy": np.__version__}
@@ -137,7 +147,8 @@ def label(rows: int) -> str:
 # -- results ------------------------------------------------------------------------------------
 def summary(runs: List[Dict[str, Any]]) -> Dict[str, float]:
     """Medians over the repeats of one (reader, size)."""
-    keys = ("peak_mib", "baseline_mib", "end_mib", "arrow_pool_max_mib", "seconds")
+    keys = ("peak_mib", "anon_peak_mib", "baseline_mib", "end_mib", "arrow_pool_max_mib",
+            "seconds")
     out = {k: statistics.median(r[k] for r in runs) for k in keys}
     out["increment_mib"] = statistics.median(r["peak_mib"] - r["baseline_mib"] for r in runs)
     out["rows_per_s"] = statistics.median(r["rows"] / r["seconds"] for r in runs)
@@ -186,6 +197,24 @@ def build_figures(args, stats: Dict[str, Dict[int, Dict[str, float]]],
                     "note": f"{st_large['increment_mib']:.0f} / {st_small['increment_mib']:.0f} MiB"},
                 **cached_line(large), "runs": runs["sparktrain"][large]}),
     ]
+    if "sparktrain-local" in stats:
+        lo_small, lo_large = stats["sparktrain-local"][small], stats["sparktrain-local"][large]
+        results.append(figure(
+            f"rss:local-cache {label(large)}/{label(small)}",
+            f"peak anonymous RSS (RssAnon, sampled after every batch: the cache's memory-mapped "
+            f"pages are page cache, not the process's) of a fresh process reading two epochs "
+            f"with local_cache=True (the first fills the rank cache from the store, the second "
+            f"reads only it), shuffled, batch {BATCH}; ratio = at {label(large)} / at "
+            f"{label(small)}", "MiB", lo_large["anon_peak_mib"], lo_small["anon_peak_mib"],
+            f"the same at {label(small)} rows", lo_large["anon_peak_mib"] /
+            lo_small["anon_peak_mib"], GROWTH_TARGET, "<=",
+            {f"VmHWM at {label(small)} / {label(large)} (mapped cache pages included)": {
+                "value": f"{lo_small['peak_mib']:.0f} / {lo_large['peak_mib']:.0f} MiB",
+                "note": f"the shard is {shard_mib[small]:.0f} / {shard_mib[large]:.0f} MiB"},
+             f"two epochs at {label(large)}": {
+                 "value": f"{lo_large['seconds']:.2f} s",
+                 "note": f"one epoch from the store: {st_large['seconds']:.2f} s"},
+             "runs": runs["sparktrain-local"]}))
     if "petastorm" in stats:
         ps_small, ps_large = stats["petastorm"][small], stats["petastorm"][large]
         results.append(figure(
@@ -223,7 +252,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="sparktrain-bench-memory-")
     progress(f"temp dir {tmp}")
-    readers = ["sparktrain", "sparktrain-cached"] + ([] if "petastorm" in args.skip
+    readers = ["sparktrain", "sparktrain-cached", "sparktrain-local"] + (
+        [] if "petastorm" in args.skip
                                                      else ["petastorm"])
     runs: Dict[str, Dict[int, List[Dict[str, Any]]]] = {r: {} for r in readers}
     load_before = os.getloadavg()
@@ -235,7 +265,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 for reader in readers:
                     spec = {"reader": reader, "root": ds.root, "path": ds.path("train"),
                             "layout": ds.files["train"], "features": args.features,
-                            "columns": [c.to_json() for c in ds.columns], "seed": args.seed}
+                            "columns": [c.to_json() for c in ds.columns], "seed": args.seed,
+                            "cache_root": os.path.join(tmp, "rank-cache")}
                     run = measure(spec, args.read_timeout)
                     if run["rows"] != rows:
                         raise AssertionError(f"{reader} read {run['rows']} rows, expected {rows}")

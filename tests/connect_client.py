@@ -10,6 +10,7 @@ classic session.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -19,6 +20,9 @@ from typing import Any, Callable, Dict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
+#: a scenario still running after this long prints every thread's stack and exits (before
+#: test_connect's own limit, so that the test shows where it hung)
+HANG_SECONDS = 420
 
 
 def accuracy(output, label):
@@ -398,6 +402,7 @@ SCENARIOS: Dict[str, Callable] = {"readme": readme, "faults": faults, "horovod":
 def main(scenario: str, url: str, workdir: str) -> None:
     from pyspark.sql import SparkSession
 
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     spark = SparkSession.builder.remote(url).getOrCreate()
     started = time.time()
     found = SCENARIOS[scenario](spark, workdir)

@@ -16,22 +16,37 @@ pytest.importorskip("pyspark.sql.connect.client", reason="needs pyspark[connect]
 pytest.importorskip("grpc_status", reason="needs pyspark[connect]: grpcio-status")
 
 
+SERVERS = {}  # url -> ConnectServer: its log goes into a failed client's message
+
+
 @pytest.fixture(scope="module")
 def connect_url():
     from sparktrain import ConnectServer
 
     with ConnectServer("local[2]", conf={"spark.stage.maxConsecutiveAttempts": "3",
                                          "spark.sql.shuffle.partitions": "4"}) as server:
+        SERVERS[server.url] = server
         yield server.url
 
 
-def run_client(scenario: str, url: str, workdir, timeout: int = 900):
+def _server_log_tail(url: str, chars: int = 6000) -> str:
+    server = SERVERS.get(url)
+    if server is None or not server.log_path or not os.path.exists(server.log_path):
+        return ""
+    with open(server.log_path, errors="replace") as f:
+        return "\n--- Connect server log (tail) ---\n" + f.read()[-chars:]
+
+
+def run_client(scenario: str, url: str, workdir, timeout: int = 540):
+    """The scenario's findings and stderr; a client that hangs dumps its threads' stacks
+    (connect_client.HANG_SECONDS), which the failure shows with the server's log."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "PYSPARK_GATEWAY_PORT")}
     result = subprocess.run([sys.executable, os.path.join(HERE, "connect_client.py"), scenario,
                              url, str(workdir)], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-6000:]
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-12000:] + \
+        _server_log_tail(url)
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
 
 

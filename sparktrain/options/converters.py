@@ -252,11 +252,13 @@ def to_choice(name: str, choices: Sequence[str]) -> Any:
     return convert
 
 
-def to_count(name: str) -> Any:
-    """Converter for ``name``, an integer >= 0."""
-    def convert(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise TypeError(f"{name} must be an integer >= 0, found {value!r}")
+def to_count(name: str, minimum: int = 0, optional: bool = False) -> Any:
+    """Converter for ``name``, an integer >= ``minimum`` (or ``None`` when ``optional``)."""
+    def convert(value: Any) -> Optional[int]:
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise TypeError(f"{name} must be an integer >= {minimum}, found {value!r}")
         return value
     return convert
 

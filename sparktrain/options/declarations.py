@@ -244,6 +244,11 @@ KERAS = (
            Optional[str], rank=True),
     Option("num_ps", "with strategy='parameter_server', how many of the num_proc tasks are "
            "parameter servers (default 1; TensorFlowOnSpark's name)", None, to_num_ps, _INTS),
+    Option("steps_per_execution", "training (and validation) steps per call of the compiled "
+           "step function, their batches stacked (Keras' compile() param of that name): the "
+           "same steps and updates in fewer calls, progress between calls. Default: up to 16, "
+           "as many as fit in 64 MiB of batches", None,
+           to_count("steps_per_execution", 1, optional=True), Optional[int], rank=True),
 )
 
 

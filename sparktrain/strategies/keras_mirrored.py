@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sparktrain.strategies.keras_strategy import KerasStrategy, RankLoop
+from sparktrain.strategies.keras_strategy import KerasStrategy, RankLoop, stacked_steps
 
 
 class MultiWorkerMirrored(KerasStrategy):
@@ -34,7 +34,6 @@ class MultiWorkerMirrored(KerasStrategy):
     def compile(self, tf: Any, forward: Callable, model: Any, optimizer: Any) -> None:
         strategy, world = self.strategy, self.spec.world_size
 
-        @tf.function(reduce_retracing=True)
         def train_step(x: Any, y: Any, w: Any) -> Any:
             def replica(x: Any, y: Any, w: Any) -> Any:
                 with tf.GradientTape() as tape:
@@ -48,7 +47,6 @@ class MultiWorkerMirrored(KerasStrategy):
             # per step (an all-reduce per step cost as much as the gradients' own)
             return strategy.experimental_local_results(strategy.run(replica, args=(x, y, w)))[0]
 
-        @tf.function(reduce_retracing=True)
         def eval_step(x: Any, y: Any, w: Any) -> Any:
             def replica(x: Any, y: Any, w: Any) -> Any:
                 return forward(x, y, w, False)[1]
@@ -59,13 +57,15 @@ class MultiWorkerMirrored(KerasStrategy):
             return strategy.reduce(tf.distribute.ReduceOp.SUM,
                                    strategy.run(tf.identity, args=(local,)), axis=None)
 
-        self._train_step, self._eval_step, self._sum = train_step, eval_step, sum_over_workers
+        self._train_step, self._eval_step = stacked_steps(tf, train_step), \
+            stacked_steps(tf, eval_step)
+        self._sum = sum_over_workers
 
     def train_epoch(self, loop: RankLoop, epoch: int, report: bool) -> Any:
         return loop.run_epoch(self._train_step, epoch, report, self.spec.train_steps)
 
-    def eval_step(self, x: Any, y: Any, w: Any) -> Any:
-        return self._eval_step(x, y, w)
+    def eval_step(self, xs: Any, ys: Any, ws: Any, total: Any) -> Any:
+        return self._eval_step(xs, ys, ws, total)
 
     def sum_over_workers(self, local: Any) -> Any:
         return self._sum(local)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sparktrain.launch.tf_protocol import READY, SHARD_INFO
 from sparktrain.loop.spec import KerasTrainSpec
-from sparktrain.strategies.keras_strategy import KerasStrategy, RankLoop
+from sparktrain.strategies.keras_strategy import KerasStrategy, RankLoop, stacked_steps
 
 
 def task_role(rank: int, num_ps: int) -> Tuple[str, int]:
@@ -129,8 +129,7 @@ class ParameterServer(KerasStrategy):
 
         self._train_step = train_step
         # validation runs in the coordinator, reading the variables from the parameter servers
-        self._eval_step = tf.function(reduce_retracing=True)(
-            lambda x, y, w: forward(x, y, w, False)[1])
+        self._eval_step = stacked_steps(tf, lambda x, y, w: forward(x, y, w, False)[1])
 
     def train_epoch(self, loop: RankLoop, epoch: int, report: bool) -> Any:
         from sparktrain.faults import user_code
@@ -139,8 +138,8 @@ class ParameterServer(KerasStrategy):
             return scheduled_epoch(self.coordinator, self._train_step, self.per_worker,
                                    self.train_steps, loop.step_reporter(epoch, report))
 
-    def eval_step(self, x: Any, y: Any, w: Any) -> Any:
-        return self._eval_step(x, y, w)
+    def eval_step(self, xs: Any, ys: Any, ws: Any, total: Any) -> Any:
+        return self._eval_step(xs, ys, ws, total)
 
     def sum_over_workers(self, local: Any) -> Any:  # one coordinator: its sums are the totals
         return local

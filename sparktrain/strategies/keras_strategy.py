@@ -42,9 +42,10 @@ from sparktrain.loop.spec import KerasTrainSpec
 class RankLoop:
     """What the training loop lends a strategy for an epoch (see ``keras_worker.train``).
 
-    ``run_epoch(step_fn, epoch, report, steps)``: ``step_fn(x, y, w)`` over this rank's
-    training batches, the totals summed over workers; ``step_reporter(epoch, report)``: an
-    ``on_step(i, values)`` that sends step progress (of ``train_steps``) when ``report``."""
+    ``run_epoch(step_fn, epoch, report, steps)``: ``total = step_fn(xs, ys, ws, total)`` over
+    this rank's training batches, ``steps_per_execution`` of them stacked per call (see
+    :func:`stacked_steps`), the totals summed over workers; ``step_reporter(epoch, report)``:
+    an ``on_step(i, values)`` that sends step progress (of ``train_steps``) when ``report``."""
 
     run_epoch: Callable[[Callable, int, bool, Optional[int]], Any]
     step_reporter: Callable[..., Callable[[int, Any], None]]
@@ -116,15 +117,18 @@ class KerasStrategy:
         return self.train_steps
 
     def compile(self, tf: Any, forward: Callable, model: Any, optimizer: Any) -> None:
-        """Build the steps: ``forward(x, y, w, training) -> (per_row, stats, outputs)``."""
+        """Build the steps: ``forward(x, y, w, training) -> (per_row, stats, outputs)``; a
+        train step that :meth:`train_epoch` gives to ``RankLoop.run_epoch`` is made by
+        :func:`stacked_steps`."""
         raise NotImplementedError
 
     def train_epoch(self, loop: RankLoop, epoch: int, report: bool) -> Any:
         """One epoch of training; the statistics' totals over all workers."""
         raise NotImplementedError
 
-    def eval_step(self, x: Any, y: Any, w: Any) -> Any:
-        """One validation batch's statistics (this rank's)."""
+    def eval_step(self, xs: Any, ys: Any, ws: Any, total: Any) -> Any:
+        """``total`` plus the statistics of stacked validation batches (this rank's; see
+        :func:`stacked_steps`)."""
         raise NotImplementedError
 
     def sum_over_workers(self, local: Any) -> Any:
@@ -135,6 +139,30 @@ class KerasStrategy:
         """The first line rank 0 prints."""
         return f"{self.spec.world_size} worker(s), backend {self.spec.backend!r} " \
                f"({type(self).__name__}): {self.train_steps} steps/epoch"
+
+
+def stacked_steps(tf: Any, one_step: Callable[[Any, Any, Any], Any]) -> Callable:
+    """A ``tf.function`` ``steps(xs, ys, ws, total)`` that runs ``one_step(x, y, w)`` (which
+    returns a batch's statistics) on each of a few batches stacked on a new first axis and
+    returns ``total`` plus their statistics: ``xs``/``ys`` are lists of ``(k, batch, ...)``
+    tensors, ``ws`` one ``(k, batch)`` tensor or ``None``.
+
+    Several steps in one call, as Keras' ``steps_per_execution`` does: on CPU one call of a
+    distributed step function costs more than a small model's step, and a graph loop
+    (``tf.range``, a ``while_loop``) is traced once for any ``k``.
+
+    Example::
+
+        steps = stacked_steps(tf, lambda x, y, w: forward(x, y, w, False)[1])
+        total = steps([tf.stack([x0, x1])], [tf.stack([y0, y1])], None, tf.zeros([2]))
+    """
+    @tf.function(reduce_retracing=True)
+    def steps(xs: Any, ys: Any, ws: Any, total: Any) -> Any:
+        for i in tf.range(tf.shape(xs[0])[0]):
+            total += one_step([x[i] for x in xs], [y[i] for y in ys],
+                              None if ws is None else ws[i])
+        return total
+    return steps
 
 
 def _strategies_taking(param: str) -> Tuple[List[str], str]:
