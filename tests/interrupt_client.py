@@ -194,7 +194,9 @@ def interrupt_transform(spark, workdir: str) -> Dict[str, Any]:
         return {"interrupt_to_caller_s": round(time.time() - trigger.sent_at, 2)}
 
 
-def main(where: str, workdir: str, framework: str = "torch") -> None:
+def main(where: str, workdir: str, framework: str = "torch", names: str = "") -> None:
+    """``names``: the points to interrupt at, comma-separated (default: every point for torch,
+    ``mid_epoch`` for Keras)."""
     # a hang shows where every thread waits (in the test's failure), before the test's timeout
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -206,7 +208,9 @@ def main(where: str, workdir: str, framework: str = "torch") -> None:
         from pyspark.sql import SparkSession
 
         spark = SparkSession.builder.remote(where).getOrCreate()
-    points = POINTS if framework == "torch" else [p for p in POINTS if p[0] == "mid_epoch"]
+    wanted = names.split(",") if names else \
+        [p[0] for p in POINTS] if framework == "torch" else ["mid_epoch"]
+    points = [p for p in POINTS if p[0] in wanted]
     found = {"fits": interrupt_fits(spark, workdir, framework, points)}
     if framework == "torch":
         found["transform"] = interrupt_transform(spark, workdir)
@@ -214,4 +218,4 @@ def main(where: str, workdir: str, framework: str = "torch") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
