@@ -9,7 +9,7 @@ tf = pytest.importorskip("tensorflow")
 
 from sparktrain.loop.keras_loop import MAX_STEPS_PER_EXECUTION, STACKED_BYTES, \
     auto_steps_per_execution  # noqa: E402 - after TensorFlow's check
-from sparktrain.strategies.keras_strategy import stacked_steps  # noqa: E402
+from sparktrain.strategies.keras_strategy import stack_batches, stacked_steps  # noqa: E402
 
 
 def _stateful_step(state):
@@ -34,17 +34,11 @@ def test_stacked_steps_equal_one_call_per_batch(weighted):
         stacked_steps(tf, _stateful_step(single_state))
     zeros = tf.zeros([3])
 
-    def stack(group):
-        xs = [tf.stack(c) for c in zip(*(x for x, _, _ in group))]
-        ys = [tf.stack(c) for c in zip(*(y for _, y, _ in group))]
-        ws = None if group[0][2] is None else tf.stack([w for _, _, w in group])
-        return xs, ys, ws
-
-    total = stacked(*stack(batches[:3]), zeros)
-    total = stacked(*stack(batches[3:]), total)  # any count per call, one traced loop
+    total = stacked(*stack_batches(tf, batches[:3]), zeros)
+    total = stacked(*stack_batches(tf, batches[3:]), total)  # any count a call, one trace
     expected = zeros
     for batch in batches:
-        expected = single(*stack([batch]), expected)
+        expected = single(*stack_batches(tf, [batch]), expected)
     assert total.numpy()[0] == 20  # every row once
     np.testing.assert_allclose(total.numpy(), expected.numpy(), rtol=1e-6)
     np.testing.assert_allclose(stacked_state.numpy(), single_state.numpy(), rtol=1e-6)

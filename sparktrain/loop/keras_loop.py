@@ -45,7 +45,7 @@ from sparktrain.model_files import ModelFile
 from sparktrain.launch.tf_protocol import ERROR_FILE, PAYLOAD_FILE, \
     RESULT_FILE, USER_ERROR_FILE, progress, read_spec
 from sparktrain.loop.spec import KerasTrainSpec
-from sparktrain.strategies.keras_strategy import KerasStrategy, RankLoop
+from sparktrain.strategies.keras_strategy import KerasStrategy, RankLoop, stack_batches
 
 if TYPE_CHECKING:
     from sparktrain.data.reader import ShardReader
@@ -246,17 +246,15 @@ class _KerasEpochs:
         split = "train" if source is self.train_reader else "val"
         per_call = self.spec.steps_per_execution  # None: from the first batch's bytes
         group: List[Tuple[List[Any], List[Any], Any]] = []
+        group_shapes: List[Any] = []
         done = 0
 
         def call() -> None:
             nonlocal total, done
-            xs = [tf.stack(column) for column in zip(*(x for x, _, _ in group))]
-            ys = [tf.stack(column) for column in zip(*(y for _, y, _ in group))]
-            ws = None if group[0][2] is None else tf.stack([w for _, _, w in group])
             # the model's forward, the loss, the metrics and the gradient all-reduce in one
             # tf.function: a worker lost underneath surfaces as a TF status error (a fault)
             with user_code("the training step (the model, the loss or the metrics)"):
-                total = step_fn(xs, ys, ws, total)
+                total = step_fn(*stack_batches(tf, group), total)
             done += len(group)
             group.clear()
             on_step(done - 1, total)  # the epoch's running sums: their mean loss is shown
@@ -265,8 +263,11 @@ class _KerasEpochs:
             tensors = self.tensors(batch)
             if per_call is None:
                 per_call = auto_steps_per_execution(tensors)
-            if group and _shapes(tensors) != _shapes(group[0]):
+            shapes = _shapes(tensors)
+            if group and shapes != group_shapes:
                 call()
+            if not group:
+                group_shapes = shapes
             group.append(tensors)
             if len(group) == per_call:
                 call()

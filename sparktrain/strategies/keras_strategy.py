@@ -33,7 +33,7 @@ Example (mirrored training that also prints each epoch's step count)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from sparktrain.loop.spec import KerasTrainSpec
 
@@ -154,7 +154,8 @@ def stacked_steps(tf: Any, one_step: Callable[[Any, Any, Any], Any]) -> Callable
     Example::
 
         steps = stacked_steps(tf, lambda x, y, w: forward(x, y, w, False)[1])
-        total = steps([tf.stack([x0, x1])], [tf.stack([y0, y1])], None, tf.zeros([2]))
+        total = steps(*stack_batches(tf, [([x0], [y0], None), ([x1], [y1], None)]),
+                      tf.zeros([2]))
     """
     @tf.function(reduce_retracing=True)
     def steps(xs: Any, ys: Any, ws: Any, total: Any) -> Any:
@@ -163,6 +164,16 @@ def stacked_steps(tf: Any, one_step: Callable[[Any, Any, Any], Any]) -> Callable
                               None if ws is None else ws[i])
         return total
     return steps
+
+
+def stack_batches(tf: Any, batches: Sequence[Tuple[List[Any], List[Any], Any]]
+                  ) -> Tuple[List[Any], List[Any], Any]:
+    """``(xs, ys, ws)`` for :func:`stacked_steps`: batches' ``(x, y, w)`` tensors of one shape
+    stacked on a new first axis."""
+    xs = [tf.stack(column) for column in zip(*(x for x, _, _ in batches))]
+    ys = [tf.stack(column) for column in zip(*(y for _, y, _ in batches))]
+    ws = None if batches[0][2] is None else tf.stack([w for _, _, w in batches])
+    return xs, ys, ws
 
 
 def _strategies_taking(param: str) -> Tuple[List[str], str]:
