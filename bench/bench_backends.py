@@ -5,7 +5,7 @@ launch against ``horovod.spark.run``, in one process and one Spark session.
     .venv/bin/python bench/bench_backends.py                     # 200,000 rows, every figure
     .venv/bin/python bench/bench_backends.py --rows 20000 --repeats 1 --skip overhead
 
-Figures (see bench/README.md for what each one compares and why):
+Figures (bench/README.md: method and figures; bench/HISTORY.md: the full write-up):
 
   throughput:<backend>  steady-state samples/s of the same 2-rank job (MLP 32->64->64->2,
                         batch 256/rank, shuffle=True) with TorchEstimator(backend=<backend>),
@@ -35,9 +35,26 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from common import (add_common_args, add_frame_args, arg_meta, cached, figure, guarded,
-                    hang_extras, load_meta, load_note, local_session, make_frame, new_parser,
-                    parse_common, progress, quiet_warnings, report, sparktrain_logs, versions)
+from common import (
+    add_common_args,
+    add_frame_args,
+    arg_meta,
+    cached,
+    figure,
+    guarded,
+    hang_extras,
+    load_meta,
+    load_note,
+    local_session,
+    make_frame,
+    new_parser,
+    parse_common,
+    progress,
+    quiet_warnings,
+    report,
+    sparktrain_logs,
+    versions,
+)
 
 FIGURES = ("throughput", "overhead")
 # Backends measured (TorchEstimator's torch/horovod, KerasEstimator's tensorflow/tfos); "torch"
@@ -85,6 +102,7 @@ def make_estimator(backend: str, features: int, batch_size: int, epochs: int, sh
             epochs=epochs, shuffle=shuffle, random_seed=0, verbose=1, store=store,
             backend=backend)
     import torch
+
     from sparktrain import TorchEstimator
 
     torch.manual_seed(0)
@@ -159,7 +177,8 @@ def bench_throughput(spark, df, tmp: str, args, state: Dict[str, Any]) -> List[D
         lines = log.take()
         logged_steps = RankLog.steps(lines)
         if logged_steps is not None and logged_steps != steps:
-            raise AssertionError(f"{label}: rank 0 ran {logged_steps} steps/epoch, expected {steps}")
+            raise AssertionError(
+                f"{label}: rank 0 ran {logged_steps} steps/epoch, expected {steps}")
         durations = RankLog.epoch_durations(lines)
         if len(durations) != n_epochs - 1:
             raise AssertionError(f"{label}: got {len(durations)} epoch durations from rank 0's "
@@ -238,8 +257,9 @@ def bench_throughput(spark, df, tmp: str, args, state: Dict[str, Any]) -> List[D
                             f"{entry['compute_cpu_ms']:.2f}); idle: "
                             f"{entry['idle_cpu_share']:.0%} of a core per rank"}
         extras["final training loss (same seed, same data order)"] = {
-            "value": None, "note": f"torch {statistics.median(runs['torch']['final_loss']):.4f}, "
-                                   f"{backend} {statistics.median(runs[backend]['final_loss']):.4f}"}
+            "value": None,
+            "note": f"torch {statistics.median(runs['torch']['final_loss']):.4f}, "
+                    f"{backend} {statistics.median(runs[backend]['final_loss']):.4f}"}
         extras["runs"] = {"summary": summary, "per_backend": runs, "step_breakdown": breakdown}
         extras.update(hang_extras(hangs, "throughput:"))
         results.append(figure(f"throughput:{backend}", measure, "samples/s", s["samples_per_s"],
@@ -261,6 +281,7 @@ def step_breakdown_task(backend: str, env: Dict[str, str], features: int, batch_
     import time
 
     import torch
+
     from sparktrain.launch import TORCH_BACKENDS, load_backend
 
     saved = {k: os.environ.get(k) for k in env}
@@ -402,6 +423,7 @@ def hvd_one_step(features: int, batch_size: int) -> float:
 
 def bench_overhead(spark, tmp: str, args, state: Dict[str, Any]) -> Dict[str, Any]:
     import horovod.spark
+
     from sparktrain.data.reader import steps_per_epoch
 
     batch, repeats, limit, hangs = args.step_batch, args.repeats, args.fit_timeout, state["hangs"]

@@ -29,14 +29,22 @@ import time
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_common_args, bench_session, figure, parse_common, progress, \
-    remove_tmp, report, versions  # noqa: E402
+from common import (
+    add_common_args,
+    bench_session,
+    figure,
+    parse_common,
+    progress,
+    remove_tmp,  # noqa: E402
+    report,
+    versions,
+)
 
 FIGURES = ["transform", "memory", "closures"]
 
 
 def frozen_table_class():
-    """The model class (tests/big_models.py's twin): made here, in ``__main__``, so that
+    """The model class (tests/support/big_models.py's twin): made here, in ``__main__``, so that
     ``predict_batch_udf``'s cloudpickle sends it by value to executors that cannot import
     this directory (see common.py)."""
     import torch
@@ -240,8 +248,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     results.append(figure(
         "transform", "rows/s of model.transform (weights by file, mapped once per worker)",
         "rows/s", ours, theirs, "predict_batch_udf mapping the same file", ours / theirs, 1.0,
-        ">=", {"time to the first prediction": {"value": first_s, "unit": "s",
-                                                 "note": f"predict_batch_udf: {udf_first_s:.1f} s"}}))
+        ">=", {"time to the first prediction": {
+            "value": first_s, "unit": "s", "note": f"predict_batch_udf: {udf_first_s:.1f} s"}}))
     copies = lambda peak: peak / size  # noqa: E731
     results.append(figure(
         "fit memory", "peak PSS of the process tree during fit, in model copies", "copies",

@@ -46,10 +46,30 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from common import (REPO, TreePeaks, add_common_args, add_frame_args, arg_meta, bytes_under,
-                    cached, child_entry, figure, guarded, load_meta, load_note, local_session,
-                    make_frame, new_parser, parse_common, progress, quiet_warnings, report,
-                    run_child, sparktrain_logs, versions)
+from common import (
+    REPO,
+    TreePeaks,
+    add_common_args,
+    add_frame_args,
+    arg_meta,
+    bytes_under,
+    cached,
+    child_entry,
+    figure,
+    guarded,
+    load_meta,
+    load_note,
+    local_session,
+    make_frame,
+    new_parser,
+    parse_common,
+    progress,
+    quiet_warnings,
+    report,
+    run_child,
+    sparktrain_logs,
+    versions,
+)
 
 FIGURES = ("store", "stream", "memory", "petastorm", "ray")
 BATCH = 1024
@@ -80,7 +100,8 @@ def train_ddp(model, epochs: int, steps: int, batches: Callable[[int], Iterator]
         if done != steps:
             raise RuntimeError(f"epoch {epoch}: {done} batches, expected {steps}")
         seconds.append(time.perf_counter() - start)
-    return {"started": started, "epochs": seconds, "ended": time.time(), "loss": float(loss.detach()),
+    return {"started": started, "epochs": seconds, "ended": time.time(),
+            "loss": float(loss.detach()),
             "state": {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}}
 
 
@@ -153,7 +174,6 @@ def steps_per_epoch(rows: int) -> int:
 def initial_model(features: int):
     """bench_torch's MLP with the initial weights its estimator has (torch seeded with 0)."""
     import torch
-
     from bench_torch import make_mlp
 
     torch.manual_seed(0)
@@ -267,9 +287,9 @@ class FitTimeline(logging.Handler):
 
 
 def bench_sparktrain(spark, df, tmp: str, args, state: Dict[str, Any]) -> Dict[str, Any]:
-    from sparktrain.fit_hooks import register_fit_hook
-
     from bench_torch import make_estimator
+
+    from sparktrain.fit_hooks import register_fit_hook
 
     timeline = FitTimeline()
     register_fit_hook("bench-end-to-end", timeline.hook)

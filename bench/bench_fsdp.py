@@ -38,8 +38,21 @@ import time
 import warnings
 from typing import Any, Dict, List, Optional
 
-from common import (add_common_args, arg_meta, figure, guarded, hang_extras, load_meta, load_note,
-                    local_session, new_parser, parse_common, progress, report, versions)
+from common import (
+    add_common_args,
+    arg_meta,
+    figure,
+    guarded,
+    hang_extras,
+    load_meta,
+    load_note,
+    local_session,
+    new_parser,
+    parse_common,
+    progress,
+    report,
+    versions,
+)
 
 FIGURES: List[str] = []  # the two figures always run; --skip has nothing to skip
 MIB = 2 ** 20
@@ -144,7 +157,7 @@ class RankProbe:
         ends, self._step_ends = self._step_ends, []
         self._record["epochs"].append({
             "epoch": epoch, "seconds": seconds, "rows": self._rows, "steps": self._steps,
-            "step_seconds": [b - a for a, b in zip(ends, ends[1:])],
+            "step_seconds": [b - a for a, b in zip(ends, ends[1:], strict=False)],
             "peak_rss_steps": self._peaks.pop("steps", 0), "loss": logs.get("loss")})
         self._phase = "epoch_end"  # metrics all-reduce, checkpoint (rank 0), next epoch's setup
 
@@ -178,7 +191,7 @@ def make_model(features: int, hidden: int, layers: int, classes: int, seed: int)
     torch.manual_seed(seed)
     widths = [features] + [hidden] * layers
     blocks = [torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.ReLU())
-              for a, b in zip(widths, widths[1:])]
+              for a, b in zip(widths, widths[1:], strict=False)]
     return torch.nn.Sequential(*blocks, torch.nn.Linear(hidden, classes))
 
 
@@ -198,6 +211,7 @@ def make_data(spark, rows: int, features: int, classes: int, seed: int):
 def run_fit(spark, args, df, store: str, probe_dir: str, tag: str, strategy: str,
             hangs: List[Dict[str, Any]], **extra: Any) -> Dict[str, Any]:
     import torch
+
     from sparktrain import TorchEstimator
 
     net = make_model(args.features, args.hidden, args.layers, args.classes, args.seed)
@@ -262,7 +276,8 @@ def markdown_table(run: Dict[str, Any]) -> List[str]:
 def summary(run: Dict[str, Any]) -> Dict[str, float]:
     rows = [rank_row(r) for r in run["ranks"]]
     first = max(r["epochs"][0]["peak_rss_steps"] for r in run["ranks"]) / MIB
-    return {"state": max(r["state"] for r in rows), "peak_steps": max(r["peak_steps"] for r in rows),
+    return {"state": max(r["state"] for r in rows),
+            "peak_steps": max(r["peak_steps"] for r in rows),
             "peak_steps_first": first,
             "peak_epoch_end": max(r["peak_epoch_end"] for r in rows),
             "maxrss": max(r["maxrss"] for r in rows),

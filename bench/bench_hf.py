@@ -12,7 +12,7 @@ same tokenizer (WordPiece trained in memory, padded/truncated to --max-length), 
 BERT (built from a BertConfig, seeded), AdamW with the same learning rate and linear
 warm-up/decay, --batch-size rows per rank per step, --epochs, 2 processes.
 
-Figures (see bench/README.md, "bench_hf.py", for what each one compares and why):
+Figures (bench/README.md: method and figures; bench/HISTORY.md, "bench_hf.py": the full write-up):
 
   e2e       wall s from the training DataFrame to a trained model: TorchEstimator.fit vs
             Dataset.from_spark + .map(tokenize) + TorchDistributor(local_mode=True).run(Trainer)
@@ -41,11 +41,24 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
-
 from bench_backends import RankLog
-from common import (add_common_args, arg_meta, cached, figure, guarded, hang_extras, load_meta,
-                    load_note, local_session, new_parser, parse_common, progress, report,
-                    sparktrain_logs, versions)
+from common import (
+    add_common_args,
+    arg_meta,
+    cached,
+    figure,
+    guarded,
+    hang_extras,
+    load_meta,
+    load_note,
+    local_session,
+    new_parser,
+    parse_common,
+    progress,
+    report,
+    sparktrain_logs,
+    versions,
+)
 
 FIGURES = ("sparktrain", "trainer", "reference")
 CONTENDERS = FIGURES
@@ -404,8 +417,8 @@ def read_rank_clocks(directory: str, per_epoch: int) -> Dict[str, Any]:
     for path in sorted(glob.glob(os.path.join(directory, "rank-*.json"))):
         with open(path) as f:
             marks = json.load(f)["marks"]
-        walls = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
-        cpus = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
+        walls = [b[0] - a[0] for a, b in zip(marks, marks[1:], strict=False)]
+        cpus = [b[1] - a[1] for a, b in zip(marks, marks[1:], strict=False)]
         ranks.append({"epoch_s": walls,
                       "cpu_ms_per_step": [c / per_epoch * 1e3 for c in cpus]})
     return {"ranks": ranks}
@@ -419,6 +432,7 @@ def make_estimator(args, vocab_size: int, tokenize: Tokenize, steps: Dict[str, i
     import inspect
 
     import torch
+
     from sparktrain import TorchEstimator
 
     model = make_model(vocab_size, args.seed)
@@ -624,7 +638,7 @@ def sparktrain_rate(run: Dict[str, Any], per_epoch: int) -> Optional[float]:
 
 def rounds(values_a: List[Optional[float]], values_b: List[Optional[float]]) -> str:
     """Per-round ratios a / b, as text."""
-    return ", ".join(f"{a / b:.2f}x" for a, b in zip(values_a, values_b) if a and b)
+    return ", ".join(f"{a / b:.2f}x" for a, b in zip(values_a, values_b, strict=True) if a and b)
 
 
 def make_figures(args, found: Dict[str, Any], steps: Dict[str, int]) -> List[Dict[str, Any]]:

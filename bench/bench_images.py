@@ -12,7 +12,7 @@ digits (upscaled, coloured, on a noisy gradient; no download), written as files,
 name). The decode function (``decode``, below) is the same everywhere: Pillow decode, a random
 88x88 crop, a random horizontal flip, uint8 CHW, stacked to ``(rows, 3, 88, 88)``.
 
-Figures (see bench/README.md for what each one compares and why):
+Figures (bench/README.md: method and figures; bench/HISTORY.md: the full write-up):
 
   workers     images/s delivered to one rank's loop (world size 1, batch --batch-size):
               ShardReader + BatchFeed(reader_pool="process") with 2 decode workers / with 1
@@ -51,11 +51,27 @@ import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
+from common import (
+    add_common_args,
+    arg_meta,
+    child_entry,
+    figure,
+    guarded,
+    hang_extras,
+    load_meta,
+    load_note,
+    new_parser,
+    parse_common,
+    progress,
+    quiet_warnings,
+    remove_tmp,
+    report,
+    run_child,
+    spark_conf,
+    timed,
+    versions,
+)
 from PIL import Image
-
-from common import (add_common_args, arg_meta, child_entry, figure, guarded, hang_extras,
-                    load_meta, load_note, new_parser, parse_common, progress, quiet_warnings,
-                    remove_tmp, report, run_child, spark_conf, timed, versions)
 
 FIGURES = ("workers", "dataloader", "petastorm", "rss", "e2e")
 SIDE, CROP, CLASSES, QUALITY = 96, 88, 10, 90
@@ -203,7 +219,8 @@ def _digit_images():
             img = rng.uniform(0, 0.2, (8, 8))
             for k in range(label + 1):
                 a = 2 * np.pi * k / (label + 1)
-                img += np.exp(-((xx - 3.5 - 2.5 * np.cos(a)) ** 2 + (yy - 3.5 - 2.5 * np.sin(a)) ** 2))
+                dx, dy = xx - 3.5 - 2.5 * np.cos(a), yy - 3.5 - 2.5 * np.sin(a)
+                img += np.exp(-(dx ** 2 + dy ** 2))
             images.append(np.clip(img, 0, 1))
             labels.append(label)
         return np.array(images), np.array(labels)
@@ -228,7 +245,8 @@ def _write_jpegs(job: Tuple[str, int, int, int]) -> int:
         alpha = np.zeros((SIDE, SIDE, 1), np.float32)
         top, left = rng.integers(0, SIDE - size + 1, 2)
         alpha[top:top + size, left:left + size, 0] = glyph
-        pixels = (c0 * (1 - t) + c1 * t) * (1 - alpha) + fg * alpha + rng.normal(0, 8, (SIDE, SIDE, 3))
+        background = (c0 * (1 - t) + c1 * t) * (1 - alpha)
+        pixels = background + fg * alpha + rng.normal(0, 8, (SIDE, SIDE, 3))
         Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(
             os.path.join(folder, f"{index:06d}_{labels[k]}.jpg"), format="JPEG", quality=QUALITY)
         written += 1
@@ -243,7 +261,7 @@ def write_dataset(tmp: str, images: int, e2e_images: int, seed: int) -> List[str
     folders = [os.path.join(tmp, "jpeg-a"), os.path.join(tmp, "jpeg-b")]
     ranges = [(0, e2e_images), (e2e_images, images)]
     jobs = []
-    for folder, (lo, hi) in zip(folders, ranges):
+    for folder, (lo, hi) in zip(folders, ranges, strict=True):
         os.makedirs(folder)
         step = max(1, -(-(hi - lo) // 16))
         jobs += [(folder, a, min(a + step, hi), seed) for a in range(lo, hi, step)]
@@ -251,7 +269,7 @@ def write_dataset(tmp: str, images: int, e2e_images: int, seed: int) -> List[str
     with multiprocessing.get_context("fork").Pool(max(1, min(4, os.cpu_count() or 1))) as pool:
         written = sum(pool.map(_write_jpegs, jobs))
     assert written == images, (written, images)
-    return [f for f, (lo, hi) in zip(folders, ranges) if hi > lo]
+    return [f for f, (lo, hi) in zip(folders, ranges, strict=True) if hi > lo]
 
 
 def image_frame(spark, folders: List[str], partitions: int):
@@ -746,7 +764,7 @@ def rss_child(spec: Dict[str, Any]) -> Dict[str, Any]:
     try:
         for epoch in range(spec["epochs"]):
             peak[0] = 0
-            seconds, (images, _, _) = timed(lambda: loader.epoch(epoch))
+            seconds, (images, _, _) = timed(lambda epoch=epoch: loader.epoch(epoch))
             pids = _tree(me)
             end = sum(_rss_bytes(p) for p in pids)
             epochs.append({"epoch": epoch + 1, "images": images, "seconds": seconds,
@@ -806,7 +824,7 @@ def bench_rss(args, ds, tmp: str, state: Dict[str, Any]) -> Dict[str, Any]:
             "runs": runs})
 
 
-# -- figure 5: end to end ---------------------------------------------------------------------------
+# -- figure 5: end to end --------------------------------------------------------------------------
 class _MaterializeLog(logging.Handler):
     """Catches sparktrain's 'materialized ... in N s' log line (the fit's own write time)."""
 
@@ -933,7 +951,7 @@ def bench_e2e(args, spark, df, tmp: str, state: Dict[str, Any]) -> Dict[str, Any
     return figure("e2e", what, "s", st, td, name, td / st, 2.0, ">=", extras)
 
 
-# -- main -------------------------------------------------------------------------------------------
+# -- main ------------------------------------------------------------------------------------------
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = new_parser(__doc__)
     parser.add_argument("--images", type=int, default=20000, help="JPEG files generated")

@@ -89,7 +89,7 @@ def one_fit(spark, strategy: str, train, test, args, tmp: str, run: str) -> Dict
                          verbose=0, callbacks=[_callback_class()(clock)], **extra)
     seconds, model = common.timed(lambda: est.fit(train))
     ends = [float(line) for line in open(clock)]
-    epoch_seconds = statistics.median(b - a for a, b in zip(ends, ends[1:]))
+    epoch_seconds = statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False))
     out = model.transform(test).select("label", "label__output").toPandas()
     accuracy = float(np.mean(np.stack(out["label__output"]).argmax(-1) == out["label"]))
     return {"fit_seconds": seconds, "epoch_seconds": epoch_seconds, "accuracy": accuracy}

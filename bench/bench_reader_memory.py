@@ -35,9 +35,23 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
-from common import (add_common_args, add_frame_args, arg_meta, child_entry, figure, load_meta,
-                    load_note, new_parser, parse_common, progress, remove_tmp, report, run_child,
-                    spark_conf, versions)
+from common import (
+    add_common_args,
+    add_frame_args,
+    arg_meta,
+    child_entry,
+    figure,
+    load_meta,
+    load_note,
+    new_parser,
+    parse_common,
+    progress,
+    remove_tmp,
+    report,
+    run_child,
+    spark_conf,
+    versions,
+)
 
 FIGURES = ("petastorm",)
 BATCH = 1024
@@ -194,7 +208,8 @@ def build_figures(args, stats: Dict[str, Dict[int, Dict[str, float]]],
                {**detail(st_large),
                 "increment ratio (without the baseline)": {
                     "value": f"{st_large['increment_mib'] / st_small['increment_mib']:.2f}x",
-                    "note": f"{st_large['increment_mib']:.0f} / {st_small['increment_mib']:.0f} MiB"},
+                    "note": f"{st_large['increment_mib']:.0f} / "
+                            f"{st_small['increment_mib']:.0f} MiB"},
                 **cached_line(large), "runs": runs["sparktrain"][large]}),
     ]
     if "sparktrain-local" in stats:

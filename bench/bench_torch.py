@@ -5,7 +5,7 @@ session, on one generated DataFrame.
     .venv/bin/python bench/bench_torch.py                      # 1,000,000 rows, every figure
     .venv/bin/python bench/bench_torch.py --rows 100000 --skip inference,fit
 
-Figures (see bench/README.md for what each one compares and why):
+Figures (bench/README.md: method and figures; bench/HISTORY.md: the full write-up):
 
   read         rows/s from the materialized store to torch tensors, one rank, batch 1024:
                sparktrain ShardReader vs Petastorm's converter + BatchedDataLoader (classic
@@ -37,11 +37,30 @@ import tempfile
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
-
-from common import (add_common_args, add_frame_args, arg_meta, bench_session, cached, figure,
-                    guarded, guarded_runs, hang_extras, load_meta, load_note, make_frame,
-                    new_parser, parse_common, progress, quiet_warnings, remove_tmp, report,
-                    session_kind, spark_conf, timed, versions)
+from common import (
+    add_common_args,
+    add_frame_args,
+    arg_meta,
+    bench_session,
+    cached,
+    figure,
+    guarded,
+    guarded_runs,
+    hang_extras,
+    load_meta,
+    load_note,
+    make_frame,
+    new_parser,
+    parse_common,
+    progress,
+    quiet_warnings,
+    remove_tmp,
+    report,
+    session_kind,
+    spark_conf,
+    timed,
+    versions,
+)
 
 FIGURES = ("read", "materialize", "fit", "stream", "inference")
 READ_BATCH = 1024
@@ -61,6 +80,7 @@ def make_mlp(features: int, hidden: int = HIDDEN, classes: int = CLASSES):
 
 def make_estimator(features: int, batch_size: int, store: str, num_proc: int = 2):
     import torch
+
     from sparktrain import TorchEstimator
 
     torch.manual_seed(0)
@@ -95,7 +115,7 @@ def bench_materialize(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) 
         store_dir = os.path.join(tmp, f"store-materialize-{i}")
         shutil.rmtree(store_dir, ignore_errors=True)
         store = Store.create(store_dir)
-        seconds, dataset = timed(lambda: materialize(df, store, columns))
+        seconds, dataset = timed(lambda store=store: materialize(df, store, columns))
         assert not dataset.reused, "a fresh store must not reuse anything"
         st_times.append(seconds)
         progress(f"materialize: sparktrain run {i + 1}/{repeats}: {seconds:.2f}s "
@@ -194,9 +214,9 @@ def ceiling_pass(features, label) -> int:
     rows, n = 0, features.shape[0]
     for start in range(0, n, READ_BATCH):
         f = features[start:start + READ_BATCH].clone()
-        l = label[start:start + READ_BATCH].clone()
+        y = label[start:start + READ_BATCH].clone()
         rows += f.shape[0]
-        assert l.shape[0] == f.shape[0]
+        assert y.shape[0] == f.shape[0]
     return rows
 
 
@@ -237,6 +257,7 @@ def petastorm_importable() -> bool:
 
 def bench_read(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) -> List[Dict[str, Any]]:
     import torch
+
     from sparktrain.data.reader import ShardReader
 
     n = state["rows"]
@@ -250,7 +271,8 @@ def bench_read(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) -> List
             if rows != n:
                 raise AssertionError(f"{label} read {rows} rows, expected {n}")
             rates.append(rows / seconds)
-            progress(f"read: {label} run {i + 1}/{repeats}: {seconds:.3f}s = {rows / seconds:,.0f} rows/s")
+            progress(f"read: {label} run {i + 1}/{repeats}: {seconds:.3f}s "
+                     f"= {rows / seconds:,.0f} rows/s")
         return statistics.median(rates), rates
 
     # first batch shape check
@@ -281,7 +303,8 @@ def bench_read(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) -> List
     progress("read: loading the data into memory for the ceiling")
     parts = list(ShardReader(dataset.root, dataset.files["train"], dataset.columns, 0, 1,
                              1 << 16).epoch(0))
-    features = torch.from_numpy(np.ascontiguousarray(np.concatenate([p["features"] for p in parts])))
+    features = torch.from_numpy(
+        np.ascontiguousarray(np.concatenate([p["features"] for p in parts])))
     label = torch.from_numpy(np.ascontiguousarray(np.concatenate([p["label"] for p in parts])))
     del parts
     ceiling, ceiling_runs = rate(lambda f=features, y=label: ceiling_pass(f, y),
@@ -313,9 +336,10 @@ def bench_read(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) -> List
                       "in-memory tensor t[i:i+1024].clone() (the ceiling)", cached / ceiling,
                       0.5, ">=", cache_extras)]
     if ps is not None:
-        figures.append(figure("read", measure, "rows/s", st, ps,
-                              "petastorm make_spark_converter + make_torch_dataloader(BatchedDataLoader)",
-                              st / ps, 2.0, ">=", {"runs": {"sparktrain": st_runs, "petastorm": ps_runs}}))
+        figures.append(figure(
+            "read", measure, "rows/s", st, ps,
+            "petastorm make_spark_converter + make_torch_dataloader(BatchedDataLoader)",
+            st / ps, 2.0, ">=", {"runs": {"sparktrain": st_runs, "petastorm": ps_runs}}))
     return figures
 
 
@@ -550,7 +574,7 @@ def bench_inference(spark, df, tmp: str, repeats: int, state: Dict[str, Any]) ->
     frames = {"sparktrain transform": st_df, **others}
     for i in range(repeats):
         for name, frame in frames.items():
-            seconds, _ = timed(lambda: run(frame))
+            seconds, _ = timed(lambda frame=frame: run(frame))
             times[name].append(seconds)
             progress(f"inference: {name} {i + 1}/{repeats}: {seconds:.2f}s "
                      f"= {n / seconds:,.0f} rows/s")

@@ -53,8 +53,8 @@ def add_common_args(parser, figures: List[str], json_name: str, fit_timeout: flo
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--skip", action="append", default=[],
                         help=f"figures to skip, comma-separated or repeated: {', '.join(figures)}")
-    parser.add_argument("--json-out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                           "results", json_name))
+    here = os.path.dirname(os.path.abspath(__file__))
+    parser.add_argument("--json-out", default=os.path.join(here, "results", json_name))
     parser.add_argument("--fit-timeout", type=float, default=fit_timeout,
                         help="seconds after which a run counts as hung: its Spark jobs are "
                              "cancelled, the hang is reported and it is retried")
@@ -222,14 +222,14 @@ def guarded(spark, fn: Callable[[], Any], timeout: float, label: str,
     """``timed(fn)``, but cancel every Spark job if it runs past ``timeout`` seconds, record the
     hang in ``hangs`` and try again (up to ``attempts`` times).
 
-    A fit that deadlocks in a barrier task (the Gloo teardown hang fixed in 172f996, see sparktrain/launch/torch_ddp.py)
-    would otherwise hang the whole benchmark; Spark kills the stuck Python worker once its task
-    is cancelled.
+    A fit that deadlocks in a barrier task (the Gloo teardown hang fixed in 172f996, see
+    sparktrain/launch/torch_ddp.py) would otherwise hang the whole benchmark; Spark kills the
+    stuck Python worker once its task is cancelled.
     """
     for attempt in range(1, attempts + 1):
         fired = threading.Event()
 
-        def fire() -> None:
+        def fire(fired: threading.Event = fired) -> None:
             fired.set()
             progress(f"{label}: still running after {timeout:g}s, cancelling its Spark jobs")
             cancel_all(spark)
@@ -404,7 +404,8 @@ def print_table(results: List[Dict[str, Any]]) -> None:
         met = "n/a" if r["met"] is None else ("yes" if r["met"] else "NO")
         print(f"{r['figure']:<{width}} {_num(r['sparktrain'], r['unit']):>{value_width}}  "
               f"{_num(r['baseline'], r['unit']):>{value_width}}  {ratio:>7}  "
-              f"{r['target_op'] + format(r['target'], 'g') + 'x':>8}  {met:<3}  {r['baseline_name']}")
+              f"{r['target_op'] + format(r['target'], 'g') + 'x':>8}  {met:<3}  "
+              f"{r['baseline_name']}")
         print(f"{'':<{width}} ({r['measure']})")
         for key, value in r["extras"].items():
             if isinstance(value, dict) and "value" in value:

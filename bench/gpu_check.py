@@ -3,7 +3,7 @@
 Drives what a barrier task or a prediction task runs, by hand, as ``tests/test_rank_loops.py``
 does (its helpers are imported from there): Parquet files in the layout materialization writes,
 the ``TorchTrainSpec`` and cloudpickled payload the estimator builds, and
-``torch_worker.train`` as rank 0 of 1, with a ``RankContext`` that holds GPU ``"0"`` (as Spark's
+``torch_loop.train`` as rank 0 of 1, with a ``RankContext`` that holds GPU ``"0"`` (as Spark's
 ``TaskContext.resources()`` would) and a barrier that answers ``allGather`` itself. No
 SparkSession or JVM is ever started (the last check says so).
 
@@ -14,8 +14,8 @@ Checks (one ``CHECK <name> PASS|FAIL|SKIP <figures>`` line each):
   callback sees from inside the loop the process group's backend (nccl), the device and the
   dtype the model computes in.
 * ``fsdp_bf16``: ``strategy="fsdp"`` (FSDP2, blocks = the Linears, bf16 policy) on an MLP.
-* ``hf_bert_bf16``: the tiny BERT of ``tests/hf_models.py`` fine-tuned on raw text through the
-  rank loop (tokenizer as ``transformation_fn``, the model's own loss), held-out accuracy.
+* ``hf_bert_bf16``: the tiny BERT of ``tests/support/hf_models.py`` fine-tuned on raw text through
+  the rank loop (tokenizer as ``transformation_fn``, the model's own loss), held-out accuracy.
 * ``gpu_inference``: ``TorchModel``'s per-Arrow-batch prediction function (the Arrow UDF's
   body; the pandas UDF's before pyspark 4.1) in a task holding GPU 0, against the module on the
   CPU; rows/s GPU vs CPU.
@@ -89,9 +89,8 @@ def _prepare_environment() -> None:
 
 
 _prepare_environment()
-import torch  # noqa: E402
-
 import test_rank_loops as rank_loops  # noqa: E402  (after the pytest stand-in)
+import torch  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -186,11 +185,11 @@ def accuracy(output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
 
 
 def train_rank(env: Env, spec: Any, payload: bytes) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """``torch_worker.train`` as rank 0 of 1 on ``env``'s device; ``(its result, what the Probe
+    """``torch_loop.train`` as rank 0 of 1 on ``env``'s device; ``(its result, what the Probe
     saw)``. The task's GPU comes as Spark hands it (``resources``), the rendezvous through the
     one-rank barrier (``TorchDDP`` opens its own ``TCPStore``: no MASTER_ADDR/PORT)."""
-    from sparktrain.loop.torch_loop import train
     from sparktrain.launch.barrier import RankContext
+    from sparktrain.loop.torch_loop import train
 
     job = rank_loops._OneRank()
     ctx = RankContext(rank=0, world_size=1, hosts=["127.0.0.1"], cpus=env.cpus,
@@ -222,16 +221,16 @@ def payload(net: torch.nn.Module, optimizer: Any, loss: Any, callbacks: List[Any
             options: Optional[Dict[str, Any]] = None) -> bytes:
     """What ``TorchEstimator._payload`` ships (``test_rank_loops.torch_payload`` for any model)."""
     from sparktrain.loop.torch_files import ShippedModule, save_weights
-    from sparktrain.pickling import dumps
+    from sparktrain.options.payload import TorchPayload
     from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
 
     options = dict(options or {})
-    extras = {"loss_constructors": None, "train_minibatch_fn": None,
-              "fsdp_wrap": options.get("fsdp_wrap"), "activation_checkpointing": None,
-              "strategy": load_strategy(TORCH_STRATEGIES, strategy), "strategy_options": options}
     weights = save_weights(net.state_dict(), os.path.join(tempfile.mkdtemp(), "weights.pt"))
-    return dumps((ShippedModule.of(net, optimizer, weights), loss, list(metrics),
-                  list(callbacks), transform, extras))
+    return TorchPayload(model=ShippedModule.of(net, optimizer, weights), loss=loss,
+                        metrics=list(metrics), callbacks=list(callbacks),
+                        transformation_fn=transform, fsdp_wrap=options.get("fsdp_wrap"),
+                        strategy=load_strategy(TORCH_STRATEGIES, strategy),
+                        strategy_options=options).dumps()
 
 
 def write_split(root: str, split: str, table: Any, group_rows: int) -> List[Any]:
@@ -334,7 +333,8 @@ def check_ddp(env: Env, precision: Optional[str]) -> Dict[str, Any]:
     losses, val = result["history"]["loss"], result["history"]["val_loss"]
     expect(all(np.isfinite(losses + val)), f"non-finite losses {losses} {val}")
     if precision is None:
-        expect(all(b < a for a, b in zip(losses, losses[1:])), f"losses not falling: {losses}")
+        falling = all(b < a for a, b in zip(losses, losses[1:], strict=False))
+        expect(falling, f"losses not falling: {losses}")
     else:
         expect(losses[-1] < 0.5 * losses[0], f"loss did not halve: {losses}")
     expect(val[-1] < 0.5 * val[0], f"val_loss did not halve: {val}")
@@ -345,7 +345,8 @@ def check_ddp(env: Env, precision: Optional[str]) -> Dict[str, Any]:
     expect(after < 0.5 * before, f"weights did not move toward the data's ({before} -> {after})")
     dtype = {None: "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
     return {"loss": f"{losses[0]:.3g}->{losses[-1]:.3g}",
-            "val_loss": f"{val[0]:.3g}->{val[-1]:.3g}", "weight_distance": f"{before:.2f}->{after:.2f}", "train_s": round(seconds, 2),
+            "val_loss": f"{val[0]:.3g}->{val[-1]:.3g}",
+            "weight_distance": f"{before:.2f}->{after:.2f}", "train_s": round(seconds, 2),
             **observed(env, seen, dtype)}
 
 
@@ -399,12 +400,12 @@ def _treat_as_installed(packages: List[str]) -> None:
 def check_hf(env: Env) -> Dict[str, Any]:
     """The tiny BERT on raw text: ``Tokenize`` as transformation_fn, the model's own loss."""
     import pyarrow as pa
+    from support import hf_models
 
-    import hf_models
     from sparktrain.data.columns import SCALAR, STRING, ColumnSpec
 
     def table(rows: int, seed: int) -> Any:
-        texts, labels = zip(*hf_models.sentences(rows, seed=seed))
+        texts, labels = zip(*hf_models.sentences(rows, seed=seed), strict=True)
         return pa.table({"text": pa.array(texts), "label": pa.array(labels, type=pa.int64())})
 
     _treat_as_installed(["transformers", "tokenizers", "huggingface_hub", "safetensors"])
@@ -423,7 +424,7 @@ def check_hf(env: Env) -> Dict[str, Any]:
     expect(history["loss"][-1] < history["loss"][0], f"losses {history['loss']}")
     # the weights file on the device, predicting the held-out texts in bf16
     model = loaded(hf_models.tiny_bert(tok.vocab_size, seed=1), result).to(env.device)
-    texts, labels = zip(*hf_models.sentences(300, seed=2))
+    texts, labels = zip(*hf_models.sentences(300, seed=2), strict=True)
     batch = hf_models.Tokenize(tok)({"text": np.array(texts, dtype=object)})
     with torch.no_grad(), torch.autocast(env.device.type, dtype=torch.bfloat16):
         logits = model(**{k: torch.from_numpy(v).to(env.device) for k, v in batch.items()}).logits
@@ -454,7 +455,6 @@ def spark_task(cpus: int, gpus: List[str]) -> Iterator[None]:
 def check_inference(env: Env) -> Dict[str, Any]:
     """The body of ``TorchModel.transform``'s UDF on Arrow batches, in a task holding GPU
     0, against the module called on the CPU; rows/s on the GPU vs the CPU."""
-    import pyarrow as pa
 
     from sparktrain import TorchModel
     from sparktrain.data.columns import VECTOR, ColumnSpec

@@ -8,6 +8,7 @@ the same.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -51,7 +52,8 @@ def parse_args(argv: Sequence[str], doc: str, backends: Sequence[str],
     p.add_argument("--max-time", type=float, default=None,
                    help="stop training at the end of the epoch after this many seconds")
     p.add_argument("--max-attempts", type=int, default=None,
-                   help="attempts of the training stage (default: spark.stage.maxConsecutiveAttempts)")
+                   help="attempts of the training stage "
+                        "(default: spark.stage.maxConsecutiveAttempts)")
     p.add_argument("--use-gpu", choices=["auto", "yes", "no"], default="auto",
                    help="train on the GPUs Spark assigns to tasks (auto: when tasks have GPUs)")
     p.add_argument("--backend", choices=list(backends), default=backends[0],
@@ -82,6 +84,21 @@ def run_options(args: argparse.Namespace) -> Dict[str, Any]:
     return {"run_id": args.run_id, "max_time": args.max_time, "max_attempts": args.max_attempts}
 
 
+def require(modules: Sequence[str], setup_flag: str, extra: str) -> None:
+    """Exit with a message naming the set-up step if one of ``modules`` is not installed; checked
+    before Spark starts, without importing them.
+
+    Example: ``require(["tensorflow", "keras"], "--keras", "tf-cpu")`` in a venv without
+    TensorFlow exits with "... run ./scripts/setup.sh --keras ...".
+    """
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        command = f"./scripts/setup.sh {setup_flag}".rstrip()
+        sys.exit(f"error: {', '.join(missing)} not installed in this Python ({sys.executable}).\n"
+                 f"In a clone of sparktrain run {command} (it adds them to .venv), or\n"
+                 f"pip install 'sparktrain[{extra}]' where you installed sparktrain.")
+
+
 def get_spark(master: str | None, app_name: str, remote: str | None = None) -> SparkSession:
     """A Spark Connect session on ``remote`` if given; under spark-submit (which starts the JVM
     and sets PYSPARK_GATEWAY_PORT) its master; run as a plain script, embedded Spark on
@@ -89,6 +106,7 @@ def get_spark(master: str | None, app_name: str, remote: str | None = None) -> S
     from sparktrain import local_spark, remote_spark
 
     if remote:
+        require(["grpc", "zstandard"], "--connect", "connect")
         return remote_spark(remote, app_name=app_name)
     if master is None and "PYSPARK_GATEWAY_PORT" not in os.environ:
         master = "local[*]"
@@ -96,9 +114,8 @@ def get_spark(master: str | None, app_name: str, remote: str | None = None) -> S
 
 
 def digits_frame(spark: SparkSession) -> DataFrame:
-    from sklearn.datasets import load_digits
-
     import pandas as pd
+    from sklearn.datasets import load_digits
 
     digits = load_digits()
     frame = pd.DataFrame(digits.data.astype("float64"),
@@ -175,7 +192,8 @@ def run(args: argparse.Namespace, build_estimator: Callable, app_name: str) -> i
     if abs(again - score) > 1e-6:
         print("error: the reloaded model predicts differently", file=sys.stderr)
         return 1
-    if args.min_accuracy is not None and args.task == "classification" and score < args.min_accuracy:
+    classification = args.task == "classification"
+    if args.min_accuracy is not None and classification and score < args.min_accuracy:
         print(f"error: test accuracy {score:.4f} < {args.min_accuracy}", file=sys.stderr)
         return 1
     return 0

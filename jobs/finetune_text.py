@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jobs.common import get_spark  # noqa: E402
+from jobs.common import get_spark, require  # noqa: E402
 
 # -- the demo's data ----------------------------------------------------------------------------
 SUBJECTS = ["my order", "the delivery", "the refund", "your support team", "the app",
@@ -74,7 +74,8 @@ def ticket_rows(n: int, seed: int) -> List[Tuple[int, str, int]]:
         if rng.random() < 0.7:
             words.append(rng.choice(OPENERS))
         words.append(f"order {rng.randint(1000, 99999)}:")
-        clauses = [f"{s} {p}" for s, p in zip(rng.sample(SUBJECTS, 2), rng.sample(predicates, 2))]
+        pairs = zip(rng.sample(SUBJECTS, 2), rng.sample(predicates, 2), strict=True)
+        clauses = [f"{s} {p}" for s, p in pairs]
         words.append(" and ".join(clauses[:rng.randint(1, 2)]))
         words.append(rng.choice(CLOSERS[label] if rng.random() < 0.5 else NEUTRAL_CLOSERS))
         rows.append((i, " ".join(words), label))
@@ -355,6 +356,7 @@ def trainable_share(model: Any) -> Tuple[int, int]:
 
 def main(argv: Sequence[str] = ()) -> int:
     args = parse_args(argv)
+    require(["transformers", "tokenizers", "peft"], "--hf", "hf")
     # peft calls a transformers method that transformers 5 deprecated: nothing to act on here
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*",
                             category=FutureWarning)

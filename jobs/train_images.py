@@ -41,9 +41,10 @@ def write_digit_pngs(folder: str, size: int) -> int:
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    for i, (image, label) in enumerate(zip(digits.images, digits.target)):
+    for i, (image, label) in enumerate(zip(digits.images, digits.target, strict=True)):
         pixels = Image.fromarray((image * 255 / 16).astype(np.uint8))
-        pixels.resize((size, size), Image.BILINEAR).save(os.path.join(folder, f"{i:05d}_{label}.png"))
+        path = os.path.join(folder, f"{i:05d}_{label}.png")
+        pixels.resize((size, size), Image.BILINEAR).save(path)
     return len(digits.target)
 
 

@@ -21,7 +21,7 @@ from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jobs.common import parse_args, run, run_options, use_gpu  # noqa: E402
+from jobs.common import parse_args, require, run, run_options, use_gpu  # noqa: E402
 
 
 def build_estimator(args, n_in: int, n_out: int, store: str):
@@ -45,6 +45,8 @@ def build_estimator(args, n_in: int, n_out: int, store: str):
 
 def main(argv: Sequence[str] = ()) -> int:
     args = parse_args(list(argv), __doc__, backends=["tensorflow", "tfos"])
+    frameworks = ["tensorflow", "keras"] + (["tensorflowonspark"] if args.backend == "tfos" else [])
+    require(frameworks, "--keras", "tf-cpu,tfos")
     return run(args, build_estimator, "sparktrain-train-keras")
 
 

@@ -24,7 +24,14 @@ from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jobs.common import digits_frame, parse_args, run, run_options, use_gpu  # noqa: E402,F401
+from jobs.common import (  # noqa: E402,F401
+    digits_frame,
+    parse_args,
+    require,
+    run,
+    run_options,
+    use_gpu,
+)
 
 
 def accuracy(output, label):
@@ -58,6 +65,7 @@ def build_estimator(args, n_in: int, n_out: int, store: str):
 def main(argv: Sequence[str] = ()) -> int:
     args = parse_args(list(argv), __doc__, backends=["torch", "horovod"],
                       strategies=["ddp", "fsdp"])
+    require(["torch"], "", "torch")
     return run(args, build_estimator, "sparktrain-train-torch")
 
 

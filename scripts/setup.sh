@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
 # Set up sparktrain in a virtual environment on one of the two tested stacks.
 #
-#   ./scripts/setup.sh            # .venv: sparktrain with PyTorch, TensorFlow/Keras 3,
-#                                 # TensorFlowOnSpark, the Spark Connect and MLflow clients
-#                                 # (everything the demos and everyday use need)
+#   ./scripts/setup.sh            # .venv: sparktrain with PyTorch and scikit-learn: what
+#                                 # jobs/train_torch.py --demo needs, and no more
+#   ./scripts/setup.sh --keras    # ... and TensorFlow, Keras 3 and TensorFlowOnSpark
+#                                 # (jobs/train_keras.py --demo)
+#   ./scripts/setup.sh --connect  # ... and the Spark Connect client (--remote sc://...)
+#   ./scripts/setup.sh --mlflow   # ... and the MLflow client (sparktrain.mlflow)
+#   ./scripts/setup.sh --hf       # ... and transformers, tokenizers, peft (jobs/finetune_text.py)
+#   ./scripts/setup.sh --all      # all four above: everything the demos and everyday use need
 #   ./scripts/setup.sh --horovod  # ... and Horovod 0.28.1, compiled for this torch with Gloo
 #                                 # (about 3 min on 2 cores the first time; the wheel is cached
 #                                 # in ~/.cache/sparktrain/wheels and reused by every clone)
-#   ./scripts/setup.sh --tests    # ... and all the tests need: the test tools, Horovod, and
-#                                 # .venv-mlflow (the tests' MLflow tracking server)
+#   ./scripts/setup.sh --jvm-archive  # ... and the class archive local Spark JVMs start from
+#                                 # (~40 s and 180 MiB once per Java and Spark; each JVM start
+#                                 # then takes about half the CPU: worth it for many starts)
+#   ./scripts/setup.sh --tests    # everything the tests need: --all, --horovod, --jvm-archive,
+#                                 # the test tools (pytest, ruff) and .venv-mlflow (the tests'
+#                                 # MLflow tracking server)
 #   SPARKTRAIN_STACK=spark35 ./scripts/setup.sh ...   # the classic stack (pyspark 3.5,
-#                                 # pyarrow 14, NumPy 1.26, Petastorm) in .venv-spark35
+#                                 # pyarrow 14, NumPy 1.26; --all adds Petastorm) in .venv-spark35
+#
+# Flags add up, and so do runs: what an earlier run installed stays (recorded in the venv's
+# .sparktrain-setup-stamp), and a later run with more flags adds only what is missing.
 #
 # Installs with uv (https://docs.astral.sh/uv/, from PyPI, bootstrapped once into
 # ~/.cache/sparktrain/uv): it resolves and installs many times faster than pip and honours the
@@ -28,24 +40,46 @@ cd "$root"
 say() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
-want_horovod="" want_tests=""
+# The parts a run can install; `base` always. The venv's stamp lists the parts it has.
+asked="base"
 for arg in "$@"; do
   case "$arg" in
-    --horovod) want_horovod=1 ;;
-    --tests) want_tests=1; want_horovod=1 ;;
+    --keras) asked="$asked keras" ;;
+    --connect) asked="$asked connect" ;;
+    --mlflow) asked="$asked mlflow" ;;
+    --hf) asked="$asked hf" ;;
+    --all) asked="$asked all" ;;
+    --horovod) asked="$asked horovod" ;;
+    --jvm-archive) asked="$asked jvm-archive" ;;
+    --tests) asked="$asked all horovod jvm-archive tests" ;;
     -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) die "unknown option '$arg' (use --horovod, --tests or --help)" ;;
+    *) die "unknown option '$arg' (use --keras, --connect, --mlflow, --hf, --all, --horovod, --jvm-archive, --tests or --help)" ;;
   esac
 done
-[ -n "${SPARKTRAIN_SKIP_HOROVOD:-}" ] && want_horovod=""  # kept from earlier versions
 
 stack="${SPARKTRAIN_STACK:-spark4}"
 case "$stack" in
-  spark4) default_venv="$root/.venv"; extras="torch,tf-cpu,tfos,connect,mlflow,hf,examples" ;;
-  spark35) default_venv="$root/.venv-spark35"; extras="torch,tf-cpu,tfos,petastorm,examples" ;;
+  spark4) default_venv="$root/.venv"; all_parts="keras connect mlflow hf" ;;
+  # the Connect client needs pyspark 4; MLflow and Hugging Face are tested on spark4 only
+  spark35) default_venv="$root/.venv-spark35"; all_parts="keras petastorm" ;;
   *) die "SPARKTRAIN_STACK=$stack is not a stack; use spark4 (default) or spark35" ;;
 esac
-[ -n "$want_tests" ] && extras="$extras,test"
+asked="${asked//all/$all_parts}"
+for part in $asked; do
+  case "$part:$stack" in
+    connect:spark35|mlflow:spark35|hf:spark35)
+      die "--$part is not part of the spark35 stack (pyspark 3.5); use the default stack" ;;
+  esac
+done
+extras_of() {  # extras_of PART: the setup.py extras a part installs
+  case "$1" in
+    base) echo "torch,examples" ;;
+    keras) echo "tf-cpu,tfos" ;;
+    tests) echo "test" ;;
+    horovod|jvm-archive) ;;  # compiled / built below, not an extra
+    *) echo "$1" ;;
+  esac
+}
 constraints="constraints/$stack.txt"
 venv="${SPARKTRAIN_VENV:-$default_venv}"
 python_bin="${PYTHON:-python3.11}"
@@ -68,23 +102,36 @@ esac
 command -v "$python_bin" >/dev/null 2>&1 || die "$python_bin not found; install Python 3.11 or set PYTHON=/path/to/python3.11"
 
 # --- fast path: what is asked for is already there and nothing changed ------------------------
-# The stamp records the inputs' hash and the parts installed (base, horovod, tests).
+# The stamp's first line is the inputs' hash, its second the parts installed. The parts an
+# earlier run installed stay wanted: a plain re-run after a pull brings them all up to date.
 stamp_file="$venv/.sparktrain-setup-stamp"
 inputs="$(cat setup.py "$constraints" scripts/setup.sh | sha256sum | cut -d' ' -f1)"
-parts="base${want_horovod:+ horovod}${want_tests:+ tests}"
-installed_parts=""
-if [ -x "$venv/bin/python" ] && [ -f "$stamp_file" ] && [ "$(head -n1 "$stamp_file")" = "$inputs" ]; then
-  installed_parts="$(sed -n 2p "$stamp_file")"
+had_parts="" installed_parts=""
+if [ -x "$venv/bin/python" ] && [ -f "$stamp_file" ]; then
+  had_parts="$(sed -n 2p "$stamp_file")"
+  [ "$(head -n1 "$stamp_file")" = "$inputs" ] && installed_parts="$had_parts"
 fi
+# `tests` means everything the tests need (a stamp from before the flags listed only it)
+case " $had_parts " in *" tests "*) had_parts="$had_parts $all_parts horovod jvm-archive" ;; esac
+parts=""  # asked and had, in a fixed order, each once
+for part in base keras connect mlflow hf petastorm horovod jvm-archive tests; do
+  case " $asked $had_parts " in *" $part "*) parts="${parts:+$parts }$part" ;; esac
+done
+if [ -n "${SPARKTRAIN_SKIP_HOROVOD:-}" ]; then parts="${parts/ horovod/}"; fi  # kept from earlier versions
+has() { case " $parts " in *" $1 "*) return 0 ;; esac; return 1; }
 missing=""
 for part in $parts; do
   case " $installed_parts " in *" $part "*) ;; *) missing="$missing $part" ;; esac
 done
-mlflow_ready() { [ -z "$want_tests" ] || [ "$stack" != spark4 ] || [ -x "$mlflow_venv/bin/mlflow" ]; }
+mlflow_ready() { ! has tests || [ "$stack" != spark4 ] || [ -x "$mlflow_venv/bin/mlflow" ]; }
 # The class-data sharing archive local Spark JVMs start from (sparktrain/session/jvm_archive.py):
-# built once per Java and Spark install (~30 s), a no-op after.
+# built once per Java and Spark install, a no-op after. A JVM start then takes about half the
+# CPU: it pays off for the tests (hundreds of JVMs), not for one demo run (its build is ~40 s).
 jvm_archive() {
-  "$venv/bin/python" -m sparktrain.session.jvm_archive \
+  has jvm-archive || return 0
+  "$venv/bin/python" -c "import sys; from sparktrain.session.jvm_archive import java_options; sys.exit(not java_options())" 2>/dev/null && return 0
+  say "building the JVM class archive in ~/.cache/sparktrain/jvm (about 40 s and 180 MiB, once per Java and Spark)"
+  "$venv/bin/python" -m sparktrain.session.jvm_archive | grep -v "^sparktrain: building" \
     || say "warning: no JVM class archive; Spark JVMs start without it (slower, nothing else)"
 }
 if [ -z "$missing" ] && mlflow_ready; then
@@ -151,13 +198,24 @@ install_into() {  # install_into VENV PIP-ARGS...
 # --- the virtual environment and the Python stack ---------------------------------------------
 if [ ! -x "$venv/bin/python" ]; then say "creating $venv"; make_venv "$venv"; fi
 rm -f "$stamp_file"
-say "installing sparktrain[$extras] on the $stack stack ($constraints) with ${uv_bin:+uv}${uv_bin:+ }${uv_bin:-pip}"
+extras=""
+for part in $parts; do
+  e="$(extras_of "$part")"; [ -n "$e" ] && extras="${extras:+$extras,}$e"
+done
+# Rough durations on 2 cores with uv and an empty cache (measured: base 55 s; TensorFlow and the
+# other parts download ~1 GB more); from uv's cache (another clone, a re-run) seconds each.
+estimate="about 1 min"
+{ has keras || has hf; } && estimate="about 2 min"
+has tests && estimate="about 3 min"
+[ -n "$uv_bin" ] || estimate="pip: several times longer than uv's $estimate"
+installer="pip"; [ -n "$uv_bin" ] && installer="uv"
+say "installing sparktrain[$extras] on the $stack stack ($constraints) with $installer${had_parts:+ (the venv had: $had_parts)}: $estimate the first time, seconds from the cache"
 # setuptools (torch needs >= 77.0.3, tensorflowonspark and petastorm import pkg_resources: < 81)
 # and wheel are also Horovod's build tools.
 install_into "$venv" -c "$constraints" pip "setuptools>=77.0.3,<81" wheel -e ".[$extras]"
 
 # --- Horovod, compiled against this torch ------------------------------------------------------
-if [ -n "$want_horovod" ]; then
+if has horovod; then
   mkdir -p "$wheel_cache"
   torch_version="$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
   wheel_dir="$wheel_cache/horovod-0.28.1-torch$torch_version"
@@ -193,7 +251,7 @@ WRAP
   fi
   if ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
     # with its dependencies (pyyaml, cloudpickle, psutil): Horovod imports them at run time
-    say "installing Horovod from $wheel_dir"
+    say "installing Horovod from $wheel_dir (seconds)"
     install_into "$venv" -c "$constraints" "$wheel_dir"/horovod-*.whl
   fi
   "$venv/bin/python" -c "import horovod.torch" || die "Horovod was installed but 'import horovod.torch' fails"
@@ -202,16 +260,23 @@ fi
 # --- the tests' MLflow tracking server, in its own venv (primary stack) ------------------------
 # mlflow pins pyarrow < 26 (3.17.2), so the server cannot live in .venv, which has only the
 # client (mlflow-skinny, the `mlflow` extra).
-if [ -n "$want_tests" ] && [ "$stack" = spark4 ] && ! "$mlflow_venv/bin/python" -c "import mlflow, sys; \
+if has tests && [ "$stack" = spark4 ] && ! "$mlflow_venv/bin/python" -c "import mlflow, sys; \
     sys.exit(mlflow.__version__ != '$mlflow_server_version')" 2>/dev/null; then
-  say "installing the MLflow tracking server $mlflow_server_version in $mlflow_venv"
+  say "installing the MLflow tracking server $mlflow_server_version in $mlflow_venv (about 30 s the first time)"
   [ -x "$mlflow_venv/bin/python" ] || make_venv "$mlflow_venv"
   install_into "$mlflow_venv" "mlflow==$mlflow_server_version"
 fi
 
-imports="import sparktrain, pyspark, torch, tensorflow, keras, tensorflowonspark"
-[ "$stack" = spark4 ] && imports="$imports, mlflow.pytorch, mlflow.keras, mlflow.spark"
-[ "$stack" = spark35 ] && imports="$imports, petastorm"
+# Each part imports: a broken install fails here, not in the first job.
+imports="import sparktrain, pyspark, torch, sklearn"
+has keras && imports="$imports, tensorflow, keras, tensorflowonspark"
+has connect && imports="$imports, pyspark.sql.connect.session"
+has mlflow && imports="$imports, mlflow.pytorch, mlflow.spark"
+has mlflow && has keras && imports="$imports, mlflow.keras"
+has hf && imports="$imports, transformers, peft"
+has petastorm && imports="$imports, petastorm"
+has tests && imports="$imports, pytest, xdist"
+say "checking that the installed parts import ($parts)"
 TF_CPP_MIN_LOG_LEVEL=3 "$venv/bin/python" -c "$imports" 2> >(grep -v "^WARNING: All log messages\|oneDNN\|cpu_feature_guard\|rebuild TensorFlow" >&2 || true) \
   || die "the installed stack does not import"
 # sparktrain's own modules (an editable install: no installer compiles them) and the jobs'

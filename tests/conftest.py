@@ -10,6 +10,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from sparktrain.session.jvm_archive import java_options  # noqa: E402 - after the path
+from support import durations  # noqa: E402
+# one standalone cluster, Connect server and MLflow server per pytest worker, for every file
+from support.servers import (  # noqa: E402,F401 - fixtures, after the path
+    connect_server, mlflow_server, standalone, standalone_cluster)
 
 # Every JVM the tests start (Spark drivers and executors, Connect servers, standalone Masters
 # and Workers) compiles with C1 only: they live seconds to minutes on tiny data, and C2's
@@ -20,29 +24,18 @@ from sparktrain.session.jvm_archive import java_options  # noqa: E402 - after th
 # per JVM again. A JVM with another class path (spark-submit's launcher) goes on without it.
 os.environ.setdefault("JAVA_TOOL_OPTIONS", f"-XX:TieredStopAtLevel=1 {java_options()}".strip())
 
-# Seconds the longest test files took in a 2-worker run on 2 cores (2026-11-26, summed test
-# durations, with bytecode precompiled and the JVM class archive). pytest-xdist hands whole
-# files (`--dist loadfile`) to whichever worker is free, in collection order
-# (`--no-loadscope-reorder` in pytest.ini; its default orders files by test count): the
-# longest go first and the short ones fill the gaps at the end, so no worker is left alone
-# with a long file while the other idles (longest-processing-time-first).
-# Unlisted files count as short.
-LONGEST_FILES = {
-    "test_connect.py": 191, "test_elastic_cluster.py": 165, "test_mlflow.py": 110,
-    "test_jobs.py": 109, "test_tfos.py": 109, "test_unstructured.py": 107,
-    "test_parameter_server.py": 85, "test_horovod_parity.py": 76, "test_concurrency.py": 73,
-    "test_notebook.py": 62, "test_torch_estimator.py": 58, "test_retries.py": 45,
-    "test_gpu_inference.py": 44, "test_standalone_cluster.py": 41, "test_fsdp.py": 41,
-    "test_keras_estimator.py": 37, "test_keras_fault_tolerance.py": 25,
-    "test_progress_lines.py": 25, "test_huggingface.py": 25, "test_loop_features.py": 25,
-    "test_stream.py": 70, "test_rank_cache.py": 20, "test_interrupts.py": 90,
-    "test_driver_death.py": 70, "test_fault_tolerance.py": 40, "test_full_disk.py": 20,
-}
+# pytest-xdist hands whole files (`--dist loadfile`) to whichever worker is free, in collection
+# order (`--no-loadscope-reorder` in pytest.ini; its default orders files by test count): the
+# longest go first and the short ones fill the gaps at the end, so no worker is left alone with
+# a long file while the other idles (longest-processing-time-first). The seconds per file come
+# from tests/durations.json (a 2-worker run on 2 cores; tests/support/durations.py refreshes
+# it from a `--durations=0` report). Files it does not list count as short.
+FILE_SECONDS = durations.load()
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Longest files first (see ``LONGEST_FILES``); the order inside a file is kept."""
-    items.sort(key=lambda item: -LONGEST_FILES.get(os.path.basename(str(item.path)), 0))
+    """Longest files first (see ``FILE_SECONDS``); the order inside a file is kept."""
+    items.sort(key=lambda item: -FILE_SECONDS.get(os.path.basename(str(item.path)), 0))
 
 
 @pytest.fixture(scope="session")

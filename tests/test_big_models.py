@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from big_models import DirtyWeightPages, FrozenTable  # noqa: E402 - after the skip
+from support.big_models import DirtyWeightPages, FrozenTable  # noqa: E402 - after the skip
 
 
 def test_the_pickle_refers_to_weights_by_key_and_keeps_ties_and_the_optimizer(tmp_path):

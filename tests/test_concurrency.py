@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from helpers import linear_estimator
+from support.helpers import linear_estimator
 from sparktrain import RunInUseError, TrainingError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,7 +115,7 @@ DRIVER_SCRIPT = textwrap.dedent('''
     import json, sys
     sys.path.insert(0, {root!r})
     sys.path.insert(0, {tests!r})
-    from helpers import linear_estimator
+    from support.helpers import linear_estimator
     from sparktrain import local_spark
     from test_concurrency import CountRows, generated_df, rows_seen
 

@@ -9,50 +9,32 @@ import sys
 
 import pytest
 
+from support.servers import connect_log_tail
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+CLIENT = os.path.join(HERE, "support", "connect_client.py")
 
 pytest.importorskip("pyspark.sql.connect.client", reason="needs pyspark[connect] (Spark 4)")
 pytest.importorskip("grpc_status", reason="needs pyspark[connect]: grpcio-status")
 
 
-SERVERS = {}  # url -> ConnectServer: its log goes into a failed client's message
-
-
-@pytest.fixture(scope="module")
-def connect_url():
-    from sparktrain import ConnectServer
-
-    with ConnectServer("local[2]", conf={"spark.stage.maxConsecutiveAttempts": "3",
-                                         "spark.sql.shuffle.partitions": "4"}) as server:
-        SERVERS[server.url] = server
-        yield server.url
-
-
-def _server_log_tail(url: str, chars: int = 6000) -> str:
-    server = SERVERS.get(url)
-    if server is None or not server.log_path or not os.path.exists(server.log_path):
-        return ""
-    with open(server.log_path, errors="replace") as f:
-        return "\n--- Connect server log (tail) ---\n" + f.read()[-chars:]
-
-
-def run_client(scenario: str, url: str, workdir, timeout: int = 540):
-    """The scenario's findings and stderr; a client that hangs dumps its threads' stacks
+def run_client(scenario: str, server, workdir, timeout: int = 540):
+    """The scenario's findings and stderr, run against ``server`` (the worker's shared
+    ``connect_server``, tests/support/servers.py); a client that hangs dumps its threads' stacks
     (connect_client.HANG_SECONDS), which the failure shows with the server's log."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "PYSPARK_GATEWAY_PORT")}
-    result = subprocess.run([sys.executable, os.path.join(HERE, "connect_client.py"), scenario,
-                             url, str(workdir)], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=timeout)
+    result = subprocess.run([sys.executable, CLIENT, scenario, server.url, str(workdir)], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-12000:] + \
-        _server_log_tail(url)
+        connect_log_tail(server)
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
 
 
 @pytest.mark.slow
-def test_readme_flow_over_connect(connect_url, tmp_path):
-    found, stderr = run_client("readme", connect_url, tmp_path)
+def test_readme_flow_over_connect(connect_server, tmp_path):
+    found, stderr = run_client("readme", connect_server, tmp_path)
     print(found)
     assert found["torch_accuracy"] >= 0.9, found
     assert found["reloaded_is_torch_model"]
@@ -70,8 +52,8 @@ def test_readme_flow_over_connect(connect_url, tmp_path):
 
 
 @pytest.mark.slow
-def test_faults_over_connect_without_executors_reaching_the_client(connect_url, tmp_path):
-    found, stderr = run_client("faults", connect_url, tmp_path)
+def test_faults_over_connect_without_executors_reaching_the_client(connect_server, tmp_path):
+    found, stderr = run_client("faults", connect_server, tmp_path)
     print(found)
     assert found["listening"] == [], "the client opened a listening socket"
     assert found["killed"], "the fault was not injected"
@@ -98,13 +80,13 @@ def test_faults_over_connect_without_executors_reaching_the_client(connect_url, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("framework,points", [("torch", 6), ("keras", 1)])
-def test_interrupts_over_connect(connect_url, tmp_path, framework, points):
+def test_interrupts_over_connect(connect_server, tmp_path, framework, points):
     """Ctrl-C over Connect at each point of a fit, in a finalizer and during a prediction
     (tests/test_interrupts.py says what is checked)."""
     from test_interrupts import check_interrupts, run_interrupts
 
     pytest.importorskip(framework)
-    check_interrupts(run_interrupts(connect_url, tmp_path, framework), points)
+    check_interrupts(run_interrupts(connect_server.url, tmp_path, framework), points)
 
 
 @pytest.mark.slow
@@ -115,19 +97,19 @@ def test_interrupts_over_connect(connect_url, tmp_path, framework, points):
     # input_mode="stream": the barrier stage takes the rows, no dataset in the store
     ("stream", "torch", 3, {"datasets": 0, "predicted": 1000}),
 ], ids=["horovod", "huggingface", "stream"])
-def test_more_engines_over_connect(connect_url, tmp_path, scenario, module, epochs, more):
+def test_more_engines_over_connect(connect_server, tmp_path, scenario, module, epochs, more):
     pytest.importorskip(module)
-    found, _ = run_client(scenario, connect_url, tmp_path)
+    found, _ = run_client(scenario, connect_server, tmp_path)
     history = found["history"]
     assert len(history) == epochs and history[-1] < history[0]
     assert {key: found[key] for key in more} == more, found
 
 
 @pytest.mark.slow
-def test_a_model_over_the_message_cap_fits_predicts_saves_and_loads_over_connect(connect_url,
+def test_a_model_over_the_message_cap_fits_predicts_saves_and_loads_over_connect(connect_server,
                                                                                 tmp_path):
     """Connect caps a message at 128 MiB: the weights must travel by file, not in the plan."""
-    found, _ = run_client("big_model", connect_url, tmp_path)
+    found, _ = run_client("big_model", connect_server, tmp_path)
     print({k: v for k, v in found.items() if not isinstance(v, list) or k.endswith("history")})
     assert found["model_mib"] > 128
     assert found["history"][-1] < found["history"][0]

@@ -51,7 +51,7 @@ def test_scale_learning_rate_scales_by_the_global_batchs_ranks():
 
 
 def test_a_rank_trains_its_generations_batch(tmp_path):
-    from sparktrain.loop.spec import LoopSpec
+    from sparktrain.options.spec import LoopSpec
 
     spec = LoopSpec(dataset_root="", layouts={}, columns=[], feature_cols=["x"],
                     label_cols=["y"], batch_size=32, val_batch_size=32, epochs=2, shuffle=False,

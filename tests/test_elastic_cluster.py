@@ -1,5 +1,5 @@
 """Elastic fits on a real Spark standalone cluster on loopback that gains and loses Workers
-(tests/elastic_cluster.py, in a process of its own): one run, the findings checked here."""
+(tests/support/elastic_cluster.py, in a process of its own): one run, the findings checked here."""
 from __future__ import annotations
 
 import math
@@ -7,19 +7,26 @@ import os
 
 import pytest
 
-from helpers import run_reporting_script
+from support.helpers import run_reporting_script
+from support.servers import restore
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def found(tmp_path_factory):
+def found(standalone, tmp_path_factory):
+    """One run on the worker's shared cluster (tests/support/servers.py): the script adds and
+    kills Workers of its own beside the two it finds, and the cluster is restored after."""
     workdir = str(tmp_path_factory.mktemp("elastic"))
-    script = os.path.join(HERE, "elastic_cluster.py")
-    code = (f"import sys; sys.argv = [{script!r}, {workdir!r}]; __file__ = {script!r}; "
+    script = os.path.join(HERE, "support", "elastic_cluster.py")
+    argv = [script, workdir, standalone.url, str(standalone.workdir)]
+    code = (f"import sys; sys.argv = {argv!r}; __file__ = {script!r}; "
             f"exec(compile(open({script!r}).read(), {script!r}, 'exec'))")
-    result, _ = run_reporting_script(code, timeout=540)
+    try:
+        result, _ = run_reporting_script(code, timeout=540)
+    finally:
+        restore(standalone)
     print(result)
     return result
 

@@ -9,7 +9,7 @@ import pytest
 from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.loop.epochs import EpochBoard, EpochDriver, StepReporter
 from sparktrain.faults import is_user_error
-from sparktrain.loop.spec import LoopSpec
+from sparktrain.options.spec import LoopSpec
 
 
 class Scripted:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from helpers import KillRankOnce, linear_estimator
+from support.helpers import KillRankOnce, linear_estimator
 from sparktrain import CheckpointError, TrainingError
 from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.store import Store

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers import KillRankOnce
+from support.helpers import KillRankOnce
 from sparktrain import TorchEstimator, TorchModel
 from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.store import Store

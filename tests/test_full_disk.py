@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from helpers import linear_estimator
+from support.helpers import linear_estimator
 from sparktrain import StoreFullError, TrainingError
 from sparktrain.data.store import Store
 from sparktrain.loop.checkpoint import Checkpoints

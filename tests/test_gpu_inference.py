@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import run_on_fake_gpus
+from support.helpers import run_on_fake_gpus
 from sparktrain import TorchModel
 from sparktrain.launch.gpus import cuda_ordinal, rank_gpu
 
@@ -39,7 +39,7 @@ def test_cuda_ordinal_checks_the_address():
 
 
 def test_a_gpu_without_cuda_is_a_clear_error():
-    from sparktrain.estimators.torch import predict_device
+    from sparktrain.estimators.torch_model import predict_device
 
     assert predict_device(None) == torch.device("cpu")
     if torch.cuda.is_available():
@@ -113,7 +113,7 @@ def test_use_gpu_saves_loads_and_old_models_load(spark, features_df, tmp_path):
 
 
 def test_fitted_model_carries_the_estimators_use_gpu(spark, store, regression_df, tmp_path):
-    from helpers import linear_estimator
+    from support.helpers import linear_estimator
 
     model = linear_estimator(store, num_proc=1, epochs=1, use_gpu=False).fit(regression_df)
     assert model.getUseGpu() is False

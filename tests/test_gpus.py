@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from helpers import run_on_fake_gpus
+from support.helpers import run_on_fake_gpus
 from sparktrain.launch.gpus import check_gpu_conf, gpu_environment, rank_gpu
 
 GPU_CONF = {"spark.task.resource.gpu.amount": "1", "spark.executor.resource.gpu.amount": "2"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import linear_estimator
+from support.helpers import linear_estimator
 from sparktrain import TrainingError
 from sparktrain.launch import TORCH_BACKENDS, check_backend
 from sparktrain.launch.horovod_torch import slot_for

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import linear_estimator
+from support.helpers import linear_estimator
 from sparktrain import Store, TorchEstimator, TorchModel, TrainingError
 from sparktrain.options.horovod import IgnoredParamWarning, reader_options, warn_ignored
 
@@ -95,7 +95,7 @@ def _example_args(module, work_dir, **overrides):
 # -- the examples ------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_pytorch_example_runs_with_only_its_imports_changed(spark, tmp_path):
-    from horovod_examples import pytorch_spark_digits
+    from support.horovod_examples import pytorch_spark_digits
 
     accuracy = pytorch_spark_digits.train_and_evaluate(
         spark, _example_args(pytorch_spark_digits, tmp_path, epochs=8))
@@ -104,7 +104,7 @@ def test_pytorch_example_runs_with_only_its_imports_changed(spark, tmp_path):
 
 @pytest.mark.slow
 def test_keras_example_runs_with_only_its_imports_changed(spark, tmp_path):
-    from horovod_examples import keras_spark_digits
+    from support.horovod_examples import keras_spark_digits
 
     accuracy = keras_spark_digits.train_and_evaluate(
         spark, _example_args(keras_spark_digits, tmp_path, epochs=5))
@@ -183,8 +183,9 @@ def test_generated_accessors_get_and_set_with_horovod_spellings():
 def test_a_horovod_backend_object_gets_a_clear_error():
     from horovod.spark.common.backend import SparkBackend
 
-    with pytest.raises(TypeError, match=r"backend=SparkBackend object.*engine.*'torch' or "
-                                        r"'horovod'.*num_proc=N \(num_proc=2 for this one\)"):
+    with pytest.raises(TypeError, match=r"backend must be the name of the distributed engine "
+                                        r"\('torch' or 'horovod'.*got a SparkBackend object.*"
+                                        r"num_proc=N \(num_proc=2 for this one\)"):
         TorchEstimator(backend=SparkBackend(num_proc=2))
 
 
@@ -193,11 +194,14 @@ def test_a_horovod_backend_object_gets_a_clear_error():
     (dict(input_shapes=[[-1, 0, 8]]), r"input_shapes.*dimensions are >= 1"),
     (dict(label_shapes="x"), r"label_shapes must be a list with one shape per column"),
     (dict(loss_weights=2.0), r"loss_weights must be a list.*single number 2.0"),
-    (dict(reader_pool_type="threads"), r"reader_pool_type='threads'; expected one of"),
-    (dict(mp_start_method="fork-exec"), r"mp_start_method='fork-exec'"),
-    (dict(train_reader_num_workers=-1), r"train_reader_num_workers must be an integer >= 0"),
+    (dict(reader_pool_type="threads"), r"reader_pool_type must be one of \[.*\], got 'threads'"),
+    (dict(mp_start_method="fork-exec"), r"mp_start_method must be one of \[.*\], got 'fork-exec'"),
+    (dict(train_reader_num_workers=-1),
+     r"train_reader_num_workers must be None or an integer >= 0, got -1"),
     (dict(backend_env={"A": object()}), r"backend_env must map variable names"),
     (dict(backend_env=["A=1"]), r"backend_env must be a dict"),
+    (dict(gradient_compression="gzip"), r"gradient_compression must be .*, got 'gzip'"),
+    (dict(train_minibatch_fn=3), r"train_minibatch_fn must be a function"),
 ])
 def test_bad_values_fail_when_set(params, message):
     with pytest.raises((TypeError, ValueError), match=message):
@@ -208,8 +212,6 @@ def test_bad_values_fail_when_set(params, message):
     (dict(input_shapes=[[-1, 4], [-1, 4]]), r"input_shapes has 2 shape\(s\) for 1 feature"),
     (dict(label_shapes=[[-1], [-1]]), r"label_shapes has 2 shape\(s\) for 1 label"),
     (dict(loss_weights=[1.0, 2.0]), r"loss_weights has 2 weight\(s\) for 1 label"),
-    (dict(gradient_compression="gzip"), r"gradient_compression='gzip'; expected"),
-    (dict(train_minibatch_fn=3), r"train_minibatch_fn must be a function"),
     (dict(loss=None, loss_constructors=[1]), r"loss_constructors must be callable"),
     (dict(train_minibatch_fn=lambda *a: None, mixed_precision="fp16"),
      r"mixed_precision='fp16' cannot be combined with train_minibatch_fn"),

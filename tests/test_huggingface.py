@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import hf_models
+from support import hf_models
 from sparktrain import TorchEstimator
 from sparktrain.data.transform_inputs import learn_inputs
 from sparktrain.errors import PreflightError
@@ -151,7 +151,7 @@ def test_lora_adapters_train_and_frozen_weights_stay(spark, tok, text_df, test_t
 
 @pytest.mark.slow
 def test_a_per_step_schedule_resumes_from_the_checkpoint(spark, regression_df, tmp_path):
-    from helpers import linear_estimator
+    from support.helpers import linear_estimator
 
     steps = []
 

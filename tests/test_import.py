@@ -4,12 +4,18 @@ import sys
 
 
 def test_import_without_frameworks():
+    """Every public name imports with no framework (nor MLflow) importable, and only then."""
     code = (
         "import sys\n"
-        "for name in ('torch', 'tensorflow', 'horovod', 'keras'):\n"
+        "for name in ('torch', 'tensorflow', 'horovod', 'keras', 'mlflow'):\n"
         "    sys.modules[name] = None  # any import of it now raises ImportError\n"
         "import sparktrain\n"
-        "from sparktrain import TorchEstimator, TorchModel, KerasEstimator, KerasModel, Store\n"
+        "assert not [m for m in sys.modules if m.startswith('sparktrain.')], 'imported eagerly'\n"
+        "for name in sparktrain.__all__:\n"
+        "    exec(f'from sparktrain import {name}')\n"
+        "    assert getattr(sparktrain, name).__name__ == name, name\n"
+        "assert set(sparktrain.__all__) <= set(dir(sparktrain))\n"
+        "from sparktrain import TorchEstimator, KerasEstimator\n"
         "est = TorchEstimator(num_proc=2, feature_cols=['x'], batch_size=8)\n"
         "assert est.getBatchSize() == 8 and est.getBackend() == 'torch'\n"
         "assert KerasEstimator(num_proc=2).getBackend() == 'tensorflow'\n"
@@ -103,23 +109,26 @@ def test_rank_side_code_never_imports_an_estimator_or_pyspark_ml():
 
 
 # -- the layers ------------------------------------------------------------------------------------
-#: low to high (issues #26, #36): a module imports its own layer and those below it, never one above.
-#: A module is in the layer of its longest matching prefix; a new module must be placed here.
+#: low to high (issues #26, #36, #43): a module imports its own layer and those below it, never
+#: one above. Each entry is a package or a top-level module, never a module inside a package (a
+#: reader sees the folders); a new package or top-level module must be placed here.
 LAYERS = (
     ("foundation", ("sparktrain.errors", "sparktrain.faults", "sparktrain.fs",
                     "sparktrain.plugins", "sparktrain.pickling", "sparktrain.model_files",
                     "sparktrain.fit_hooks")),
-    # every option declared once, and the specs the rank loops get from them
-    ("options", ("sparktrain.options", "sparktrain.loop.spec")),
+    # every option declared once, and made from them the specs (and beside them the payloads)
+    # the ranks get
+    ("options", ("sparktrain.options",)),
     ("session", ("sparktrain.session",)),
     ("data", ("sparktrain.data",)),
     ("launch", ("sparktrain.launch",)),
-    ("rank loops and strategies", ("sparktrain.loop", "sparktrain.strategies")),
+    ("strategies", ("sparktrain.strategies",)),
+    ("rank loops", ("sparktrain.loop",)),
     ("estimators", ("sparktrain.estimators",)),
     ("plug-ins", ("sparktrain.mlflow",)),
 )
 #: the package itself: its exports are imported lazily (``__getattr__``), so any layer may
-#: import it (``from sparktrain import compat``, ``import sparktrain`` for its path)
+#: import it (``import sparktrain`` for its path)
 PACKAGE_ROOT = "sparktrain"
 
 
@@ -167,3 +176,60 @@ def test_low_layers_and_the_base_estimator_import_no_estimator_or_plugin():
                   for t in sorted(edges["sparktrain.estimators.base"])
                   if t.startswith("sparktrain.mlflow")]
     assert not offenders, "\n".join(offenders)
+
+
+# -- the packages --------------------------------------------------------------------------------
+def _package(name):
+    """The package (``sparktrain.data``) or top-level module (``sparktrain.fs``) of ``name``."""
+    return ".".join(name.split(".")[:2])
+
+
+def _package_graph():
+    """``{package: {package it imports: one module import that shows it}}``, the root left out
+    (its exports are lazy)."""
+    modules, edges = _graph()
+    graph = {}
+    for name in sorted(modules):
+        for target in sorted(edges[name]):
+            if PACKAGE_ROOT in (name, target) or target not in modules:
+                continue
+            source, imported = _package(name), _package(target)
+            if source != imported:
+                graph.setdefault(source, {}).setdefault(imported, f"{name} -> {target}")
+    return graph
+
+
+def test_layers_name_packages_and_top_level_modules_only():
+    modules = _modules()
+    entries = [prefix for _, prefixes in LAYERS for prefix in prefixes]
+    wrong = [p for p in entries if p not in modules or _package(p) != p]
+    assert not wrong, f"LAYERS lists modules inside a package (list their package): {wrong}"
+    assert len(entries) == len(set(entries)), "a package is in two layers"
+
+
+def test_packages_import_down_and_never_in_a_circle():
+    """Counted by package, as a reader sees the folders: no import runs up a layer, and no
+    two packages import each other, directly or through others (a module inside a package
+    does not get a layer of its own to make it pass)."""
+    graph = _package_graph()
+    upward = [f"{source} ({_layer(source)[1]}) imports {target} ({_layer(target)[1]}): {example}"
+              for source, targets in sorted(graph.items())
+              for target, example in sorted(targets.items())
+              if _layer(target)[0] > _layer(source)[0]]
+    assert not upward, "packages importing up:\n" + "\n".join(upward)
+    circles = []
+
+    def visit(package, path, done):
+        for target in sorted(graph.get(package, ())):
+            if target in path:
+                loop = path[path.index(target):] + [target]
+                circles.append(" -> ".join(loop) + "  (" + "; ".join(
+                    graph[a][b] for a, b in zip(loop, loop[1:])) + ")")
+            elif target not in done:
+                visit(target, path + [target], done)
+        done.add(package)
+
+    done = set()
+    for package in sorted(graph):
+        visit(package, [package], done)
+    assert not circles, "package circles:\n" + "\n".join(circles)

@@ -1,5 +1,5 @@
 """Ctrl-C (a real SIGINT) at many points of a fit and during a prediction, in a process of its
-own (tests/interrupt_client.py), on a classic session; over Spark Connect in test_connect.py.
+own (tests/support/interrupt_client.py), on a classic session; over Spark Connect in test_connect.py.
 Each interrupt reaches the caller within seconds, the ranks stop, and a fit with the same
 run_id right after takes the run (its lock was released) and resumes from the last
 checkpoint."""
@@ -19,7 +19,7 @@ LIMIT_S = 15.0  # from the signal to the caller's KeyboardInterrupt, and to the 
 def run_interrupts(where: str, workdir, framework: str, points: str = "") -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "PYSPARK_GATEWAY_PORT")}
-    result = subprocess.run([sys.executable, os.path.join(HERE, "interrupt_client.py"), where,
+    result = subprocess.run([sys.executable, os.path.join(HERE, "support", "interrupt_client.py"), where,
                              str(workdir), framework, points], cwd=os.path.dirname(HERE), env=env,
                             capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]

@@ -68,19 +68,16 @@ def test_job_rejects_missing_arguments_and_unknown_backends():
 
 
 @pytest.mark.slow
-def test_demo_over_connect(tmp_path):
-    """The demo job with --remote against a Spark Connect server in its own JVM."""
-    pytest.importorskip("grpc_status", reason="needs pyspark[connect]")
-    from sparktrain import ConnectServer
-
+def test_demo_over_connect(connect_server, tmp_path):
+    """The demo job with --remote against a Spark Connect server in its own JVM (the worker's
+    shared one)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED")}
-    with ConnectServer("local[2]") as server:
-        result = subprocess.run(
-            [sys.executable, "jobs/train_torch.py", "--demo", "--remote", server.url,
-             "--output", str(tmp_path / "model"), "--store", str(tmp_path / "store"),
-             "--epochs", "15"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "jobs/train_torch.py", "--demo", "--remote", connect_server.url,
+         "--output", str(tmp_path / "model"), "--store", str(tmp_path / "store"),
+         "--epochs", "15"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["test_accuracy"] >= 0.95

@@ -1,4 +1,4 @@
-"""The class-data sharing archive local Spark JVMs start from (``launch/jvm_archive.py``)."""
+"""The class-data sharing archive local Spark JVMs start from (``session/jvm_archive.py``)."""
 from __future__ import annotations
 
 import json

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from sparktrain.launch.tf_multiworker import TFTask, cluster_config, tf_config
-from sparktrain.loop.spec import KerasTrainSpec
+from sparktrain.options.spec import KerasTrainSpec
 from sparktrain.strategies import KERAS_STRATEGIES, load_strategy, register_keras_strategy
 from sparktrain.strategies.keras_mirrored import MultiWorkerMirrored
 from sparktrain.strategies.keras_ps import ParameterServer, task_role
@@ -34,14 +34,14 @@ def test_registry_resolves_both_strategies():
 
 def test_mirrored_checks():
     assert MultiWorkerMirrored.check("multi_worker_mirrored", "tfos", 2, {"num_ps": None}) == {}
-    with pytest.raises(ValueError, match=r"num_ps=1 needs strategy='parameter_server' \(found "
+    with pytest.raises(ValueError, match=r"num_ps=1 needs strategy='parameter_server' \(got "
                                          r"strategy='multi_worker_mirrored', which has no "
                                          r"parameter servers\)"):
         MultiWorkerMirrored.check("multi_worker_mirrored", "tensorflow", 2, {"num_ps": 1})
 
 
 @pytest.mark.parametrize("backend, num_proc, num_ps, message", [
-    ("tfos", 3, None, "needs backend='tensorflow', found backend='tfos': TensorFlowOnSpark"),
+    ("tfos", 3, None, "needs backend='tensorflow', got backend='tfos': TensorFlowOnSpark"),
     ("tensorflow", 2, 1, "at most 0 parameter server"),
     ("tensorflow", 3, 2, "raise num_proc to at least 4"),
 ])

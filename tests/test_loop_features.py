@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import linear_estimator
+from support.helpers import linear_estimator
 from sparktrain.loop.callbacks import EarlyStopping
 
 
@@ -106,5 +106,6 @@ def test_bad_loop_params_fail_before_training(df, store):
         _fit(df, store, max_time=-1)
     with pytest.raises(TypeError, match="transformation_fn must be a function"):
         _fit(df, store, transformation_fn="not callable")
-    with pytest.raises(ValueError, match="mixed_precision='fp8'"):
+    with pytest.raises(ValueError,
+                       match="mixed_precision must be None, 'bf16' or 'fp16', got 'fp8'"):
         _fit(df, store, mixed_precision="fp8")

@@ -6,62 +6,29 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import warnings
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SERVER = os.path.join(ROOT, ".venv-mlflow", "bin", "mlflow")
 
 mlflow = pytest.importorskip("mlflow", reason="needs the mlflow extra (mlflow-skinny): the "
                              "primary stack's setup installs it, the classic spark35 stack's does not")
-if not os.path.exists(SERVER):
-    pytest.skip("needs .venv-mlflow (scripts/setup.sh --tests creates it on the primary stack)",
-                allow_module_level=True)
 
-from helpers import linear_estimator  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support.helpers import linear_estimator  # noqa: E402
+from support.standalone import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tracking_uri(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mlflow")
-    port = _free_port()
-    server = subprocess.Popen(
-        [SERVER, "server", "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db",
-         "--artifacts-destination", str(tmp / "artifacts"), "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1"],
-        stdout=open(tmp / "server.log", "w"), stderr=subprocess.STDOUT,
-        # MLflow 3's server also starts a job runner with seven huey consumer processes
-        # (prompt optimisation, trace roll-ups), which poll all the time: together about half
-        # a core here. Tracking needs none of them.
-        env=dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false"))
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{uri}/health", timeout=2)
-            break
-        except OSError:
-            assert server.poll() is None and time.time() < deadline, \
-                (tmp / "server.log").read_text()[-3000:]
-            time.sleep(0.5)
-    mlflow.set_tracking_uri(uri)
+def tracking_uri(mlflow_server):
+    """The worker's tracking server (tests/support/servers.py), this module's experiment."""
+    mlflow.set_tracking_uri(mlflow_server)
     mlflow.set_experiment("sparktrain-tests")
-    yield uri
-    server.terminate()
-    server.wait(30)
+    return mlflow_server
 
 
 @pytest.fixture
@@ -86,7 +53,7 @@ def _artifacts(client, run_id, path=None):
     return found
 
 
-@pytest.mark.slow  # needs the MLflow tracking server the module starts
+@pytest.mark.slow  # needs the worker's MLflow tracking server
 def test_torch_fit_is_tracked_live_with_its_model(autologged, regression_df, store):
     client = autologged
     seen_live = []
@@ -235,7 +202,7 @@ def test_unreachable_server_gives_one_warning_and_the_fit_succeeds(regression_df
 
     monkeypatch.setattr(tracking, "GRACE_SECONDS", 2.0)
     previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    mlflow.set_tracking_uri(f"http://127.0.0.1:{free_port()}")  # nothing listens there
     sparktrain.mlflow.autolog()
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -252,7 +219,7 @@ def test_unreachable_server_gives_one_warning_and_the_fit_succeeds(regression_df
     assert seconds < 120
 
 
-@pytest.mark.slow  # needs the MLflow tracking server the module starts
+@pytest.mark.slow  # needs the worker's MLflow tracking server
 def test_nothing_is_logged_unless_asked(tracking_uri, regression_df, store):
     from sparktrain.mlflow.config import settings
 
@@ -266,17 +233,14 @@ def test_nothing_is_logged_unless_asked(tracking_uri, regression_df, store):
 
 
 @pytest.mark.slow
-def test_the_same_over_spark_connect(tracking_uri, tmp_path):
-    pytest.importorskip("pyspark.sql.connect.client", reason="needs pyspark[connect] (Spark 4)")
-    from sparktrain import ConnectServer
-
+def test_the_same_over_spark_connect(tracking_uri, connect_server, tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "PYSPARK_GATEWAY_PORT")}
     env.update(MLFLOW_TRACKING_URI=tracking_uri, MLFLOW_EXPERIMENT_NAME="sparktrain-tests")
-    with ConnectServer("local[2]", conf={"spark.sql.shuffle.partitions": "4"}) as server:
-        result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "connect_client.py"),
-                                 "mlflow", server.url, str(tmp_path)], cwd=ROOT, env=env,
-                                capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "support",
+                                                          "connect_client.py"),
+                             "mlflow", connect_server.url, str(tmp_path)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-6000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])
     assert found["session"] == "connect" and found["status"] == "FINISHED"

@@ -10,7 +10,7 @@ import pytest
 from pyspark.ml.param import TypeConverters
 
 from sparktrain import KerasEstimator, KerasModel, TorchEstimator, TorchModel
-from sparktrain.loop.spec import KerasTrainSpec, TorchTrainSpec
+from sparktrain.options.spec import KerasTrainSpec, TorchTrainSpec
 from sparktrain.options import converters, docs
 from sparktrain.options.declarations import COMMON, KERAS, MODEL, TORCH, TORCH_MODEL
 from sparktrain.options.params import OBJECT_PARAMS, camel
@@ -109,7 +109,7 @@ from sparktrain.options.converters import to_count
 d.TORCH = d.TORCH + (d.Option("warmup_steps", "optimizer steps of learning-rate warm-up", 0,
                               to_count("warmup_steps"), typing.Optional[int], rank=True),)
 from sparktrain import TorchEstimator, KerasEstimator
-from sparktrain.loop.spec import TorchTrainSpec, KerasTrainSpec
+from sparktrain.options.spec import TorchTrainSpec, KerasTrainSpec
 from sparktrain.options.docs import options_markdown
 signature = inspect.signature(TorchEstimator)
 assert str(signature.parameters["warmup_steps"]) == "warmup_steps: Optional[int] = None"
@@ -119,8 +119,8 @@ assert est.getWarmupSteps() == 5 and est.setWarmupSteps(6).getWarmupSteps() == 6
 assert TorchEstimator().getWarmupSteps() == 0
 try:
     est.setWarmupSteps(-1)
-except TypeError as error:
-    assert "warmup_steps must be an integer >= 0" in str(error)
+except ValueError as error:
+    assert "warmup_steps must be an integer >= 0, got -1" in str(error)
 else:
     raise AssertionError("the converter did not run")
 assert "| `warmup_steps` | yes |  | `0` | `spec.warmup_steps` |" in options_markdown()

@@ -1,6 +1,6 @@
 """KerasEstimator(strategy="parameter_server"): real Spark local[3] barrier tasks (1 ps, 1
 coordinator, 1 worker), real TensorFlow servers, on digits. The fits run in a subprocess
-(tests/ps_scenarios.py) because they need three task slots and the test session is local[2];
+(tests/support/ps_scenarios.py) because they need three task slots and the test session is local[2];
 the configuration checks run here and launch nothing."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _scenario(name: str, workdir) -> dict:
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "ps_scenarios.py"),
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "support", "ps_scenarios.py"),
                              name, str(workdir)], cwd=ROOT, capture_output=True, text=True,
                             timeout=540, env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -95,7 +95,7 @@ def test_bad_parameter_server_configs_fail_before_launch(spark, regression_df, s
 def test_strategy_param_values():
     with pytest.raises(ValueError, match="multi_worker_mirrored"):
         KerasEstimator(strategy="ddp")
-    with pytest.raises(ValueError, match="num_ps must be at least 1"):
+    with pytest.raises(ValueError, match="num_ps must be None or an integer >= 1, got 0"):
         KerasEstimator(num_ps=0)
     assert KerasEstimator().getStrategy() == "multi_worker_mirrored"
 

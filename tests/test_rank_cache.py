@@ -162,7 +162,7 @@ class _CacheWatch:
 def test_a_fit_trains_from_its_caches_and_removes_them(spark, regression_df, tmp_path, fail):
     """From the second epoch on the ranks read nothing from the store: their dataset is moved
     away at the second epoch's first batch and the fit trains on to its end."""
-    from helpers import linear_estimator
+    from support.helpers import linear_estimator
 
     from sparktrain.errors import TrainingError
 

@@ -1,6 +1,6 @@
 """The two rank training loops, run without Spark.
 
-``torch_worker.train`` and the ``keras_worker`` child process are what every barrier task runs;
+``torch_loop.train`` and the ``keras_loop`` child process are what every barrier task runs;
 the estimator tests reach them only through a SparkSession, barrier stages and a materialized
 dataset, which costs seconds per fit and hides a loop's failure behind Spark's. Here each loop
 gets exactly what a barrier task would hand it, built by hand: a Parquet dataset in the layout
@@ -103,9 +103,9 @@ def torch_threads():
 
 def torch_spec(dataset: Dict[str, Any], **changes: Any):
     """The spec ``TorchEstimator._train_spec`` builds for a fit of ``Linear(4, 1)`` with the
-    params' defaults (reader options of ``compat.reader_options``, loop options of
+    params' defaults (reader options of ``options.horovod.reader_options``, loop options of
     ``EstimatorBase._spec_fields``), plus ``changes``."""
-    from sparktrain.loop.spec import TorchTrainSpec
+    from sparktrain.options.spec import TorchTrainSpec
 
     fields = dict(
         feature_cols=["features"], label_cols=["label"], sample_weight_col=None,
@@ -131,26 +131,23 @@ def initial_net():
 
 
 def torch_payload(callbacks: List[Any] = ()) -> bytes:
-    """What ``TorchEstimator._payload`` ships: the model and optimizer (their weights in a
-    file), loss, metrics, callbacks, transformation_fn and the extras (the strategy class among
-    them)."""
+    """What ``TorchEstimator._payload`` ships: a ``TorchPayload`` with the model and optimizer
+    (their weights in a file), the loss, the callbacks and the strategy class."""
     import torch
 
     from sparktrain.loop.torch_files import ShippedModule, save_weights
-    from sparktrain.pickling import dumps
+    from sparktrain.options.payload import TorchPayload
     from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
 
     net = initial_net()
-    extras = {"loss_constructors": None, "train_minibatch_fn": None, "fsdp_wrap": None,
-              "activation_checkpointing": None,
-              "strategy": load_strategy(TORCH_STRATEGIES, "ddp"), "strategy_options": {}}
     weights = save_weights(net.state_dict(), os.path.join(tempfile.mkdtemp(), "weights.pt"))
     shipped = ShippedModule.of(net, torch.optim.SGD(net.parameters(), lr=0.05), weights)
-    return dumps((shipped, torch.nn.MSELoss(), [], list(callbacks), None, extras))
+    return TorchPayload(model=shipped, loss=torch.nn.MSELoss(), callbacks=list(callbacks),
+                        strategy=load_strategy(TORCH_STRATEGIES, "ddp")).dumps()
 
 
 def train_torch(spec: Any, payload: bytes):
-    """``torch_worker.train`` as rank 0 of 1; ``(its result, the rank's log/progress)``."""
+    """``torch_loop.train`` as rank 0 of 1; ``(its result, the rank's log/progress)``."""
     from sparktrain.loop.torch_loop import train
     from sparktrain.launch.barrier import RankContext
 
@@ -235,9 +232,9 @@ def test_keras_worker_process_trains_checkpoints_and_resumes(dataset, tmp_path):
     from sparktrain.launch.tf_multiworker import child_environment, tf_config
     from sparktrain.launch.tf_protocol import ERROR_FILE, PROGRESS_PREFIX, RESULT_FILE, \
         WORKER_MODULE, write_inputs
-    from sparktrain.loop.spec import KerasTrainSpec
+    from sparktrain.options.payload import KerasPayload
+    from sparktrain.options.spec import KerasTrainSpec
     from sparktrain.loop.checkpoint import Checkpoints
-    from sparktrain.pickling import dumps
     from sparktrain.strategies import KERAS_STRATEGIES, load_strategy
 
     keras = keras_module()
@@ -245,10 +242,9 @@ def test_keras_worker_process_trains_checkpoints_and_resumes(dataset, tmp_path):
     net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     strategy = load_strategy(KERAS_STRATEGIES, "multi_worker_mirrored")
     # what KerasEstimator._payload ships
-    payload = dumps({"model": model_bytes(net),
-                     "optimizer": keras.optimizers.serialize(keras.optimizers.SGD(0.05)),
-                     "loss": "mse", "metrics": ["mae"], "custom_objects": {}, "callbacks": [],
-                     "transformation_fn": None, "strategy": strategy})
+    payload = KerasPayload(model=model_bytes(net),
+                           optimizer=keras.optimizers.serialize(keras.optimizers.SGD(0.05)),
+                           loss="mse", metrics=["mae"], strategy=strategy).dumps()
     run = str(tmp_path / "run")
     spec = KerasTrainSpec(
         dataset_root=dataset["root"], layouts=dataset["layouts"], columns=dataset["columns"],

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import linear_estimator, run_reporting_script
+from support.helpers import linear_estimator, run_reporting_script
 from sparktrain import TrainingError
 from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.store import Store
@@ -81,7 +81,7 @@ KILL_EXECUTOR_SCRIPT = textwrap.dedent('''
     sys.path.insert(0, {root!r})
     sys.path.insert(0, {tests!r})
     import psutil
-    from helpers import linear_estimator
+    from support.helpers import linear_estimator
     from sparktrain import local_spark
 
     MARKER = {marker!r}

@@ -1,6 +1,6 @@
 """A real Spark standalone cluster on loopback: a master and two workers with (fake) GPUs,
-started from the pyspark install; the spark-submit of docs/clusters-and-gpus.md of jobs/train_torch.py runs against
-it, and the saved model predicts here. Only the processes this test started are stopped."""
+started from the pyspark install; the spark-submit of docs/clusters-and-gpus.md of
+jobs/train_torch.py runs against it, and the saved model predicts here."""
 from __future__ import annotations
 
 import os
@@ -9,27 +9,13 @@ import sys
 
 import pytest
 
-from standalone import StandaloneCluster
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def standalone_cluster(tmp_path):
-    """A Master and two 1-core Workers, each with one (fake) GPU."""
-    discovery = os.path.join(ROOT, "conf", "getGpusResources.sh")
-    with StandaloneCluster(tmp_path) as cluster:
-        for gpu in ["0", "1"]:
-            cluster.add_worker({
-                "SPARKTRAIN_FAKE_GPUS": gpu,
-                "SPARK_WORKER_OPTS": "-Dspark.worker.resource.gpu.amount=1 "
-                                     f"-Dspark.worker.resource.gpu.discoveryScript={discovery}"})
-        yield cluster.url, cluster.spark_home
 
 
 @pytest.mark.slow
 def test_spark_submit_to_standalone_cluster(standalone_cluster, tmp_path, spark):
-    master, spark_home = standalone_cluster
+    """The worker's shared cluster (tests/support/servers.py): two Workers, one fake GPU each."""
+    master, spark_home = standalone_cluster.url, standalone_cluster.spark_home
     output = tmp_path / "model"
     discovery = os.path.join(ROOT, "conf", "getGpusResources.sh")
     command = [

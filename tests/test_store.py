@@ -2,13 +2,6 @@ from sparktrain.data.store import Store
 from sparktrain.fs import to_fsspec_url, to_spark_url
 
 
-def test_url_helpers_keep_their_old_import_path():
-    from sparktrain.data import store
-
-    assert store.to_fsspec_url is to_fsspec_url and store.to_spark_url is to_spark_url
-    assert store.filesystem.__module__ == "sparktrain.fs"
-
-
 def test_url_forms():
     assert to_fsspec_url("file:/tmp/x") == "/tmp/x"
     assert to_fsspec_url("file:///tmp/x") == "/tmp/x"

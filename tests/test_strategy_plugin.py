@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers import linear_estimator
+from support.helpers import linear_estimator
 from sparktrain.strategies import TORCH_STRATEGIES, register_torch_strategy
 from sparktrain.strategies.torch_ddp import DataParallel
 

@@ -92,8 +92,8 @@ def test_stream_input_errors_come_before_training(spark, id_frame, tmp_path):
 
     from sparktrain import TorchEstimator
 
-    with pytest.raises(ValueError, match=r"input_mode='files'; expected one of \['store', "
-                                         r"'stream'\]"):
+    with pytest.raises(ValueError, match=r"input_mode must be one of \['store', 'stream'\], "
+                                         r"got 'files'"):
         TorchEstimator(input_mode="files")
     net = _net()
     est = TorchEstimator(num_proc=2, model=net, optimizer=torch.optim.SGD(net.parameters(), 0.01),
@@ -139,7 +139,7 @@ def _double(batch):
                                      "reader_pool_type": "process"}],
                          ids=["horovod", "fsdp", "process_decoding"])
 def test_stream_fits_with_every_torch_engine_and_decoding(spark, regression_df, tmp_path, params):
-    from helpers import linear_estimator
+    from support.helpers import linear_estimator
 
     if params.get("backend") == "horovod":
         pytest.importorskip("horovod.torch")

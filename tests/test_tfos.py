@@ -16,7 +16,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 keras = pytest.importorskip("keras")
 pytest.importorskip("tensorflowonspark")
 
-from helpers import check_keras_classifier, check_keras_pipeline  # noqa: E402
+from support.helpers import check_keras_classifier, check_keras_pipeline  # noqa: E402
 from sparktrain import KerasEstimator, TrainingError  # noqa: E402
 from sparktrain.launch import KERAS_BACKENDS, check_backend  # noqa: E402
 from sparktrain.launch import tfos  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 import torch
 from pyspark.sql import functions as F
 
-from helpers import assert_reload_predicts_the_same, class_accuracy
+from support.helpers import assert_reload_predicts_the_same, class_accuracy
 from sparktrain import PreflightError, TorchEstimator, TrainingError
 
 DIGITS = 600

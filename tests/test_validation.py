@@ -54,8 +54,9 @@ SCHEMA_CASES = [
     (dict(num_proc=0), "num_proc must be an integer >= 1, got 0"),
     (dict(batch_size=0), "batch_size must be an integer >= 1"),
     (dict(epochs=0), "epochs must be an integer >= 1"),
-    (dict(backend="mpi"), "backend='mpi' is not available"),
-    (dict(validation=1.5), r"validation=1.5; expected a fraction in \[0, 1\)"),
+    (dict(backend="mpi"), r"backend must be one of \[.*\] for TorchEstimator, got 'mpi'"),
+    (dict(validation=1.5), r"validation must be a fraction in \[0, 1\) or the name of a boolean "
+                           r"column, got 1.5"),
     (dict(validation="label"), "validation column 'label' has type double; expected boolean"),
     (dict(feature_cols=["label"], label_cols=["label2"], sample_weight_col="features"),
      "sample weight column .features. must be a numeric scalar"),

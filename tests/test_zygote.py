@@ -13,7 +13,7 @@ import pytest
 from sparktrain.launch import zygote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PRELOAD = ("numpy", "zygote_target")
+PRELOAD = ("numpy", "support.zygote_target")
 
 
 def _env(**extra):
@@ -23,7 +23,7 @@ def _env(**extra):
 
 
 def _run(*args, env=None, stdout=subprocess.PIPE):
-    return zygote.start_python("zygote_target", list(args), env or _env(), PRELOAD, stdout)
+    return zygote.start_python("support.zygote_target", list(args), env or _env(), PRELOAD, stdout)
 
 
 def _describe(env=None):
@@ -78,7 +78,7 @@ def test_a_child_dies_with_its_requester_and_the_template_with_its_owner():
         sys.path.insert(0, {HERE!r})
         from sparktrain.launch import zygote
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([{HERE!r}, *sys.path]))
-        child = zygote.start_python("zygote_target", ["sleep", "60"], env, ("zygote_target",))
+        child = zygote.start_python("support.zygote_target", ["sleep", "60"], env, ("support.zygote_target",))
         assert child.stdout.readline() == "sleeping\\n"
         with open(f"/proc/{{child.pid}}/stat") as f:
             template = f.read().split(") ")[1].split()[1]
@@ -135,7 +135,7 @@ def test_only_the_same_user_is_served_and_templates_can_be_switched_off(monkeypa
                 os.setuid(65534)
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 sock.connect(name)
-                request = {"module": "zygote_target", "args": ["exit", "0"], "env": {},
+                request = {"module": "support.zygote_target", "args": ["exit", "0"], "env": {},
                            "cwd": "/"}
                 socket.send_fds(sock, [json.dumps(request).encode()], [1])
                 os.write(write_end, sock.recv(4096) or b"refused")

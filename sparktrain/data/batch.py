@@ -26,7 +26,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, Sequence
 
 import numpy as np
 
@@ -184,14 +184,9 @@ def model_ready(batch: Batch, names: Sequence[str], transformed: bool) -> Batch:
     return out
 
 
-def raw_columns(columns: Sequence[ColumnSpec]) -> List[str]:
-    """Names of the columns whose numpy form a model cannot take as it is."""
-    return [c.name for c in columns if c.kind in RAW_KINDS]
-
-
 def heavy_decoding(columns: Sequence[ColumnSpec]) -> bool:
     """Whether decoding ``columns`` is worth worker processes: bytes, images, variable-length
     arrays. Text alone is not: a fast tokenizer costs a rank less than the workers' start and
-    their share of the cores (bench/README.md, ``bench_hf.py``: 1.43x vs 1.12x end to end)."""
+    their share of the cores (bench/HISTORY.md, ``bench_hf.py``: 1.43x vs 1.12x end to end)."""
     return any(c.kind in RAW_KINDS and c.kind != STRING for c in columns)
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence
 
 from sparktrain.data.batch import Batch, model_ready
 from sparktrain.faults import mark_user_error, user_code
-from sparktrain.loop.spec import LoopSpec
+from sparktrain.options.spec import LoopSpec
 
 #: decoded bytes the queue between decode workers and the training loop may hold, per split
 DECODE_QUEUE_BYTES = 256 << 20

@@ -491,6 +491,6 @@ def split_column(df: DataFrame, validation: Union[None, float, str], seed: Optio
             flag)
     else:
         if not 0.0 < validation < 1.0:
-            raise ValueError(f"validation={validation!r}; expected a fraction in (0, 1)")
+            raise ValueError(f"validation must be a fraction in (0, 1), got {validation!r}")
         flag = F.rand(seed if seed is not None else 0) < F.lit(validation)
     return [F.when(flag, F.lit("val")).otherwise(F.lit("train")).alias(SPLIT_COL)]

@@ -41,7 +41,7 @@ from sparktrain.data.batch import arrow_to_numpy
 from sparktrain.data.columns import ColumnSpec
 from sparktrain.data.rank_cache import RankCache
 from sparktrain.fs import filesystem
-from sparktrain.loop.spec import LoopSpec
+from sparktrain.options.spec import LoopSpec
 
 Batch = Dict[str, np.ndarray]
 

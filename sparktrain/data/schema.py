@@ -12,8 +12,9 @@ from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 
-from sparktrain.data.columns import (ARRAY, BINARY, IMAGE, IMAGE_FIELDS, RAW_KINDS,  # noqa: F401
-                                     SCALAR, STRING, VARLEN, VECTOR, ColumnSpec)
+from sparktrain.data.columns import ARRAY, BINARY, IMAGE, IMAGE_FIELDS, SCALAR, STRING, VECTOR, \
+    ColumnSpec
+
 
 def _numeric_dtype(dtype: T.DataType) -> Optional[str]:
     if isinstance(dtype, (T.FloatType, T.DoubleType, T.DecimalType)):

@@ -21,9 +21,8 @@ import re
 import warnings
 from typing import Any, Dict, Optional, Tuple, Union
 
-# the URL and filesystem helpers live in sparktrain.fs; these names stay importable from here
-from sparktrain.fs import DEFAULT_LOCAL_STORE, filesystem, put_file, redact, split_scheme, \
-    to_fsspec_url, to_spark_url  # noqa: F401 - re-exported
+from sparktrain.fs import DEFAULT_LOCAL_STORE, filesystem, put_file, split_scheme, to_fsspec_url, \
+    to_spark_url
 
 
 # Horovod 0.28.1's Store.create keywords (horovod/spark/common/store.py: AbstractFilesystemStore

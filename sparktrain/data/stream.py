@@ -31,7 +31,7 @@ from sparktrain.data.batch import arrow_to_numpy
 from sparktrain.data.columns import SPLIT_COL, ColumnSpec
 from sparktrain.data.rank_cache import RankCache, cache_root, owned_folder
 from sparktrain.data.reader import shard_readers
-from sparktrain.loop.spec import LoopSpec
+from sparktrain.options.spec import LoopSpec
 
 Batch = Dict[str, np.ndarray]
 SPLITS = ("train", "val")

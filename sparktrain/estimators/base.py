@@ -29,8 +29,8 @@ from sparktrain.data.batch import heavy_decoding
 from sparktrain.data.materialize import MaterializedDataset, lease_seconds, materialize, \
     streamed
 from sparktrain.data.run_lock import run_lock
-from sparktrain.data.schema import BINARY, IMAGE, RAW_KINDS, STRING, VARLEN, ColumnSpec, \
-    check_validation_column, training_columns
+from sparktrain.data.columns import BINARY, IMAGE, RAW_KINDS, STRING, VARLEN, ColumnSpec
+from sparktrain.data.schema import check_validation_column, training_columns
 from sparktrain.data.store import Store
 from sparktrain.estimators.fit_run import FitRun
 from sparktrain.estimators.model import ModelBase
@@ -125,7 +125,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                            batch=self.getElasticBatch())
 
     def _spec_fields(self, run: Optional[FitRun] = None) -> Dict[str, Any]:
-        """The spec fields (:mod:`sparktrain.loop.spec`) of the options the ranks read (their
+        """The spec fields (:mod:`sparktrain.options.spec`) of the options the ranks read (their
         getters' values) and of ``run``; the framework adds what it derives. Without ``run``:
         the preflight's, with no dataset and no run directory."""
         fields = {o.spec_name: getattr(self, f"get{camel(o.name)}")()
@@ -160,28 +160,15 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         return streamed(df, specs, validation, self.getRandomSeed(), variable_length=variable)
 
     def _check_params(self, df: DataFrame) -> List[ColumnSpec]:
-        for name, low in (("num_proc", 1), ("batch_size", 1), ("epochs", 1),
-                          ("backward_passes_per_step", 1)):
-            value = self.getOrDefault(name)
-            if value is None or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        """What spans several options, the estimator or the DataFrame (each option's own range
+        or choices were checked when it was set: its converter in
+        :mod:`sparktrain.options.declarations`); the columns to feed."""
         self.elastic_plan()  # min_num_proc within [1, num_proc]
-        for name in ("val_batch_size", "train_steps_per_epoch", "validation_steps_per_epoch",
-                     "max_attempts"):
-            value = self.getOrDefault(name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
-        max_time = self.getMaxTime()
-        if max_time is not None and not max_time > 0:
-            raise ValueError(f"max_time must be None or a number of seconds > 0, got {max_time!r}")
         fn = self.getTransformationFn()
-        if fn is not None and not callable(fn):
-            raise TypeError(f"transformation_fn must be a function taking and returning a dict "
-                            f"of numpy arrays by column name, got {type(fn).__name__}")
         backend = self.getBackend()
         if backend not in self.backends:
-            raise ValueError(f"backend={backend!r} is not available for {type(self).__name__}; "
-                             f"expected one of {sorted(self.backends)}")
+            raise ValueError(f"backend must be one of {sorted(self.backends)} for "
+                             f"{type(self).__name__}, got {backend!r}")
         check_backend(self.backends, backend)
         if not self.isDefined(self.feature_cols):
             raise ValueError("feature_cols is not set; name the DataFrame columns to feed the model")
@@ -197,9 +184,6 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         validation = self.getValidation()
         if isinstance(validation, str):
             check_validation_column(df, validation)
-        elif validation is not None and not 0.0 <= validation < 1.0:
-            raise ValueError(f"validation={validation!r}; expected a fraction in [0, 1) or the "
-                             f"name of a boolean column")
         if fn is None:
             raw = [s for s in specs if s.kind in RAW_KINDS]
             if raw:

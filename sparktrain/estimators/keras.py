@@ -36,11 +36,12 @@ from sparktrain.options.declarations import COMMON, KERAS
 from sparktrain.options.keywords import keyword_params
 from sparktrain.loop.keras_saving import keras_module as _keras, load_model as _load_model, \
     loading_objects, model_bytes as _model_bytes, model_shapes
-from sparktrain.launch import KERAS_BACKENDS, load_backend
+from sparktrain.launch import KERAS_BACKENDS, backends_with, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.elastic import for_rank
 from sparktrain.launch.environment import rank_environment
-from sparktrain.loop.spec import KerasTrainSpec
+from sparktrain.options.payload import KerasPayload
+from sparktrain.options.spec import KerasTrainSpec
 from sparktrain.model_files import ModelFile
 from sparktrain.options.params import KerasParams
 from sparktrain.pickling import dumps
@@ -133,8 +134,8 @@ class KerasEstimator(EstimatorBase, KerasParams):
             raise TypeError(f"model must be a keras.Model (Keras {keras.__version__}), got "
                             f"{type(self.getModel()).__name__}")
         horovod_params.check_common(self)
-        if self.getInputMode() == "stream" and (self.getBackend() == "tfos" or
-                                                self.getStrategy() == "parameter_server"):
+        if self.getInputMode() == "stream" and not (self._engine().streams_rows and
+                                                    self._strategy_class().trains_on_own_rows):
             raise ValueError(f"input_mode='stream' is not available with backend="
                              f"{self.getBackend()!r} and strategy={self.getStrategy()!r} (their "
                              f"tasks do not all train on their own rows); use "
@@ -166,15 +167,20 @@ class KerasEstimator(EstimatorBase, KerasParams):
     def _strategy_class(self) -> type:
         return load_strategy(KERAS_STRATEGIES, self.getStrategy())
 
+    def _engine(self) -> type:
+        """The class of the engine registered as ``backend`` (a
+        :class:`~sparktrain.launch.engine.KerasEngine`)."""
+        return load_backend(KERAS_BACKENDS, self.getBackend())
+
     def _check_strategy(self) -> Dict[str, Any]:
         """``strategy``, its params, ``num_proc``, ``min_num_proc`` and ``backend`` fit
         together (the strategy class says); the options the ranks get."""
-        strategy = self._strategy_class()
+        strategy, engine = self._strategy_class(), self._engine()
         if self.elastic_plan().elastic:
-            if self.getBackend() == "tfos":
-                raise ValueError("min_num_proc < num_proc (elastic training) needs "
-                                 "backend='tensorflow': TensorFlowOnSpark's cluster is "
-                                 "reserved once with num_proc nodes for the whole fit")
+            if not engine.elastic:
+                wanted = " or ".join(repr(b) for b in backends_with(KERAS_BACKENDS, "elastic"))
+                raise ValueError(f"min_num_proc < num_proc (elastic training) needs "
+                                 f"backend={wanted}: {engine.not_elastic_note}")
             if not strategy.elastic:
                 raise ValueError(f"min_num_proc < num_proc (elastic training) is not "
                                  f"available with strategy={self.getStrategy()!r}: "
@@ -191,12 +197,13 @@ class KerasEstimator(EstimatorBase, KerasParams):
         if isinstance(loss, keras.losses.Loss):
             loss = keras.losses.serialize(loss)
         try:
-            return dumps({"model": _model_bytes(self.getModel()), "optimizer": optimizer,
-                          "loss": loss, "metrics": list(self.getMetrics() or []),
-                          "custom_objects": loading_objects(keras, self.getCustomObjects()),
-                          "callbacks": list(self.getCallbacks() or []),
-                          "transformation_fn": self.getTransformationFn(),
-                          "strategy": self._strategy_class()})
+            return KerasPayload(
+                model=_model_bytes(self.getModel()), optimizer=optimizer, loss=loss,
+                metrics=list(self.getMetrics() or []),
+                custom_objects=loading_objects(keras, self.getCustomObjects()),
+                callbacks=list(self.getCallbacks() or []),
+                transformation_fn=self.getTransformationFn(),
+                strategy=self._strategy_class()).dumps()
         except Exception as exc:
             raise TypeError(f"model, loss, metrics, custom_objects, callbacks and "
                             f"transformation_fn must be saveable (.keras) and picklable to "
@@ -223,20 +230,22 @@ class KerasEstimator(EstimatorBase, KerasParams):
         horovod_params.warn_ignored(self, ignored)
         launch = dict(description=f"sparktrain KerasEstimator {self.uid}",
                       echo_logs=self.getVerbose() >= 1, max_attempts=self.getMaxAttempts())
-        backend = load_backend(KERAS_BACKENDS, self.getBackend())
+        engine = self._engine()
         with run.shipped(self._payload()) as (payload, where):
-            if getattr(backend, "launches_itself", False):  # tfos: starts its own cluster
-                return backend.launch(run.spark, self.getNumProc(), spec, payload, run.use_gpu,
-                                      on_progress=run.progress.update, **launch, **where)
-            task = functools.partial(_keras_rank, spec, dumps(self._strategy_class()), payload,
-                                     run.use_gpu)
+            if engine.launches_itself:  # starts its own cluster around the Spark job
+                return engine.launch(run.spark, self.getNumProc(), spec, payload, run.use_gpu,
+                                     on_progress=run.progress.update, **launch, **where)
+            # the classes travel pickled: an engine or strategy registered only here works
+            task = functools.partial(_keras_rank, spec, dumps((engine, self._strategy_class())),
+                                     payload, run.use_gpu)
             results = run.launch(task, **launch, **where)
         return results[0]
 
     def _check_session(self, spark: SparkSession) -> None:
-        if self.getBackend() == "tfos":
-            classic_only(spark, "backend='tfos' (TensorFlowOnSpark starts its reservation "
-                         "server through the SparkContext)", "Use backend='tensorflow': the "
+        engine = self._engine()
+        if engine.needs_classic_session:
+            classic_only(spark, f"backend={self.getBackend()!r} "
+                         f"({engine.classic_session_note})", "Use backend='tensorflow': the "
                          "same MultiWorkerMirroredStrategy training, launched through the "
                          "DataFrame API.")
 
@@ -284,14 +293,15 @@ class KerasEstimator(EstimatorBase, KerasParams):
         return model
 
 
-def _keras_rank(spec: KerasTrainSpec, strategy: bytes, payload: Any, use_gpu: bool,
+def _keras_rank(spec: KerasTrainSpec, classes: bytes, payload: Any, use_gpu: bool,
                 ctx: RankContext) -> Any:
-    """Executor side: this barrier task's part of the fit (``strategy``: the pickled
-    ``KerasStrategy`` class, which decides the task's role in the TensorFlow cluster)."""
-    backend = load_backend(KERAS_BACKENDS, spec.backend)
+    """Executor side: this barrier task's part of the fit. ``classes``: the pickled
+    ``(KerasEngine, KerasStrategy)`` classes (the strategy decides the task's role in the
+    TensorFlow cluster); ``payload``: the stored :class:`KerasPayload`, handed unread to the
+    engine (its objects are unpickled in the TensorFlow process)."""
+    engine, strategy = cloudpickle.loads(classes)
     with rank_environment(spec.backend_env):  # the Keras worker process inherits it
-        return backend.run(ctx, for_rank(spec, ctx), payload.value, use_gpu,
-                           cloudpickle.loads(strategy))
+        return engine.run(ctx, for_rank(spec, ctx), payload.value, use_gpu, strategy)
 
 
 class KerasModel(ModelBase):

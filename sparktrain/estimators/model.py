@@ -22,7 +22,8 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from sparktrain.data.schema import ARRAY, RAW_KINDS, VARLEN, VECTOR, ColumnSpec, column_spec
+from sparktrain.data.columns import ARRAY, RAW_KINDS, VARLEN, VECTOR, ColumnSpec
+from sparktrain.data.schema import column_spec
 from sparktrain.estimators.persistence import ModelReader, ModelWriter
 from sparktrain.estimators.prediction import feature_expr, prediction_udf, series_to_numpy, \
     with_profile

@@ -26,8 +26,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pyspark.sql import DataFrame
 
+from sparktrain.data.columns import ColumnSpec
 from sparktrain.data.materialize import sample_batch
-from sparktrain.data.schema import ColumnSpec
 from sparktrain.data.transform_inputs import learn_inputs
 from sparktrain.errors import PreflightError
 from sparktrain.loop.keras_inputs import input_names
@@ -192,7 +192,7 @@ def tensor_shapes(tensors: List[Any]) -> str:
 # -- keras ----------------------------------------------------------------------------------------
 def keras_expectation(model: Any) -> Optional[str]:
     """The model's declared input shapes, when it has them, and for several inputs their names
-    (fed by name when they are the feature columns, :mod:`.keras_inputs`)."""
+    (fed by name when they are the feature columns, :mod:`sparktrain.loop.keras_inputs`)."""
     try:
         inputs = model.inputs
     except (AttributeError, ValueError):

@@ -35,17 +35,18 @@ from sparktrain.estimators.fit_run import FitRun
 from sparktrain.options.declarations import COMMON, TORCH
 from sparktrain.options.keywords import keyword_params
 from sparktrain.loop.torch_forward import takes_labels
-# TorchModel (and predict_device): importable from here as before
-from sparktrain.estimators.torch_model import TorchModel, predict_device  # noqa: F401
+from sparktrain.estimators.torch_model import TorchModel
 from sparktrain.loop.torch_schedule import check_scheduler
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.environment import rank_environment
 from sparktrain.model_files import ModelFile
 from sparktrain.options.params import TorchParams
-# build_losses: importable from here as before (rank code imports it from torch_losses)
-from sparktrain.loop.torch_losses import build_losses, named_metrics  # noqa: F401
-from sparktrain.pickling import dumps
+from sparktrain.loop.torch_losses import named_metrics
+from sparktrain.options.payload import TorchPayload
+
+#: Horovod's ``horovod.spark.torch`` names (``import sparktrain.estimators.torch as hvd``)
+__all__ = ["TorchEstimator", "TorchModel"]
 
 log = logging.getLogger("sparktrain")
 
@@ -198,11 +199,6 @@ class TorchEstimator(EstimatorBase, TorchParams):
                             "feature")
         horovod_params.check_common(self)
         minibatch = self.getTrainMinibatchFn()
-        if minibatch is not None and not callable(minibatch):
-            raise TypeError(f"train_minibatch_fn must be a function (model, optimizer, "
-                            f"transform_outputs, loss_fn, inputs, labels, sample_weights, "
-                            f"backward_passes_per_step, batch_idx) -> (outputs, loss), got "
-                            f"{type(minibatch).__name__}")
         check_scheduler(self.getLrScheduler(), minibatch is not None)
         if model is not None:
             self._check_model_loss(model)
@@ -219,13 +215,18 @@ class TorchEstimator(EstimatorBase, TorchParams):
                        ("on_train_begin", "on_epoch_end", "on_train_end")):
                 raise TypeError(f"callback {callback!r} has none of on_train_begin, "
                                 f"on_epoch_end, on_train_end (see sparktrain.loop.callbacks)")
-        engine = load_backend(TORCH_BACKENDS, self.getBackend())  # its framework imports
+        engine = self._engine()  # its framework imports
         if self.getMixedPrecision() == "fp16" and not engine.fp16_loss_scaling:
             raise ValueError(f"mixed_precision='fp16' is not supported with "
                              f"backend={self.getBackend()!r} (its gradient all-reduce would "
                              f"need unscaling first); use 'bf16'")
         if model is not None:
             self._check_strategy(model)
+
+    def _engine(self) -> type:
+        """The class of the engine registered as ``backend`` (a
+        :class:`~sparktrain.launch.engine.TorchEngine`)."""
+        return load_backend(TORCH_BACKENDS, self.getBackend())
 
     def _strategy_options(self) -> Tuple[type, Dict[str, Any]]:
         """The registered class of ``strategy`` and the values of the params only some
@@ -265,7 +266,7 @@ class TorchEstimator(EstimatorBase, TorchParams):
 
     def _built_elsewhere(self, name: str) -> bool:
         """The loss may come from ``loss_constructors``, or from the model itself (a
-        ``forward`` taking ``labels``, see :mod:`.torch_forward`)."""
+        ``forward`` taking ``labels``, see :mod:`sparktrain.loop.torch_forward`)."""
         module = self._module_for_checks()
         return name == "loss" and (self.getLossConstructors() is not None or module is None
                                    or takes_labels(module))
@@ -288,25 +289,23 @@ class TorchEstimator(EstimatorBase, TorchParams):
 
     def _payload(self, weights: Optional[ModelFile] = None) -> bytes:
         """The pickled objects a rank trains with; the model's weights are not in it, but in
-        the file ``weights`` (see :class:`~.torch_files.ShippedModule`)."""
+        the file ``weights`` (see :class:`~sparktrain.loop.torch_files.ShippedModule`)."""
         from sparktrain.loop.torch_files import BuiltModule, ShippedModule, is_builder
 
-        metrics = flat_metrics(self.getMetrics())
-        # The last item holds the objects Horovod's params add (read with .get on the worker).
         strategy, options = self._strategy_options()
-        extras = {"loss_constructors": self.getLossConstructors(),
-                  "train_minibatch_fn": self.getTrainMinibatchFn(),
-                  "fsdp_wrap": self.getFsdpWrap(),
-                  "activation_checkpointing": self.getActivationCheckpointing(),
-                  "strategy": strategy, "strategy_options": options,
-                  "lr_scheduler": self.getLrScheduler()}
         try:
             model, optimizer = self.getModel(), self.getOptimizer()
             shipped = BuiltModule(model, optimizer) if is_builder(model) else \
                 ShippedModule.of(model, optimizer, weights)
-            return dumps((shipped,
-                          self.getLoss(), metrics, self.getCallbacks(),
-                          self.getTransformationFn(), extras))
+            return TorchPayload(
+                model=shipped, loss=self.getLoss(), metrics=flat_metrics(self.getMetrics()),
+                callbacks=list(self.getCallbacks() or []),
+                transformation_fn=self.getTransformationFn(),
+                loss_constructors=self.getLossConstructors(),
+                train_minibatch_fn=self.getTrainMinibatchFn(), strategy=strategy,
+                strategy_options=options, engine=self._engine(), fsdp_wrap=self.getFsdpWrap(),
+                activation_checkpointing=self.getActivationCheckpointing(),
+                lr_scheduler=self.getLrScheduler()).dumps()
         except Exception as exc:
             raise TypeError(f"model, optimizer, loss, loss_constructors, metrics, callbacks, "
                             f"transformation_fn and train_minibatch_fn must be picklable with "
@@ -315,7 +314,7 @@ class TorchEstimator(EstimatorBase, TorchParams):
     def _train_spec(self, run: Optional[FitRun] = None) -> Any:
         """The plain-valued ``TorchTrainSpec`` every rank trains by; without ``run``, the
         preflight's (no dataset, the CPU)."""
-        from sparktrain.loop.spec import TorchTrainSpec
+        from sparktrain.options.spec import TorchTrainSpec
 
         return TorchTrainSpec(
             **self._spec_fields(run), input_shapes=self.getInputShapes(),

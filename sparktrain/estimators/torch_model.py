@@ -49,9 +49,10 @@ class TorchModel(ModelBase, TorchModelParams):
     referring to the weights: loading runs code, load only trusted models) + ``weights.pt``
     (``torch.save`` of the state_dict, loaded with ``weights_only=True``).
 
-    Weights travel by file (:mod:`.torch_files`): a fitted model's are in its store, a loaded
-    one's in the saved directory; ``transform`` ships their path, and each Python worker maps
-    the file once and keeps the module (re-fitted or re-saved files are never served stale).
+    Weights travel by file (:mod:`sparktrain.loop.torch_files`): a fitted model's are in its
+    store, a loaded one's in the saved directory; ``transform`` ships their path, and each
+    Python worker maps the file once and keeps the module (re-fitted or re-saved files are never
+    served stale).
 
     Horovod's constructor works too, e.g. to predict with a module trained elsewhere::
 
@@ -108,7 +109,8 @@ class TorchModel(ModelBase, TorchModelParams):
         return self.getOrDefault(self.optimizer)
 
     def _current_files(self) -> Any:
-        """The :class:`~.torch_files.ModuleFiles` the module still equals, else ``None``."""
+        """The :class:`~sparktrain.loop.torch_files.ModuleFiles` the module still equals, else
+        ``None``."""
         if self._files is None or (self._model is not None
                                    and not self._files.unchanged(self._model)):
             return None
@@ -196,8 +198,9 @@ def _make_predictor(source: Tuple[Any, ...],
     """Executor side, once per Python worker: load the module (``source``: ``("file",
     architecture, ModelFile)`` or ``("inline", architecture, weights bytes)``) and return ``predict``
     (features reshaped to ``input_shapes`` when given, as in training; the model called and its
-    output picked by :class:`~.torch_forward.ForwardRule`) on the GPU Spark gave the task (see
-    ``use_gpu``), chosen per call: a reused worker's later task may hold another."""
+    output picked by :class:`~sparktrain.loop.torch_forward.ForwardRule`) on the GPU Spark gave
+    the task (see ``use_gpu``), chosen per call: a reused worker's later task may hold
+    another."""
     import contextlib
 
     import numpy as np

@@ -5,8 +5,8 @@ One code path for classic and Spark Connect sessions: the tasks are a barrier
 says (``[rank N]`` log lines, progress, its traceback) travels through the store
 (:mod:`.events`), so executors never open a connection to the client. The launcher checks up
 front that the cluster has enough concurrent task slots (Spark's own barrier check retries for
-minutes before failing) and turns a failed stage into a :class:`TrainingError` carrying the
-traceback of the rank that failed first.
+minutes before failing) and turns a failed stage into a
+:class:`~sparktrain.errors.TrainingError` carrying the traceback of the rank that failed first.
 
 Retries: Spark never retries a failed barrier *result* stage ("Could not recover from a failed
 barrier ResultStage"), but it re-runs a failed barrier *shuffle map* stage as a whole, up to
@@ -45,7 +45,7 @@ import cloudpickle
 from pyspark import BarrierTaskContext
 from pyspark.sql import DataFrame, SparkSession
 
-from sparktrain.errors import TrainingError  # noqa: F401 - raised here, importable from here
+from sparktrain.errors import TrainingError
 from sparktrain.fs import DEFAULT_LAUNCH_DIR, filesystem
 from sparktrain.launch.events import EventWatcher, RankEvents
 from sparktrain.session.interrupts import raise_if_interrupted
@@ -177,7 +177,8 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
     for a caller that cancels the job itself (:mod:`.elastic`); ``when_exhausted``: what the
     log line of the last attempt's failure says happens next. ``rows``: a DataFrame whose rows
     the barrier stage itself takes, one partition per rank (``RankContext.rows``: input_mode=
-    "stream"). Raises :class:`TrainingError` with the first failing rank's traceback.
+    "stream"). Raises :class:`~sparktrain.errors.TrainingError` with the first failing rank's
+    traceback.
     """
     if num_proc < 1:
         raise ValueError(f"num_proc must be >= 1, got {num_proc}")

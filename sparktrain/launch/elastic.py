@@ -101,7 +101,7 @@ class Generation:
 
 
 def for_rank(spec: Any, ctx: Any) -> Any:
-    """``spec`` (a :class:`~sparktrain.loop.spec.LoopSpec`) as a rank of an elastic fit's
+    """``spec`` (a :class:`~sparktrain.options.spec.LoopSpec`) as a rank of an elastic fit's
     generation trains it: its batch size and the generation; unchanged outside elastic fits."""
     generation = getattr(ctx, "generation", None)
     if generation is None:

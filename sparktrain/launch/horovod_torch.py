@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from sparktrain.launch.barrier import RankContext
+from sparktrain.launch.engine import TorchEngine
 from sparktrain.launch.torch_ddp import interface_for
 
 
@@ -127,10 +128,9 @@ class RendezvousServer:
         self._thread.join()
 
 
-class HorovodTorch:
-    """Horovod (Gloo) for one rank; same interface as :class:`~.torch_ddp.TorchDDP`."""
+class HorovodTorch(TorchEngine):
+    """Horovod (Gloo) for one rank (a :class:`~sparktrain.launch.engine.TorchEngine`)."""
 
-    name = "horovod"
     # hvd.DistributedOptimizer all-reduces from backward hooks and waits in step(); AMP needs
     # optimizer.synchronize() before GradScaler.unscale_ and skip_synchronize() around its step
     # (Horovod's AMP example), which the shared loop does not do. bf16 needs no scaling.

@@ -35,11 +35,12 @@ from sparktrain.launch import zygote
 from sparktrain.launch.zygote import die_with_parent
 from sparktrain.data.stream import spool_shard
 from sparktrain.launch.barrier import RankContext
+from sparktrain.launch.engine import KerasEngine
 from sparktrain.faults import killed_text, mark_user_error
 from sparktrain.launch.gpus import gpu_environment, rank_gpu
 from sparktrain.launch.tf_protocol import ERROR_FILE, PROGRESS_PREFIX, RESULT_FILE, \
     USER_ERROR_FILE, WORKER_MODULE, write_inputs
-from sparktrain.loop.spec import KerasTrainSpec
+from sparktrain.options.spec import KerasTrainSpec
 
 
 # What the template imports: TensorFlow and Keras are ~9 CPU-s of a fresh worker's start.
@@ -86,10 +87,11 @@ def child_environment(config: str, gpu: Optional[str]) -> Dict[str, str]:
 
 def start_tf_child(workdir: str, config: str, gpu: Optional[str],
                    stdout: Union[int, IO[Any]]) -> Any:
-    """Start ``keras_worker`` on ``workdir`` with ``TF_CONFIG=config``, its output to ``stdout``
-    (``subprocess.PIPE``: text lines in ``child.stdout``). CPU ranks fork from a template that
-    has TensorFlow imported (:mod:`.zygote`); GPU ranks, or where templates are off or fail to
-    start, a fresh ``python -m``. Returns a ``Popen`` (or its template twin)."""
+    """Start :mod:`sparktrain.loop.keras_loop` on ``workdir`` with ``TF_CONFIG=config``, its
+    output to ``stdout`` (``subprocess.PIPE``: text lines in ``child.stdout``). CPU ranks fork
+    from a template that has TensorFlow imported (:mod:`.zygote`); GPU ranks, or where
+    templates are off or fail to start, a fresh ``python -m``. Returns a ``Popen`` (or its
+    template twin)."""
     env = child_environment(config, gpu)
     if gpu is None and zygote.enabled():
         try:
@@ -190,9 +192,9 @@ def spawn_keras_worker(rank: int, world_size: int, config: str, spec: KerasTrain
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-class TensorFlowMultiWorker:
-    """The registry's entry for ``backend="tensorflow"``:
-    ``run(ctx, spec, payload, use_gpu, strategy)``."""
+class TensorFlowMultiWorker(KerasEngine):
+    """The registry's entry for ``backend="tensorflow"``: every barrier task runs
+    ``run(ctx, spec, payload, use_gpu, strategy)`` (:func:`run_tf_worker`), in the TensorFlow
+    job the strategy gives it; streamed rows, elastic generations and Spark Connect work."""
 
-    name = "tensorflow"
     run = staticmethod(run_tf_worker)

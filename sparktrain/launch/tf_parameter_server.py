@@ -8,7 +8,7 @@ MultiWorkerMirroredStrategy (:mod:`.tf_multiworker`):
 
 1. each task shares a free ``host:port`` (``allGather``); the list becomes ``TF_CONFIG`` with
    ``chief``, ``ps`` and ``worker`` jobs (:class:`~.tf_multiworker.TFTask`);
-2. ps and worker tasks start their server child (``keras_worker`` with the spec's ``role``); a
+2. ps and worker tasks start their server child (``keras_loop`` with the spec's ``role``); a
    worker's child first writes its shard of the training data to local files
    (:func:`sparktrain.strategies.keras_ps.write_shard`); the task waits until it is serving;
 3. a second ``allGather`` hands the shard files' descriptions to the coordinator, whose child
@@ -40,7 +40,7 @@ from sparktrain.faults import mark_user_error
 from sparktrain.launch.tf_multiworker import TFTask, start_tf_child
 from sparktrain.launch.tf_protocol import ERROR_FILE, READY, SHARD_INFO, USER_ERROR_FILE, \
     write_inputs
-from sparktrain.loop.spec import KerasTrainSpec
+from sparktrain.options.spec import KerasTrainSpec
 
 STOP_SECONDS = 10.0  # SIGTERM, then SIGKILL after this long
 

@@ -1,6 +1,6 @@
 """What a Spark task and its TensorFlow child process exchange: the spec and the workdir files.
 
-A leaf module (no TensorFlow; of sparktrain only the leaf :mod:`sparktrain.loop.spec`): the
+A leaf module (no TensorFlow; of sparktrain only the leaf :mod:`sparktrain.options.spec`): the
 estimator builds a :class:`KerasTrainSpec`, the launchers (:mod:`.tf_multiworker`,
 :mod:`.tf_parameter_server`, :mod:`.tfos`) write it with the pickled payload into a directory,
 and the child (``python -m sparktrain.loop.keras_loop DIR``) answers through the files
@@ -17,7 +17,7 @@ import json
 import os
 from typing import Any
 
-from sparktrain.loop.spec import KerasTrainSpec
+from sparktrain.options.spec import KerasTrainSpec
 
 WORKER_MODULE = "sparktrain.loop.keras_loop"  # the child: python -m WORKER_MODULE DIR
 SPEC_FILE = "spec.json"

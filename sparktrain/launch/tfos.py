@@ -27,7 +27,7 @@ is a barrier stage run by :func:`~sparktrain.launch.barrier.run_barrier` (rank l
 ``TrainingError`` with the failing node's traceback, the job group cancelled on failure), and
 the driver stops the reservation server in a ``finally``.
 
-Example (what ``KerasEstimator._train`` does for ``backend="tfos"``)::
+Example (what ``KerasEstimator._train`` does for an engine that ``launches_itself``)::
 
     result = TensorFlowOnSpark.launch(spark, 2, spec, payload_broadcast, use_gpu=False)
 """
@@ -46,10 +46,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from sparktrain.launch import import_quietly
 from sparktrain.launch.barrier import RankContext, run_barrier, stage_attempts
+from sparktrain.launch.engine import KerasEngine
 from sparktrain.launch.environment import rank_environment
 from sparktrain.launch.gpus import rank_gpu
 from sparktrain.launch.tf_multiworker import spawn_keras_worker
-from sparktrain.loop.spec import KerasTrainSpec
+from sparktrain.options.spec import KerasTrainSpec
 from sparktrain.session.spark_jvm import hadoop_conf
 
 CHIEF = "chief"  # TFCluster.run's master_node: TFoS then exports TF_CONFIG with chief + workers
@@ -110,9 +111,10 @@ def launch(spark: Any, num_proc: int, spec: KerasTrainSpec, payload: Any, use_gp
            **where: Any) -> Any:
     """Train on a TFoS cluster of ``num_proc`` nodes; return rank 0's result.
 
-    ``payload`` holds the pickled model/optimizer/loss (``.value``); ``where`` are
-    :func:`~sparktrain.launch.barrier.run_barrier`'s ``workdir``/``storage_options``. Raises
-    :class:`~sparktrain.launch.barrier.TrainingError` if a node fails (after up to
+    ``payload`` holds the pickled :class:`~sparktrain.options.payload.KerasPayload`
+    (``.value``); ``where`` are :func:`~sparktrain.launch.barrier.run_barrier`'s
+    ``workdir``/``storage_options``. Raises :class:`~sparktrain.errors.TrainingError` if a node
+    fails (after up to
     ``max_attempts`` attempts); the SparkSession keeps working either way.
     """
     sc = spark.sparkContext
@@ -220,13 +222,19 @@ def run_node(ctx: RankContext, spec: KerasTrainSpec, payload: bytes, use_gpu: bo
     return result["value"]
 
 
-class TensorFlowOnSpark:
+class TensorFlowOnSpark(KerasEngine):
     """The registry's entry for ``backend="tfos"``: it starts its own cluster around the Spark
-    job (``launch``, driver side); ``run(ctx, spec, payload, use_gpu, clusters)`` is one node.
-    It forms the cluster itself (chief + workers), so ``KerasStrategy.roles`` and ``run_task``
-    are not asked: strategies that train here list ``"tfos"`` in their ``backends``."""
+    job (``launch``, driver side); :func:`run_node` is one node. It forms the cluster itself
+    (chief + workers), so ``KerasStrategy.roles`` and ``run_task`` are not asked (strategies
+    that need them, ``KerasStrategy.engine_needs``, do not train here)."""
 
-    name = "tfos"
     launches_itself = True
+    streams_rows = False  # TFoS's InputMode.TENSORFLOW: the nodes read the store themselves
+    elastic = False
+    not_elastic_note = "TensorFlowOnSpark's cluster is reserved once with num_proc nodes for " \
+                       "the whole fit"
+    runs_strategy_roles = False
+    needs_classic_session = True
+    classic_session_note = "TensorFlowOnSpark starts its reservation server through the " \
+                           "SparkContext"
     launch = staticmethod(launch)
-    run = staticmethod(run_node)

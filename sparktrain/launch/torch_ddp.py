@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from sparktrain.launch.barrier import RankContext
+from sparktrain.launch.engine import TorchEngine
 
 TIMEOUT = timedelta(minutes=30)
 _GLOO_IFNAME_VARS = ("TORCH_GLOO_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
@@ -138,11 +139,11 @@ def _buffer_options(model: torch.nn.Module) -> Dict[str, bool]:
     return {name: False}
 
 
-class TorchDDP:
+class TorchDDP(TorchEngine):
     """Process group + ``DistributedDataParallel`` wrapping for one rank."""
 
-    name = "torch"
     fp16_loss_scaling = True  # GradScaler scales the loss; DDP all-reduces scaled gradients
+    torch_distributed = True  # the default process group: FSDP shards over it
 
     def __init__(self, ctx: RankContext, device: torch.device) -> None:
         self.rank, self.world_size, self.device = ctx.rank, ctx.world_size, device

@@ -1,6 +1,6 @@
 """The epoch protocol every rank loop follows, whatever the framework.
 
-Both rank loops (:mod:`sparktrain.loop.torch_loop`, :mod:`~.keras_worker`) hand this
+Both rank loops (:mod:`sparktrain.loop.torch_loop`, :mod:`sparktrain.loop.keras_loop`) hand this
 driver the parts that are theirs, as an :class:`EpochTraining`: one epoch of training, the
 validation pass, the end-of-epoch callbacks, the checkpoint bytes and a sum over ranks. The
 driver owns the rest, identical for every framework and strategy:
@@ -40,7 +40,7 @@ from sparktrain.fs import filesystem
 from sparktrain.launch.elastic import Generation, Regroup
 from sparktrain.launch.events import WARNING
 from sparktrain.faults import mark_user_error
-from sparktrain.loop.spec import LoopSpec
+from sparktrain.options.spec import LoopSpec
 
 Logs = Dict[str, float]
 

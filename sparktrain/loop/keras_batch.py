@@ -1,6 +1,6 @@
 """One batch through a Keras model: the tensors, the per-row loss and the metric sums.
 
-Shared by the rank loop (:mod:`.keras_worker`), the parameter-server workers' shards
+Shared by the rank loop (:mod:`.keras_loop`), the parameter-server workers' shards
 (:mod:`sparktrain.strategies.keras_ps`) and the driver's preflight (``KerasEstimator``): a leaf
 module that imports TensorFlow and Keras only through its callers' arguments.
 

@@ -1,6 +1,6 @@
 """How feature columns reach a Keras model: by name (a dict) or by position (a list).
 
-The rule, in one place for the rank loop (:mod:`.keras_batch`, :mod:`.keras_worker`), the
+The rule, in one place for the rank loop (:mod:`.keras_batch`, :mod:`.keras_loop`), the
 driver's preflight (``KerasEstimator._check_on_batch``) and ``KerasModel.transform``'s predictor:
 when the model's inputs have names and the set of ``feature_cols`` is the set of those names,
 the model is called with ``{feature_col: tensor}``; otherwise with one tensor per feature column

@@ -11,6 +11,7 @@ over workers. The user's model needs no change.
 
 What differs between strategies (the ``tf.distribute`` strategy, the data of an epoch, the
 steps, how statistics are summed) comes from the payload's
+(:class:`~sparktrain.options.payload.KerasPayload`)
 :class:`~sparktrain.strategies.keras_strategy.KerasStrategy`; this loop never asks which one it
 is. A process whose spec names a ``role`` serves the strategy's cluster
 (``KerasStrategy.serve``) instead of training.
@@ -44,7 +45,8 @@ from sparktrain.faults import mark_user_error, user_code, user_error_source
 from sparktrain.model_files import ModelFile
 from sparktrain.launch.tf_protocol import ERROR_FILE, PAYLOAD_FILE, \
     RESULT_FILE, USER_ERROR_FILE, progress, read_spec
-from sparktrain.loop.spec import KerasTrainSpec
+from sparktrain.options.payload import KerasPayload
+from sparktrain.options.spec import KerasTrainSpec
 from sparktrain.strategies.keras_strategy import KerasStrategy, RankLoop, stack_batches
 
 if TYPE_CHECKING:
@@ -122,12 +124,12 @@ def _read_checkpoint(data: bytes) -> Tuple[bytes, List[Any]]:
         return arrays["model_keras"].tobytes(), [arrays[n] for n in names]
 
 
-def _load(keras: Any, spec: KerasTrainSpec, payload: Dict[str, Any], custom: Dict[str, Any],
+def _load(keras: Any, spec: KerasTrainSpec, payload: KerasPayload, custom: Dict[str, Any],
           model_path: str, optimizer_state: Any) -> Tuple[Any, Any]:
     """The model and optimizer (called inside the strategy's scope: their variables are
     distributed); ``optimizer_state``: a checkpoint's optimizer variables, or ``None``."""
     model = keras.saving.load_model(model_path, custom_objects=custom, compile=False)
-    optimizer = keras.optimizers.get(payload["optimizer"])
+    optimizer = keras.optimizers.get(payload.optimizer)
     if optimizer_state is not None:
         optimizer.build(model.trainable_variables)
         if len(optimizer.variables) != len(optimizer_state):
@@ -150,7 +152,7 @@ class _KerasEpochs:
     and the fit around it: the model and optimizer loaded in the strategy's scope, the
     strategy's steps over this rank's shards, the user's callbacks."""
 
-    def __init__(self, tf: Any, keras: Any, spec: KerasTrainSpec, payload: Dict[str, Any],
+    def __init__(self, tf: Any, keras: Any, spec: KerasTrainSpec, payload: KerasPayload,
                  workdir: str, custom: Dict[str, Any], strategy: KerasStrategy, distributed: Any,
                  driver: EpochDriver) -> None:
         from sparktrain.data.feed import BatchFeed
@@ -160,11 +162,11 @@ class _KerasEpochs:
         self.driver, self.payload = driver, payload
         self.model, self.optimizer, self.loss_fn = self._load_model(keras, custom, distributed)
         with user_code("the metrics"):
-            self.metrics = resolve_metrics(keras, payload["metrics"], custom)
+            self.metrics = resolve_metrics(keras, payload.metrics, custom)
         readers = rank_readers(spec, spec.rank, spec.world_size)
         self.train_reader, self.val_reader = readers["train"], readers.get("val")
         self.train_steps = strategy.steps_per_epoch(spec.train_steps or len(self.train_reader))
-        self.transform = payload.get("transformation_fn")
+        self.transform = payload.transformation_fn
         self.feed = BatchFeed.for_spec(spec, self.transform)
         atexit.register(self.feed.close)  # this worker process ends with the fit, whichever way
         strategy.compile(tf, self.forward, self.model, self.optimizer)
@@ -175,14 +177,14 @@ class _KerasEpochs:
                              self.run_epoch(step_fn, self.train_reader, epoch, report, steps),
                              step_reporter=self.step_reporter)
         self.reporter: Optional[StepReporter] = None  # the driver's, for the current epoch
-        self.callbacks = list(payload.get("callbacks") or [])
+        self.callbacks = list(payload.callbacks or [])
         self.checkpoint_file = os.path.join(workdir, "checkpoint.keras")
         self.best: Any = None  # checkpoint_callback's save_best_only: rank 0's BestModel
 
     def _load_model(self, keras: Any, custom: Dict[str, Any], distributed: Any
                     ) -> Tuple[Any, Any, Any]:
         """The model, optimizer and per-row loss, from the run's checkpoint when it has one."""
-        model_bytes, optimizer_state = self.payload["model"], None
+        model_bytes, optimizer_state = self.payload.model, None
         resumed = self.driver.resume_bytes()
         if resumed is not None:
             try:
@@ -200,7 +202,7 @@ class _KerasEpochs:
                                      optimizer_state)
             self.strategy.prepare_optimizer(model, optimizer)
             with user_code("the loss"):
-                loss_fn = per_row_loss(keras, self.payload["loss"])
+                loss_fn = per_row_loss(keras, self.payload.loss)
         return model, optimizer, loss_fn
 
     def forward(self, x: Any, y: Any, w: Any, training: bool) -> Tuple[Any, Any, List[Any]]:
@@ -365,7 +367,7 @@ class _KerasEpochs:
         return ModelFile.of(url, spec.storage_options)
 
 
-def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[str, Any]:
+def train(spec: KerasTrainSpec, payload: KerasPayload, workdir: str) -> Dict[str, Any]:
     """Train this process's part of the fit; rank 0 returns the fitted model (a file in the
     store), the history, why training stopped and the output shapes, the others ``{}``."""
     import tensorflow as tf
@@ -373,8 +375,8 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
 
     if spec.seed is not None:
         keras.utils.set_random_seed(spec.seed)
-    custom = loading_objects(keras, payload["custom_objects"])
-    strategy = payload["strategy"](spec)
+    custom = loading_objects(keras, payload.custom_objects)
+    strategy = payload.strategy(spec)
     distributed = strategy.distribute(tf)
     driver = EpochDriver.for_spec(
         spec, rank=spec.rank, world_size=spec.world_size, attempt=spec.attempt, log=_print,
@@ -399,13 +401,11 @@ def train(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> Dict[s
 
 def main(workdir: str) -> int:
     try:
-        import cloudpickle
-
         spec = read_spec(workdir)
         with open(os.path.join(workdir, PAYLOAD_FILE), "rb") as f:
-            payload = cloudpickle.load(f)
+            payload = KerasPayload.loads(f.read())
         if spec.role:  # serves the strategy's cluster until its task kills it
-            payload["strategy"](spec).serve(payload, workdir)
+            payload.strategy(spec).serve(payload, workdir, batch_tensors)
             return 0
         try:
             result = train(spec, payload, workdir)

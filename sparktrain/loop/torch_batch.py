@@ -22,7 +22,7 @@ import torch
 
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.gpus import cuda_ordinal, rank_gpu
-from sparktrain.loop.spec import TorchTrainSpec
+from sparktrain.options.spec import TorchTrainSpec
 
 
 def select_device(ctx: RankContext, use_gpu: bool) -> torch.device:

@@ -1,8 +1,9 @@
 """The PyTorch training loop that runs inside each barrier task (executor side).
 
 Everything it needs arrives as a :class:`TorchTrainSpec` of plain values plus one cloudpickled
-payload ``(model, optimizer, loss, metrics, callbacks)``: pickled together, the optimizer keeps
-pointing at the model's own parameters after unpickling.
+:class:`~sparktrain.options.payload.TorchPayload` (the model and optimizer, pickled together so
+the optimizer keeps pointing at the model's own parameters after unpickling, the loss, metrics,
+callbacks, and the strategy and engine classes).
 
 Conventions (shared with :class:`~sparktrain.estimators.torch.TorchModel`):
 
@@ -24,7 +25,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import cloudpickle
 import numpy as np
 import torch
 
@@ -43,7 +43,8 @@ from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.elastic import for_rank, scaling_ranks
 from sparktrain.faults import mark_user_error, user_code
-from sparktrain.loop.spec import TorchTrainSpec
+from sparktrain.options.payload import TorchPayload
+from sparktrain.options.spec import TorchTrainSpec
 from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
 from sparktrain.strategies.torch_blocks import blocks, checkpoint_activations
 from sparktrain.strategies.torch_strategy import StrategyConfig, TorchStrategy
@@ -283,50 +284,49 @@ class _TorchEpochs:
 
 
 def _strategy(spec: TorchTrainSpec, dist: Any, device: torch.device,
-              extras: Dict[str, Any], built_on_rank: bool) -> TorchStrategy:
+              payload: TorchPayload, built_on_rank: bool) -> TorchStrategy:
     """The strategy the estimator resolved on the driver (its class travels in the payload,
     so a strategy registered only there works), else the one registered here by name.
     ``built_on_rank``: a model callable built the model here (its weights may differ by rank)."""
-    cls = extras.get("strategy") or load_strategy(TORCH_STRATEGIES, spec.strategy)
+    cls = payload.strategy or load_strategy(TORCH_STRATEGIES, spec.strategy)
     config = StrategyConfig(mixed_precision=_autocast_dtype(spec),
                             gradient_compression=spec.gradient_compression,
                             backward_passes_per_step=spec.backward_passes_per_step,
                             same_weights_everywhere=not built_on_rank,
-                            options=dict(extras.get("strategy_options") or {}))
+                            options=dict(payload.strategy_options or {}))
     return cls(dist, device, config)
 
 
 @dataclass
-class _Payload:
-    """The training payload, unpickled (see the module docstring)."""
+class _Loaded:
+    """The training payload, unpickled, with its model and optimizer loaded."""
 
-    shipped: Any  # the model's ShippedModule (a BuiltModule when a callable builds it here)
+    payload: TorchPayload
     model: torch.nn.Module
     optimizer: Any
-    loss: Any
-    metrics: Any
-    callbacks: List[Any]
-    transform: Optional[Callable]
-    extras: Dict[str, Any]  # Horovod's loss_constructors, train_minibatch_fn, the strategy...
 
     @classmethod
-    def loads(cls, blob: bytes, state: Any = None) -> "_Payload":
+    def loads(cls, blob: bytes, state: Any = None) -> "_Loaded":
         """``state``: what ``ShippedModule.load`` builds the model around (the driver's tensors,
         ``"meta"``), else the shipped weights."""
-        shipped, loss, metrics, callbacks, transform, *more = cloudpickle.loads(blob)
+        payload = TorchPayload.loads(blob)
         # weights memory-mapped from the store's file (copied to this host once if remote)
-        model, optimizer = shipped.load(state)
-        return cls(shipped, model, optimizer, loss, metrics, list(callbacks or []), transform,
-                   more[0] if more else {})
+        model, optimizer = payload.model.load(state)
+        return cls(payload, model, optimizer)
+
+    @property
+    def built_here(self) -> bool:
+        """Whether a model callable built the model on this rank (no shipped weights)."""
+        return isinstance(self.payload.model, BuiltModule)
 
     def loss_and_forward(self, spec: TorchTrainSpec, optimizer: Any, device: torch.device,
                          rank: int, world_size: int) -> Tuple[LossComputer, ForwardRule]:
         """The loss computer and how the model is called; ``optimizer``: the one training (a
         strategy's), which Horovod's ``loss_constructors`` receive."""
-        loss, n_labels = self.loss, len(spec.label_cols)
-        if self.extras.get("loss_constructors") is not None:
+        loss, n_labels = self.payload.loss, len(spec.label_cols)
+        if self.payload.loss_constructors is not None:
             with user_code("loss_constructors"):
-                loss = build_losses(self.extras["loss_constructors"], n_labels, model=self.model,
+                loss = build_losses(self.payload.loss_constructors, n_labels, model=self.model,
                                     optimizer=optimizer, device=device, rank=rank,
                                     world_size=world_size)
         compute_loss = LossComputer(loss, n_labels, bool(spec.sample_weight_col),
@@ -348,12 +348,12 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     blob = payload.value if hasattr(payload, "value") else payload
     with user_code("unpickling the model, optimizer, loss, metrics and callbacks on the "
                    "executor (its Python needs the modules and versions they were made with)"):
-        shipped = _Payload.loads(blob)
+        shipped = _Loaded.loads(blob)
     del blob
     # a model the rank built: its pickle (weights by key) for the fitted model, taken before
     # a strategy wraps it
     architecture = dumps_without_weights(shipped.model, shipped.model) \
-        if ctx.rank == 0 and isinstance(shipped.shipped, BuiltModule) else None
+        if ctx.rank == 0 and shipped.built_here else None
     driver = EpochDriver.for_spec(
         spec, rank=ctx.rank, world_size=ctx.world_size, attempt=ctx.attempt, log=ctx.log,
         progress=ctx.progress, board=lambda: _TensorBoard(spec.run_path, spec.storage_options),
@@ -362,16 +362,18 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
 
     readers = rank_readers(spec, ctx.rank, ctx.world_size, ctx.rows, ctx.all_gather)
     train_steps = spec.train_steps or len(readers["train"])
-    feed = BatchFeed.for_spec(spec, shipped.transform)
-    dist = load_backend(TORCH_BACKENDS, spec.backend)(ctx, device)
+    feed = BatchFeed.for_spec(spec, shipped.payload.transformation_fn)
+    # the engine the estimator resolved (so one registered only on the driver works)
+    engine = shipped.payload.engine or load_backend(TORCH_BACKENDS, spec.backend)
+    dist = engine(ctx, device)
     try:
         driver.agree(lambda values: _all_reduce(dist, device, values))
         strategy, trained, step_rule = _set_up(spec, ctx, shipped, driver, dist, device)
         compute_loss, forward = shipped.loss_and_forward(spec, step_rule.optimizer, device,
                                                          ctx.rank, ctx.world_size)
         epochs = _TorchEpochs(spec, ctx, dist, device, strategy, shipped.model, trained, forward,
-                              step_rule, compute_loss, named_metrics(shipped.metrics),
-                              shipped.callbacks, feed, readers,
+                              step_rule, compute_loss, named_metrics(shipped.payload.metrics),
+                              list(shipped.payload.callbacks or []), feed, readers,
                               driver.meta.get("output_shapes", []))
         driver.start(train_steps, f"{ctx.world_size} rank(s), backend {spec.backend!r}, "
                                   f"strategy {spec.strategy!r}, this rank on "
@@ -397,11 +399,11 @@ def _prepare_process(spec: TorchTrainSpec, ctx: RankContext) -> None:
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
-def _set_up(spec: TorchTrainSpec, ctx: RankContext, shipped: _Payload, driver: EpochDriver,
+def _set_up(spec: TorchTrainSpec, ctx: RankContext, shipped: _Loaded, driver: EpochDriver,
             dist: Any, device: torch.device) -> Tuple[TorchStrategy, torch.nn.Module, _Step]:
     """The model and optimizer resumed from the run's checkpoint (or with the learning rate
     scaled) and set up by the strategy: the strategy, the module training and the step rule."""
-    model, optimizer, extras = shipped.model, shipped.optimizer, shipped.extras
+    model, optimizer, payload = shipped.model, shipped.optimizer, shipped.payload
     resumed = driver.resume_bytes()
     state = restore(resumed, model, optimizer, driver.resume.payload_path) \
         if resumed is not None else {}
@@ -409,20 +411,20 @@ def _set_up(spec: TorchTrainSpec, ctx: RankContext, shipped: _Payload, driver: E
         factor = scaling_ranks(spec, ctx.world_size) * spec.backward_passes_per_step
         for group in optimizer.param_groups:
             group["lr"] = group["lr"] * factor
-    recompute = extras.get("activation_checkpointing")
+    recompute = payload.activation_checkpointing
     if recompute:
-        wrap = extras.get("fsdp_wrap")
+        wrap = payload.fsdp_wrap
         checkpoint_activations(blocks(model, wrap if recompute is True else recompute))
     # resumed or shipped weights come from one file, the same on every rank
-    strategy = _strategy(spec, dist, device, extras, built_on_rank=resumed is None
-                         and isinstance(shipped.shipped, BuiltModule))
+    strategy = _strategy(spec, dist, device, payload,
+                         built_on_rank=resumed is None and shipped.built_here)
     trained, optimizer = strategy.setup(model, optimizer)
     scaler = strategy.grad_scaler() if _autocast_dtype(spec) == torch.float16 else None
-    schedule = Schedule.build(extras.get("lr_scheduler"), optimizer, spec.lr_scheduler_interval)
+    schedule = Schedule.build(payload.lr_scheduler, optimizer, spec.lr_scheduler_interval)
     if schedule is not None and state.get("scheduler") is not None:
         schedule.restore(state["scheduler"])
     step_rule = _Step(optimizer, strategy, spec.backward_passes_per_step, scaler,
-                      minibatch_fn=extras.get("train_minibatch_fn"),
+                      minibatch_fn=payload.train_minibatch_fn,
                       keep_label_shapes=bool(spec.label_shapes), schedule=schedule)
     return strategy, trained, step_rule
 
@@ -452,22 +454,22 @@ def _all_reduce(dist: Any, device: torch.device, values: Sequence[float]) -> Lis
 
 def check_batch(spec: TorchTrainSpec, blob: bytes, batch: Dict[str, np.ndarray],
                 state: Dict[str, torch.Tensor]) -> None:
-    """Driver-side preflight (see :mod:`.preflight`): what one validation step of training
-    runs (``transformation_fn``, the batch's tensors, the forward pass, the loss and the
-    metrics) on ``batch``, on the CPU without gradients, with the model unpickled from the
-    training payload ``blob`` around the driver's tensors ``state`` (no copy of the weights;
-    nothing writes them without gradients).
+    """Driver-side preflight (see :mod:`sparktrain.estimators.preflight`): what one validation
+    step of training runs (``transformation_fn``, the batch's tensors, the forward pass, the
+    loss and the metrics) on ``batch``, on the CPU without gradients, with the model unpickled
+    from the training payload ``blob`` around the driver's tensors ``state`` (no copy of the
+    weights; nothing writes them without gradients).
 
     Raises what training would raise; ``PreflightError`` is built from it by the caller.
     """
-    shipped = _Payload.loads(blob, state)
-    model, metrics = shipped.model, shipped.metrics
+    shipped = _Loaded.loads(blob, state)
+    model, metrics = shipped.model, shipped.payload.metrics
     on_meta = any(p.is_meta for p in model.parameters())
     device = torch.device("meta" if on_meta else "cpu")
     if on_meta:
         metrics = []  # metrics may read values (.item(), numpy), which meta tensors do not have
     compute_loss, forward = shipped.loss_and_forward(spec, shipped.optimizer, device, 0, 1)
-    batches = BatchFeed(shipped.transform, spec.model_columns())([batch])
+    batches = BatchFeed(shipped.payload.transformation_fn, spec.model_columns())([batch])
     _run_epoch(model, forward, batches, 1, Batches(spec, device), compute_loss,
                named_metrics(metrics),
                spec.label_cols, autocast=_autocast_dtype(spec) if spec.mixed_precision == "bf16"

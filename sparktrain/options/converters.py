@@ -1,13 +1,17 @@
 """Value converters of sparktrain's options: each checks one value and says what was expected
-(the ``typeConverter`` of the option's ``pyspark.ml.param.Param``).
+(the ``typeConverter`` of the option's ``pyspark.ml.param.Param``), so a bad value fails when
+it is set, before any fit.
 
 Plain Python, no ``pyspark.ml``: the declarations that name them are read on the ranks too.
 The basic ones (:func:`to_int`, :func:`to_bool`, ...) accept what ``pyspark.ml.param.
 TypeConverters`` accepts, with the same messages, and any NumPy number (pyspark's refuse
-``float32`` and ``int32``).
+``float32`` and ``int32``). The others word their errors one way, ``<option> must be ...,
+got <value>``: a ``TypeError`` for a value of the wrong kind (pyspark prefixes it with
+``Invalid param value given for param "<option>".``), a ``ValueError`` for one out of range.
 
 Example::
 
+    to_count("epochs", 1)(0)        # ValueError: epochs must be an integer >= 1, got 0
     to_shapes("input_shapes")([[-1, 1, 8, 8]])     # [[-1, 1, 8, 8]]
     to_shapes("input_shapes")([-1, 8])             # TypeError: ... wrap it as [[-1, 8]]
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import numbers
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from sparktrain.options.horovod import compression_name
 from sparktrain.plugins import load
 
 MIXED_PRECISION = ("bf16", "fp16")
@@ -94,7 +99,7 @@ def to_strategy(value: Any) -> str:
         hint = f" ({value!r} is a KerasEstimator strategy; TorchEstimator replicates the " \
                f"model with 'ddp' or shards parameters and optimizer state across ranks " \
                f"with 'fsdp')" if value in KERAS_STRATEGIES else ""
-        raise ValueError(f"strategy must be one of {sorted(TORCH_STRATEGIES)}, found "
+        raise ValueError(f"strategy must be one of {sorted(TORCH_STRATEGIES)}, got "
                          f"{value!r}{hint}; register your own with "
                          f"sparktrain.strategies.register_torch_strategy")
     return value
@@ -106,14 +111,14 @@ def to_module_classes(name: str, allow: type) -> Callable[[Any], Any]:
         if value is None or (isinstance(value, allow)
                              and (allow is bool or not isinstance(value, bool))):
             if allow is int and value < 1:
-                raise ValueError(f"{name}: a minimum parameter count must be >= 1, found "
-                                 f"{value}")
+                raise ValueError(f"{name} must be a minimum parameter count >= 1 or a list of "
+                                 f"torch.nn.Module subclasses, got {value}")
             return value
         items = list(value) if isinstance(value, (list, tuple, set)) else [value]
         if not items or not all(isinstance(c, type) for c in items):
             kinds = "True, " if allow is bool else "a minimum parameter count, "
-            raise TypeError(f"{name} takes {kinds}or a list of torch.nn.Module subclasses "
-                            f"(e.g. [TransformerBlock]); found {value!r}")
+            raise TypeError(f"{name} must be {kinds}or a list of torch.nn.Module subclasses "
+                            f"(e.g. [TransformerBlock]), got {value!r}")
         return items
     return convert
 
@@ -122,24 +127,17 @@ def to_validation(value: Any) -> Any:
     """``validation`` is a fraction in [0, 1) or the name of a boolean column."""
     if value is None or isinstance(value, str):
         return value
-    if isinstance(value, bool):
-        raise TypeError("validation must be a fraction in [0, 1) or a boolean column name, not a bool")
-    return to_float(value)
+    expected = "validation must be a fraction in [0, 1) or the name of a boolean column"
+    if not _is_number(value):
+        raise TypeError(f"{expected}, got {value!r}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{expected}, got {value!r}")
+    return float(value)
 
 
 def to_optional_bool(value: Any) -> Optional[bool]:
     """``None`` (the default decides) or a bool."""
     return None if value is None else to_bool(value)
-
-
-def to_optional_int(value: Any) -> Optional[int]:
-    """``None`` (the default decides) or an int."""
-    return None if value is None else to_int(value)
-
-
-def to_optional_float(value: Any) -> Optional[float]:
-    """``None`` (the default decides) or a float."""
-    return None if value is None else to_float(value)
 
 
 def to_resource_profile(value: Any) -> Any:
@@ -148,7 +146,7 @@ def to_resource_profile(value: Any) -> Any:
 
     if value is not None and not isinstance(value, ResourceProfile):
         raise TypeError(f"resource_profile must be a pyspark.resource.ResourceProfile (from "
-                        f"ResourceProfileBuilder().require(...).build), found "
+                        f"ResourceProfileBuilder().require(...).build), got "
                         f"{type(value).__name__}")
     return value
 
@@ -158,7 +156,7 @@ def to_mixed_precision(value: Any) -> Optional[str]:
     if value is None:
         return None
     if value not in MIXED_PRECISION:
-        raise ValueError(f"mixed_precision={value!r}; expected None, 'bf16' or 'fp16'")
+        raise ValueError(f"mixed_precision must be None, 'bf16' or 'fp16', got {value!r}")
     return value
 
 
@@ -173,11 +171,11 @@ def to_backend_name(value: Any) -> str:
             hint = f" (num_proc={int(ranks())} for this one)"
         except Exception:  # noqa: BLE001 - only a hint
             hint = ""
-    raise TypeError(f"backend={type(value).__name__} object; sparktrain's backend is the name "
-                    f"of the distributed engine: 'torch' or 'horovod' for TorchEstimator, "
-                    f"'tensorflow' or 'tfos' for KerasEstimator. Horovod's Backend objects are "
-                    f"not used: ranks are Spark barrier tasks, set their number with "
-                    f"num_proc=N{hint}")
+    raise TypeError(f"backend must be the name of the distributed engine ('torch' or "
+                    f"'horovod' for TorchEstimator, 'tensorflow' or 'tfos' for "
+                    f"KerasEstimator), got a {type(value).__name__} object. Horovod's Backend "
+                    f"objects are not used: ranks are Spark barrier tasks, set their number "
+                    f"with num_proc=N{hint}")
 
 
 def to_shapes(name: str) -> Any:
@@ -187,17 +185,17 @@ def to_shapes(name: str) -> Any:
         expected = (f"{name} must be a list with one shape per column, each a list of ints "
                     f"(-1 for the batch dimension), e.g. {example}")
         if not isinstance(value, (list, tuple)) or not value:
-            raise TypeError(f"{expected}; found {value!r}")
+            raise TypeError(f"{expected}, got {value!r}")
         if all(isinstance(d, int) and not isinstance(d, bool) for d in value):
-            raise TypeError(f"{expected}; found the single shape {list(value)!r}: wrap it as "
+            raise TypeError(f"{expected}, got the single shape {list(value)!r}: wrap it as "
                             f"[{list(value)!r}]")
         shapes = []
         for shape in value:
             if not isinstance(shape, (list, tuple)) or not shape or \
                     not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-                raise TypeError(f"{expected}; found {value!r}")
+                raise TypeError(f"{expected}, got {value!r}")
             if any(d == 0 or d < -1 for d in shape) or list(shape).count(-1) > 1:
-                raise TypeError(f"{expected}; found {list(shape)!r} (dimensions are >= 1, and at "
+                raise TypeError(f"{expected}, got {list(shape)!r} (dimensions are >= 1, and at "
                                 f"most one is -1)")
             shapes.append([int(d) for d in shape])
         return shapes
@@ -208,12 +206,12 @@ def to_loss_weights(value: Any) -> List[float]:
     """One number per label column."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         raise TypeError(f"loss_weights must be a list with one number per label column, e.g. "
-                        f"[1.0, 0.5]; found the single number {value!r}")
+                        f"[1.0, 0.5], got the single number {value!r}")
     try:
         weights = to_list_float(value)
     except TypeError:
         raise TypeError(f"loss_weights must be a list with one number per label column, e.g. "
-                        f"[1.0, 0.5]; found {value!r}") from None
+                        f"[1.0, 0.5], got {value!r}") from None
     return weights
 
 
@@ -232,13 +230,13 @@ def to_env(value: Any) -> Dict[str, str]:
     """Environment variables (name -> str or number) as :class:`EnvVars`."""
     if not isinstance(value, dict):
         raise TypeError(f"backend_env must be a dict of environment variables (name -> value), "
-                        f"found {type(value).__name__}")
+                        f"got {type(value).__name__}")
     env = EnvVars()
     for key, item in value.items():
         if not isinstance(key, str) or not key or "=" in key or \
                 not isinstance(item, (str, int, float)) or isinstance(item, bool):
             raise TypeError(f"backend_env must map variable names (str, no '=') to str or "
-                            f"number values; found {key!r}: {item!r}")
+                            f"number values, got {key!r}: {item!r}")
         env[key] = str(item)
     return env
 
@@ -247,20 +245,67 @@ def to_choice(name: str, choices: Sequence[str]) -> Any:
     """Converter for ``name``, whose value is one of ``choices``."""
     def convert(value: Any) -> str:
         if value not in choices:
-            raise ValueError(f"{name}={value!r}; expected one of {list(choices)}")
+            raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
         return value
     return convert
 
 
 def to_count(name: str, minimum: int = 0, optional: bool = False) -> Any:
-    """Converter for ``name``, an integer >= ``minimum`` (or ``None`` when ``optional``)."""
+    """Converter for ``name``, an integer >= ``minimum`` (an integral float or NumPy integer
+    too); ``None`` is a value only when ``optional``, refused otherwise even where pyspark
+    skips the converter (its ``checks_none``, see :mod:`.params`).
+
+    Example::
+
+        to_count("num_proc", 1)(2.0)            # 2
+        to_count("num_proc", 1)(0)     # ValueError: num_proc must be an integer >= 1, got 0
+        to_count("val_batch_size", 1, optional=True)(None)   # None
+    """
+    expected = f"{name} must be {'None or ' if optional else ''}an integer >= {minimum}"
+
     def convert(value: Any) -> Optional[int]:
         if value is None and optional:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise TypeError(f"{name} must be an integer >= {minimum}, found {value!r}")
+        if not (_is_number(value) and float(value).is_integer()):
+            raise TypeError(f"{expected}, got {value!r}")
+        if value < minimum:
+            raise ValueError(f"{expected}, got {int(value)}")
+        return int(value)
+    convert.checks_none = not optional  # type: ignore[attr-defined]
+    return convert
+
+
+def to_seconds(name: str) -> Any:
+    """Converter for ``name``: ``None`` or a number of seconds > 0."""
+    expected = f"{name} must be None or a number of seconds > 0"
+
+    def convert(value: Any) -> Optional[float]:
+        if value is None:
+            return None
+        if not _is_number(value):
+            raise TypeError(f"{expected}, got {value!r}")
+        if not value > 0:  # NaN too
+            raise ValueError(f"{expected}, got {value!r}")
+        return float(value)
+    return convert
+
+
+def to_function(name: str, contract: str) -> Any:
+    """Converter for ``name``: ``None`` or a callable (``contract`` says what it takes and
+    returns, for the error)."""
+    def convert(value: Any) -> Any:
+        if value is not None and not callable(value):
+            raise TypeError(f"{name} must be a function {contract}, got {type(value).__name__}")
         return value
     return convert
+
+
+def to_compression(value: Any) -> Any:
+    """``gradient_compression``: Horovod's ``Compression.fp16``/``Compression.none``, ``'fp16'``,
+    ``'none'`` or ``None``, kept as given (see
+    :func:`~sparktrain.options.horovod.compression_name`)."""
+    compression_name(value)
+    return value
 
 
 def to_keras_strategy(value: Any) -> str:
@@ -270,14 +315,6 @@ def to_keras_strategy(value: Any) -> str:
     if value not in KERAS_STRATEGIES:
         hint = " (TorchEstimator's strategies; Keras trains data parallel with " \
                "'multi_worker_mirrored')" if value in TORCH_STRATEGIES else ""
-        raise ValueError(f"strategy must be one of {sorted(KERAS_STRATEGIES)}, found "
+        raise ValueError(f"strategy must be one of {sorted(KERAS_STRATEGIES)}, got "
                          f"{value!r}{hint}")
-    return value
-
-
-def to_num_ps(value: Any) -> int:
-    """At least one parameter server."""
-    value = to_int(value)
-    if value < 1:
-        raise ValueError(f"num_ps must be at least 1 (parameter servers), found {value}")
     return value

@@ -3,7 +3,7 @@
 An :class:`Option` holds a knob's name, doc, default, value converter, keyword type and whether
 (and under which name) it reaches the rank loops. From these tables come the Spark ML
 ``Param`` classes with ``get``/``set`` accessors (:mod:`.params`), the estimators' constructor
-keywords (:mod:`.keywords`), the fields of the rank loops' specs (:mod:`sparktrain.loop.spec`)
+keywords (:mod:`.keywords`), the fields of the rank loops' specs (:mod:`.spec`)
 and the parameter table of docs/usage.md (:mod:`.docs`). Adding an option is one row here plus
 the code that uses it.
 
@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from sparktrain.options.converters import BATCH_RULES, INPUT_MODES, INTERVALS, MP_START_METHODS, \
-    READER_POOL_TYPES, EnvVars, to_backend_name, to_bool, to_choice, to_count, to_env, \
-    to_int, to_keras_strategy, to_list_string, to_loss_weights, to_mixed_precision, \
-    to_module_classes, to_num_ps, to_optional_bool, to_optional_float, to_optional_int, \
-    to_resource_profile, to_shapes, to_strategy, to_string, to_validation
+    READER_POOL_TYPES, EnvVars, to_backend_name, to_bool, to_choice, to_compression, to_count, \
+    to_env, to_function, to_int, to_keras_strategy, to_list_string, to_loss_weights, \
+    to_mixed_precision, to_module_classes, to_optional_bool, to_resource_profile, to_seconds, \
+    to_shapes, to_strategy, to_string, to_validation
 
 
 class _Unset:
@@ -73,7 +73,8 @@ _SHAPES = Optional[List[List[int]]]
 
 #: what every estimator takes (Horovod's ``EstimatorParams`` plus sparktrain's own)
 COMMON = (
-    Option("num_proc", "number of training processes (Spark barrier tasks)", 1, to_int, _INTS),
+    Option("num_proc", "number of training processes (Spark barrier tasks)", 1,
+           to_count("num_proc", 1), _INTS),
     Option("model", "the model to train (framework object)", UNSET, python_object=True),
     Option("optimizer", "optimizer bound to the model's parameters", UNSET, python_object=True),
     Option("loss", "loss function or module", UNSET, python_object=True),
@@ -89,10 +90,12 @@ COMMON = (
            "Parquet once, reused by later fits of the same DataFrame) or 'stream' (the training "
            "stage reads the DataFrame's partitions itself, nothing written to the store)",
            "store", to_choice("input_mode", INPUT_MODES), Optional[str], rank=True),
-    Option("batch_size", "rows per batch on each process", 32, to_int, _INTS, rank=True),
-    Option("val_batch_size", "rows per validation batch (default: batch_size)", None, to_int,
-           _INTS, rank=True),
-    Option("epochs", "number of passes over the training data", 1, to_int, _INTS, rank=True),
+    Option("batch_size", "rows per batch on each process", 32, to_count("batch_size", 1), _INTS,
+           rank=True),
+    Option("val_batch_size", "rows per validation batch (default: batch_size)", None,
+           to_count("val_batch_size", 1, optional=True), _INTS, rank=True),
+    Option("epochs", "number of passes over the training data", 1, to_count("epochs", 1), _INTS,
+           rank=True),
     Option("shuffle", "shuffle training rows every epoch", True, to_bool, Optional[bool],
            rank=True),
     Option("random_seed", "seed for shuffling, splits and the framework", None, to_int, _INTS,
@@ -110,37 +113,42 @@ COMMON = (
     Option("use_gpu", "train on the GPU Spark assigned to each task (default: when tasks have "
            "GPUs)", None, to_optional_bool, Optional[bool]),
     Option("train_steps_per_epoch", "training batches per epoch and rank (default: one pass "
-           "over the rank's rows)", None, to_optional_int, _INTS, rank="train_steps"),
+           "over the rank's rows)", None, to_count("train_steps_per_epoch", 1, optional=True),
+           _INTS, rank="train_steps"),
     Option("validation_steps_per_epoch", "validation batches per epoch and rank (default: "
-           "all)", None, to_optional_int, _INTS, rank="val_steps"),
+           "all)", None, to_count("validation_steps_per_epoch", 1, optional=True), _INTS,
+           rank="val_steps"),
     Option("transformation_fn", "function applied on the worker to every batch, a dict of "
            "numpy arrays by column name, before training and validation steps", None,
-           hint=Optional[Callable], python_object=True),
+           to_function("transformation_fn", "taking and returning a dict of numpy arrays by "
+                       "column name"), hint=Optional[Callable], python_object=True),
     Option("predict_transformation_fn", "function applied to every prediction batch (a dict "
            "of numpy arrays of the feature columns, no labels) before the model: decoding "
            "without training's augmentation. Default: transformation_fn when a feature column "
            "is binary, string, an image or of variable length, else none", None,
-           hint=Optional[Callable], python_object=True),
+           to_function("predict_transformation_fn", "taking and returning a dict of numpy "
+                       "arrays by column name"), hint=Optional[Callable], python_object=True),
     Option("inmemory_cache_all", "keep each rank's whole shard in memory after the first "
            "epoch", False, to_bool, Optional[bool], rank=True,
            horovod_accessor="InMemoryCacheAll"),
     Option("backward_passes_per_step", "batches whose gradients are accumulated before each "
-           "optimizer step", 1, to_int, _INTS, rank=True),
+           "optimizer step", 1, to_count("backward_passes_per_step", 1), _INTS, rank=True),
     Option("scale_learning_rate", "multiply the learning rate by num_proc * "
            "backward_passes_per_step (linear scaling rule)", False, to_bool, Optional[bool],
            rank=True),
     Option("mixed_precision", "autocast precision: None (off), 'bf16' (CPU or GPU) or 'fp16' "
            "(GPU)", None, to_mixed_precision, Optional[str], rank=True),
     Option("max_time", "seconds after which training stops at the end of an epoch", None,
-           to_optional_float, Optional[float]),
+           to_seconds("max_time"), Optional[float]),
     Option("max_attempts", "attempts of the training stage before a fit fails on a fault (a "
            "lost process or executor, a store error: retried from the checkpoint); an error "
            "raised by user code fails the fit at once (default and upper bound: "
-           "spark.stage.maxConsecutiveAttempts)", None, to_optional_int, _INTS),
+           "spark.stage.maxConsecutiveAttempts)", None,
+           to_count("max_attempts", 1, optional=True), _INTS),
     Option("min_num_proc", "the fewest training processes of an elastic fit (default: "
            "num_proc, not elastic): the fit starts with the free task slots up to num_proc, "
-           "continues with fewer ranks when a machine is lost and grows back", None, to_int,
-           _INTS),
+           "continues with fewer ranks when a machine is lost and grows back", None,
+           to_count("min_num_proc", 1, optional=True), _INTS),
     Option("elastic_batch", "'global' (default): a generation with fewer ranks keeps the "
            "global batch batch_size * num_proc (larger batches per rank); 'rank': it keeps "
            "batch_size per rank", "global", to_choice("elastic_batch", BATCH_RULES),
@@ -154,15 +162,17 @@ COMMON = (
     Option("loss_weights", "weight of each label column's loss in the total loss (default: 1 "
            "each)", None, to_loss_weights, Optional[List[float]], rank=True),
     Option("gradient_compression", "gradient compression for the all-reduce: Horovod's "
-           "Compression.fp16 (or 'fp16'), Compression.none (or None)", None,
+           "Compression.fp16 (or 'fp16'), Compression.none (or None)", None, to_compression,
            python_object=True),
     Option("backend_env", "environment variables set in every rank's process while it trains",
            EnvVars(), to_env, Optional[Dict[str, str]], rank=True, hidden=True),
     Option("train_reader_num_workers", "row groups the training reader decodes ahead "
-           "(Petastorm: reader worker count)", None, to_count("train_reader_num_workers"),
-           _INTS, horovod_accessor="TrainReaderNumWorker"),
+           "(Petastorm: reader worker count)", None,
+           to_count("train_reader_num_workers", optional=True), _INTS,
+           horovod_accessor="TrainReaderNumWorker"),
     Option("val_reader_num_workers", "row groups the validation reader decodes ahead "
-           "(Petastorm: reader worker count)", None, to_count("val_reader_num_workers"), _INTS,
+           "(Petastorm: reader worker count)", None,
+           to_count("val_reader_num_workers", optional=True), _INTS,
            horovod_accessor="ValReaderNumWorker"),
     Option("reader_pool_type", "'thread' (read ahead in a thread, transformation_fn in the "
            "training thread), 'process' (transformation_fn in train_reader_num_workers worker "
@@ -170,11 +180,11 @@ COMMON = (
            "arrays), 'dummy' (read in the training thread)", "thread",
            to_choice("reader_pool_type", READER_POOL_TYPES), Optional[str]),
     Option("shuffle_buffer_size", "(Horovod: deprecated, unused) accepted and ignored with a "
-           "warning; use shuffle", None, to_count("shuffle_buffer_size"), _INTS,
+           "warning; use shuffle", None, to_count("shuffle_buffer_size", optional=True), _INTS,
            horovod_accessor="ShufflingBufferSize"),
     Option("partitions_per_process", "(Horovod: Parquet files per process) accepted and "
            "ignored with a warning: ranks read row ranges, not files", None,
-           to_count("partitions_per_process"), _INTS),
+           to_count("partitions_per_process", optional=True), _INTS),
     Option("mp_start_method", "start method of the decode worker processes: 'forkserver' "
            "(default on Linux) or 'spawn'; 'fork' is refused with a warning (forking a process "
            "holding Spark's and torch's threads can hang)", None,
@@ -205,7 +215,9 @@ TORCH = (
            "called on every rank instead of shipping loss", None, python_object=True),
     Option("train_minibatch_fn", "function running one training minibatch (Horovod's "
            "contract), replacing the built-in forward/backward/step", None,
-           hint=Optional[Callable], python_object=True),
+           to_function("train_minibatch_fn", "(model, optimizer, transform_outputs, loss_fn, "
+                       "inputs, labels, sample_weights, backward_passes_per_step, batch_idx) -> "
+                       "(outputs, loss)"), hint=Optional[Callable], python_object=True),
     Option("strategy", "'ddp' (every rank holds the whole model, DistributedDataParallel) or "
            "'fsdp' (parameters, gradients and optimizer state sharded across ranks, FSDP2; "
            "backend='torch' only)", "ddp", to_strategy, Optional[str], rank=True),
@@ -243,7 +255,8 @@ KERAS = (
            "backend='tensorflow' only)", "multi_worker_mirrored", to_keras_strategy,
            Optional[str], rank=True),
     Option("num_ps", "with strategy='parameter_server', how many of the num_proc tasks are "
-           "parameter servers (default 1; TensorFlowOnSpark's name)", None, to_num_ps, _INTS),
+           "parameter servers (default 1; TensorFlowOnSpark's name)", None,
+           to_count("num_ps", 1, optional=True), _INTS),
     Option("steps_per_execution", "training (and validation) steps per call of the compiled "
            "step function, their batches stacked (Keras' compile() param of that name): the "
            "same steps and updates in fewer calls, progress between calls. Default: up to 16, "
@@ -265,7 +278,7 @@ MODEL = (
     replace(_COMMON["label_cols"], default=UNSET, rank=False),
     Option("output_cols", "prediction column names (default: <label>__output per label "
            "column)", None, to_list_string, _STRS),
-    Option("batch_size", "rows per inference batch", 1024, to_int, _INTS),
+    Option("batch_size", "rows per inference batch", 1024, to_count("batch_size", 1), _INTS),
     _COMMON["run_id"],
     _COMMON["predict_transformation_fn"],
     Option("use_gpu", "predict on the first GPU Spark assigned to each task: None (default) "

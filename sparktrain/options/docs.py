@@ -52,7 +52,7 @@ def options_markdown() -> str:
     return "\n".join(
         ["Every option is a constructor keyword, a Spark ML `Param` and a `getX`/`setX` pair "
          "(`X`: the name in CamelCase). Options marked *on the ranks* reach the rank loops' "
-         "spec (`sparktrain.loop.spec`) under that name.", "", "Estimators:", "", *estimators,
+         "spec (`sparktrain.options.spec`) under that name.", "", "Estimators:", "", *estimators,
          "", "Models (`setX` on a fitted model; `TorchModel(...)` and `KerasModel(...)` take "
          "Horovod's constructor keywords):", "", *models])
 

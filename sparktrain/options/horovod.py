@@ -17,8 +17,7 @@ import math
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-# in the leaf errors module so that the store (a lower layer) can warn with it too; the
-# documented name sparktrain.options.horovod.IgnoredParamWarning stays
+# in the leaf errors module so that the store (a lower layer) can warn with it too
 from sparktrain.errors import IgnoredParamWarning
 
 DEFAULT_PREFETCH = 2  # ShardReader's read-ahead, and Horovod's default reader worker count
@@ -38,8 +37,8 @@ def compression_name(value: Any) -> Optional[str]:
         known = {"NoneCompressor": None, "FP16Compressor": "fp16"}
         if name in known:
             return known[name]
-    raise TypeError(f"gradient_compression={value!r}; expected horovod.torch.Compression.fp16, "
-                    f"Compression.none, 'fp16', 'none' or None")
+    raise TypeError(f"gradient_compression must be horovod.torch.Compression.fp16, "
+                    f"Compression.none, 'fp16', 'none' or None, got {value!r}")
 
 
 def check_shapes(name: str, shapes: Optional[Sequence], columns: Sequence[str],
@@ -83,10 +82,10 @@ def check_loss_weights(weights: Optional[Sequence[float]], label_cols: Sequence[
 
 
 def check_common(est: Any) -> None:
-    """Checks of the Horovod params every estimator has; run before launch."""
+    """Checks of the Horovod params every estimator has that span several options (each value
+    alone was checked when it was set); run before launch."""
     check_shapes("label_shapes", est.getLabelShapes(), est.getLabelCols(), "label")
     check_loss_weights(est.getLossWeights(), est.getLabelCols())
-    compression_name(est.getGradientCompression())
 
 
 def _ignored(est: Any) -> List[str]:

@@ -14,11 +14,10 @@ Example::
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, List, Optional, Sequence, Type
+from typing import Any, Callable, Dict, List, Sequence, Type
 
 from pyspark.ml.param import Param, Params
 
-from sparktrain.options.converters import EnvVars  # noqa: F401 - pickles name it here
 from sparktrain.options.declarations import COMMON, KERAS, MODEL, TORCH, TORCH_MODEL, UNSET, \
     Option
 
@@ -60,6 +59,24 @@ def add_accessors(cls: Type[Params], options: Sequence[Option]) -> None:
                     setattr(cls, method, function)
 
 
+class CheckedParams(Params):
+    """``Params`` whose converters judge ``None`` too where they say so (``checks_none``, as
+    :func:`~sparktrain.options.converters.to_count` of a required count does): pyspark's
+    ``_set`` skips the converter for ``None``.
+
+    Example::
+
+        TorchEstimator().setNumProc(None)   # TypeError: num_proc must be an integer >= 1, got None
+    """
+
+    def _set(self, **kwargs: Any) -> Params:
+        for name, value in kwargs.items():
+            convert = getattr(self, name).typeConverter
+            if value is None and getattr(convert, "checks_none", False):
+                convert(value)  # raises, naming the option
+        return super()._set(**kwargs)
+
+
 def params_class(name: str, options: Sequence[Option], doc: str) -> Type[Params]:
     """A ``Params`` subclass with a ``Param``, a default and accessors per option."""
     defaults = {o.name: o.default for o in options if o.default is not UNSET}
@@ -71,7 +88,7 @@ def params_class(name: str, options: Sequence[Option], doc: str) -> Type[Params]
 
     namespace: Dict[str, Any] = {o.name: Param(Params._dummy(), o.name, o.doc, o.convert)
                                  for o in options}
-    cls = type(name, (Params,), dict(namespace, __init__=__init__, __doc__=doc,
+    cls = type(name, (CheckedParams,), dict(namespace, __init__=__init__, __doc__=doc,
                                       __module__=__name__))
     add_accessors(cls, options)
     return cls
@@ -105,11 +122,6 @@ class ModelParams(params_class("_ModelOptions", MODEL, "The options in MODEL."))
     def getOutputCols(self) -> List[str]:
         cols = self.getOrDefault("output_cols")
         return list(cols) if cols else [f"{label}__output" for label in self.getLabelCols()]
-
-    def setPredictTransformationFn(self, value: Optional[Callable]) -> "ModelParams":
-        """The function ``transform`` applies to every batch (a dict of numpy arrays of the
-        feature columns) before the model; saved with the model, pickled by value."""
-        return self._set(predict_transformation_fn=value)
 
     # Horovod's ModelParams names (horovod.spark.common.params, 0.28.1), ``setLabelColoumns``
     # spelled as there too.

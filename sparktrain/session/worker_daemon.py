@@ -15,7 +15,7 @@ Arrow's jemalloc background thread: ``fork`` copies neither, and both libraries 
 in the child through ``pthread_atfork`` handlers (why PyTorch's DataLoader forks workers from
 processes with them imported). The daemon runs nothing of them before forking: no tensor op
 (no OpenMP pool), no CUDA. TensorFlow is not preloaded (Keras ranks fork from a template of
-their own, :mod:`.zygote`).
+their own, :mod:`sparktrain.launch.zygote`).
 
 ``SPARKTRAIN_DAEMON_PRELOAD`` (comma-separated module names, in the executors' environment)
 replaces the list; modules that are not installed are skipped.

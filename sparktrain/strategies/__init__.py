@@ -23,8 +23,9 @@ Example (a strategy of your own, see ``docs/engines-and-strategies.md``)::
 """
 from __future__ import annotations
 
-from typing import Dict, Union
+from typing import Dict, Tuple, Union
 
+from sparktrain.launch import backends_with, load_backend
 from sparktrain.plugins import load
 
 Entry = Union[str, type]
@@ -62,6 +63,22 @@ def register_keras_strategy(name: str, strategy: Entry) -> None:
     """Make ``KerasEstimator(strategy=name)`` train with ``strategy``, a subclass of
     :class:`sparktrain.strategies.keras_strategy.KerasStrategy` (or its ``"module:Class"``)."""
     _register(KERAS_STRATEGIES, "keras", name, strategy)
+
+
+def check_engine(strategy: type, name: str, engines: Dict[str, Tuple[Entry, str]],
+                 backend: str) -> type:
+    """The engine class registered in ``engines`` as ``backend``; a ``ValueError`` naming the
+    engines that fit when it lacks a capability in ``strategy.engine_needs`` (class attributes
+    of :mod:`sparktrain.launch.engine`'s interfaces), ``strategy.engine_note`` saying why.
+    Strategies ask this instead of comparing engine names."""
+    engine = load_backend(engines, backend)
+    needs = tuple(getattr(strategy, "engine_needs", ()))
+    if all(getattr(engine, capability, False) for capability in needs):
+        return engine
+    wanted = " or ".join(repr(b) for b in backends_with(engines, *needs)) or "(none registered)"
+    note = getattr(strategy, "engine_note", "")
+    raise ValueError(f"strategy={name!r} needs backend={wanted}, got backend={backend!r}"
+                     f"{': ' + note if note else ''}")
 
 
 def load_strategy(registry: Dict[str, Entry], name: str) -> type:

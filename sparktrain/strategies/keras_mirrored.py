@@ -6,7 +6,7 @@ documented pattern for custom training with ``tf.distribute``,
 tensorflow.org/tutorials/distribute/multi_worker_with_ctl). Keras 3's ``model.fit`` fails under
 this strategy (keras-team/keras#20585), hence a train step of sparktrain's own.
 
-Example (what ``keras_worker.train`` does with it)::
+Example (what ``keras_loop.train`` does with it)::
 
     strategy = MultiWorkerMirrored(spec)
     with strategy.distribute(tf).scope():
@@ -23,8 +23,6 @@ from sparktrain.strategies.keras_strategy import KerasStrategy, RankLoop, stacke
 
 class MultiWorkerMirrored(KerasStrategy):
     """Synchronous data parallel training, a model replica per barrier task."""
-
-    backends = ("tensorflow", "tfos")
 
     def distribute(self, tf: Any) -> Any:
         self.tf = tf

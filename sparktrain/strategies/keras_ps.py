@@ -24,7 +24,7 @@ each applying its own gradients to the variables on the parameter servers. spark
   ``num_ps > 1`` servers. A partitioner (splitting single variables) is not offered: Keras 3
   layers read ``variable.handle``, which TF's ``ShardedVariable`` does not have.
 
-Example (coordinator side, what ``ParameterServer`` does inside ``keras_worker.train``)::
+Example (coordinator side, what ``ParameterServer`` does inside ``keras_loop.train``)::
 
     strategy, coordinator = make_strategy(tf)
     iterator = iter(per_worker_dataset(tf, coordinator, spec.launch_info["shards"], 64, True, 0))
@@ -37,7 +37,8 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from sparktrain.launch.tf_protocol import READY, SHARD_INFO
-from sparktrain.loop.spec import KerasTrainSpec
+from sparktrain.options.payload import KerasPayload
+from sparktrain.options.spec import KerasTrainSpec
 from sparktrain.strategies.keras_strategy import KerasStrategy, RankLoop, stacked_steps
 
 
@@ -53,9 +54,10 @@ def task_role(rank: int, num_ps: int) -> Tuple[str, int]:
 class ParameterServer(KerasStrategy):
     """Asynchronous training: variables on ``num_ps`` servers, steps scheduled on workers."""
 
-    backends = ("tensorflow",)
-    backends_note = ("TensorFlowOnSpark runs its ps nodes in a forked process stopped through "
-                     "its driver-side shutdown, which sparktrain replaces (see the README)")
+    engine_needs = ("runs_strategy_roles",)  # chief, ps and worker tasks
+    engine_note = ("TensorFlowOnSpark runs its ps nodes in a forked process stopped through "
+                   "its driver-side shutdown, which sparktrain replaces (see the README)")
+    trains_on_own_rows = False  # ps tasks hold variables; workers get scheduled steps
     params = {"num_ps": "parameter servers"}
     elastic = False
     not_elastic_note = ("its tasks' roles (chief, workers, num_ps parameter servers holding the "
@@ -70,7 +72,7 @@ class ParameterServer(KerasStrategy):
         if num_ps >= num_proc - 1:
             raise ValueError(f"strategy={name!r} with num_proc={num_proc} tasks has "
                              f"room for at most {max(num_proc - 2, 0)} parameter server(s) "
-                             f"(one task coordinates, at least one trains), found "
+                             f"(one task coordinates, at least one trains), got "
                              f"num_ps={num_ps}; raise num_proc to at least {num_ps + 2}")
         return {"num_ps": num_ps}
 
@@ -87,8 +89,8 @@ class ParameterServer(KerasStrategy):
 
         return run_ps_task(task)
 
-    def serve(self, payload: Dict[str, Any], workdir: str) -> None:
-        serve(self.spec, payload, workdir)
+    def serve(self, payload: KerasPayload, workdir: str, batch_tensors: Callable) -> None:
+        serve(self.spec, payload, workdir, batch_tensors)
 
     # -- the coordinator's training process ---------------------------------------------------
     def distribute(self, tf: Any) -> Any:
@@ -157,23 +159,24 @@ def make_strategy(tf: Any) -> Tuple[Any, Any]:
     return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
 
 
-def write_shard(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str, index: int,
-                count: int) -> Dict[str, Any]:
+def write_shard(spec: KerasTrainSpec, payload: KerasPayload, workdir: str, index: int,
+                count: int, batch_tensors: Callable) -> Dict[str, Any]:
     """Worker ``index`` of ``count``: read its shard of the training data, apply
     ``transformation_fn`` (once per row, here), shape the columns as the train step takes them
-    and write each as a serialized tensor file; return where they are and their shapes."""
+    and write each as a serialized tensor file; return where they are and their shapes.
+    ``batch_tensors``: the rank loop's (:func:`sparktrain.loop.keras_batch.batch_tensors`),
+    passed in: strategies sit below the loop."""
     import numpy as np
     import tensorflow as tf
 
     from sparktrain.data.reader import ShardReader
     from sparktrain.data.columns import ColumnSpec
-    from sparktrain.loop.keras_batch import batch_tensors
     from sparktrain.faults import user_code
 
     columns = [ColumnSpec.from_json(c) for c in spec.columns]
     reader = ShardReader(spec.dataset_root, spec.layouts["train"], columns, index, count,
                          spec.batch_size, False, spec.seed, spec.storage_options)
-    transform = payload.get("transformation_fn")
+    transform = payload.transformation_fn
     parts: Dict[str, List[Any]] = {}
     for batch in reader.epoch(0):
         if transform is not None:
@@ -201,14 +204,15 @@ def write_shard(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str, ind
             "w": saved("w", 0, w) if w is not None else None}
 
 
-def serve(spec: KerasTrainSpec, payload: Dict[str, Any], workdir: str) -> None:
+def serve(spec: KerasTrainSpec, payload: KerasPayload, workdir: str,
+          batch_tensors: Callable) -> None:
     """A ps or worker task: (worker) write the shard, start the server, join forever."""
     import tensorflow as tf
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     if resolver.task_type == "worker":
         info = write_shard(spec, payload, workdir, resolver.task_id,
-                           len(resolver.cluster_spec().as_dict()["worker"]))
+                           len(resolver.cluster_spec().as_dict()["worker"]), batch_tensors)
         with open(os.path.join(workdir, SHARD_INFO + ".tmp"), "w") as f:
             json.dump(info, f)
         os.replace(os.path.join(workdir, SHARD_INFO + ".tmp"), os.path.join(workdir, SHARD_INFO))

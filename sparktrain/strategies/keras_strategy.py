@@ -35,12 +35,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from sparktrain.loop.spec import KerasTrainSpec
+from sparktrain.launch import KERAS_BACKENDS
+from sparktrain.options.payload import KerasPayload
+from sparktrain.options.spec import KerasTrainSpec
+from sparktrain.strategies import check_engine
 
 
 @dataclass
 class RankLoop:
-    """What the training loop lends a strategy for an epoch (see ``keras_worker.train``).
+    """What the training loop lends a strategy for an epoch (see ``keras_loop.train``).
 
     ``run_epoch(step_fn, epoch, report, steps)``: ``total = step_fn(xs, ys, ws, total)`` over
     this rank's training batches, ``steps_per_execution`` of them stacked per call (see
@@ -54,10 +57,14 @@ class RankLoop:
 class KerasStrategy:
     """Base class of Keras strategies; subclasses implement the rank-side methods."""
 
-    #: the ``backend=`` values it trains on
-    backends: Tuple[str, ...] = ("tensorflow", "tfos")
-    #: why it does not train on the other backends (the error message's end)
-    backends_note: str = ""
+    #: the capabilities its engine must have (class attributes of
+    #: :class:`sparktrain.launch.engine.KerasEngine`, e.g. ``"runs_strategy_roles"``)
+    engine_needs: Tuple[str, ...] = ()
+    #: why it does not train on the other engines (the error message's end)
+    engine_note: str = ""
+    #: whether every task trains on the rows it is given (``input_mode='stream'`` hands each
+    #: task its own rows)
+    trains_on_own_rows: bool = True
     #: KerasEstimator params of its own -> what they set up ("parameter servers")
     params: Dict[str, str] = {}
     #: whether it trains with any number of ranks from one generation to the next
@@ -73,18 +80,15 @@ class KerasStrategy:
     @classmethod
     def check(cls, name: str, backend: str, num_proc: int,
               params: Dict[str, Any]) -> Dict[str, Any]:
-        """Raise ``ValueError`` when ``backend``, ``num_proc`` or the strategy-specific
-        ``params`` (name -> value, ``None`` when not set) do not fit this strategy; return the
-        options the ranks get (plain values)."""
-        if backend not in cls.backends:
-            wanted = " or ".join(repr(b) for b in cls.backends)
-            note = f": {cls.backends_note}" if cls.backends_note else ""
-            raise ValueError(f"strategy={name!r} needs backend={wanted}, found "
-                             f"backend={backend!r}{note}")
+        """Raise ``ValueError`` when the engine registered as ``backend`` (its capabilities,
+        ``engine_needs``), ``num_proc`` or the strategy-specific ``params`` (name -> value,
+        ``None`` when not set) do not fit this strategy; return the options the ranks get
+        (plain values)."""
+        check_engine(cls, name, KERAS_BACKENDS, backend)
         for key, value in params.items():
             if value is not None and key not in cls.params:
                 takers, what = _strategies_taking(key)
-                raise ValueError(f"{key}={value} needs strategy={' or '.join(takers)} (found "
+                raise ValueError(f"{key}={value} needs strategy={' or '.join(takers)} (got "
                                  f"strategy={name!r}, which has no {what})")
         return {}
 
@@ -98,8 +102,11 @@ class KerasStrategy:
         its result (rank 0's is the fit's). By default: train in a child process."""
         return task.train()
 
-    def serve(self, payload: Dict[str, Any], workdir: str) -> None:
-        """A child process of role ``spec.role``: serve until the task stops it."""
+    def serve(self, payload: KerasPayload, workdir: str, batch_tensors: Callable) -> None:
+        """A child process of role ``spec.role``: serve until the task stops it.
+        ``batch_tensors``: the rank loop's :func:`~sparktrain.loop.keras_batch.batch_tensors`
+        (a reader batch as the train step's tensors), lent as :class:`RankLoop` lends its
+        epochs."""
         raise NotImplementedError(f"{type(self).__name__} has no serving role "
                                   f"{self.spec.role!r}")
 

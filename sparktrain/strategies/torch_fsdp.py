@@ -37,16 +37,15 @@ class FullySharded(TorchStrategy):
     copies each block to the GPU when it runs).
     """
 
-    backends = ("torch",)
+    engine_needs = ("torch_distributed",)
+    engine_note = ("torch.distributed's FSDP2 shards over the engine's process group, which "
+                   "this engine does not form; or use strategy='ddp'")
     params = ("fsdp_wrap", "fsdp_cpu_offload")
 
     @classmethod
     def check(cls, name: str, backend: str, model: torch.nn.Module,
               options: Dict[str, Any]) -> None:
-        if backend not in cls.backends:
-            raise ValueError(f"strategy={name!r} needs backend='torch' (torch.distributed's "
-                             f"FSDP2); backend={backend!r} has no sharded training: use "
-                             f"backend='torch', or strategy='ddp'")
+        super().check(name, backend, model, options)
         try:
             from torch.distributed.fsdp import fully_shard  # noqa: F401
         except ImportError:

@@ -25,6 +25,9 @@ from typing import Any, ClassVar, ContextManager, Dict, Optional, Tuple
 
 import torch
 
+from sparktrain.launch import TORCH_BACKENDS
+from sparktrain.strategies import check_engine
+
 
 @dataclass
 class StrategyConfig:
@@ -45,11 +48,14 @@ class StrategyConfig:
 class TorchStrategy:
     """Base class of the torch strategies; subclasses override what differs.
 
-    Class attributes, read on the driver: ``backends`` (the engines it runs on) and
-    ``params`` (estimator params only this strategy accepts, e.g. ``fsdp_wrap``).
+    Class attributes, read on the driver: ``engine_needs`` (the capabilities its engine must
+    have, class attributes of :class:`sparktrain.launch.engine.TorchEngine` such as
+    ``"torch_distributed"``; ``engine_note`` says why) and ``params`` (estimator params only
+    this strategy accepts, e.g. ``fsdp_wrap``).
     """
 
-    backends: ClassVar[Tuple[str, ...]] = ("torch", "horovod")
+    engine_needs: ClassVar[Tuple[str, ...]] = ()
+    engine_note: ClassVar[str] = ""
     params: ClassVar[Tuple[str, ...]] = ()
 
     # -- driver side, before launch -----------------------------------------------------------
@@ -57,17 +63,15 @@ class TorchStrategy:
     def check(cls, name: str, backend: str, model: torch.nn.Module,
               options: Dict[str, Any]) -> None:
         """Raise ``ValueError`` naming what to change if this strategy cannot train ``model``
-        on ``backend`` with ``options`` (its own params' values). Default: the backend."""
-        if backend not in cls.backends:
-            raise ValueError(f"strategy={name!r} runs on backend "
-                             f"{' or '.join(repr(b) for b in cls.backends)}, not "
-                             f"backend={backend!r}")
+        on the engine registered as ``backend`` with ``options`` (its own params' values).
+        Default: the engine has the capabilities in ``engine_needs``."""
+        check_engine(cls, name, TORCH_BACKENDS, backend)
 
     # -- rank side ----------------------------------------------------------------------------
     def __init__(self, dist: Any, device: torch.device, config: StrategyConfig) -> None:
         """``dist``: the engine's rank object (``rank``, ``world_size``,
         ``wrap(model, optimizer, backward_passes_per_step, compression, broadcast)``,
-        ``all_reduce_sum``; see :mod:`sparktrain.launch.torch_ddp`)."""
+        ``all_reduce_sum``: a :class:`~sparktrain.launch.engine.TorchEngine`)."""
         self.dist, self.device, self.config = dist, device, config
 
     @property

@@ -1,6 +1,6 @@
 """A Spark Connect client, run in its own process by tests/test_connect.py.
 
-    python tests/connect_client.py SCENARIO sc://127.0.0.1:PORT WORKDIR
+    python tests/support/connect_client.py SCENARIO sc://127.0.0.1:PORT WORKDIR
 
 Each scenario starts the session exactly as a user does (``SparkSession.builder.remote(url)
 .getOrCreate()``), uses sparktrain as the README shows, and prints one JSON line of findings
@@ -19,7 +19,8 @@ import time
 from typing import Any, Callable, Dict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
+TESTS = os.path.dirname(HERE)
+sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # support.*, sparktrain
 #: a scenario still running after this long prints every thread's stack and exits (before
 #: test_connect's own limit, so that the test shows where it hung)
 HANG_SECONDS = 420
@@ -54,7 +55,7 @@ def readme(spark, workdir: str) -> Dict[str, Any]:
     from pyspark.ml.feature import StandardScaler, VectorAssembler
     from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 
-    from helpers import linear_estimator
+    from support.helpers import linear_estimator
     from sparktrain import KerasEstimator, TorchEstimator, TorchModel
 
     store = os.path.join(workdir, "store")
@@ -149,7 +150,7 @@ def faults(spark, workdir: str) -> Dict[str, Any]:
     still usable, and no listening socket on the client while it all happens."""
     import numpy as np
 
-    from helpers import KillRankOnce, linear_estimator
+    from support.helpers import KillRankOnce, linear_estimator
     from sparktrain import KerasEstimator, TrainingError
 
     store = os.path.join(workdir, "store")
@@ -236,7 +237,7 @@ def faults(spark, workdir: str) -> Dict[str, Any]:
 
 def horovod(spark, workdir: str) -> Dict[str, Any]:
     """backend='horovod' over Connect (its rendezvous server runs on rank 0's executor)."""
-    from helpers import linear_estimator
+    from support.helpers import linear_estimator
 
     import numpy as np
 
@@ -253,7 +254,7 @@ def horovod(spark, workdir: str) -> Dict[str, Any]:
 def stream(spark, workdir: str) -> Dict[str, Any]:
     """input_mode='stream' over Connect: the barrier stage reads the DataFrame's rows, nothing
     goes to the store."""
-    from helpers import linear_estimator
+    from support.helpers import linear_estimator
 
     import numpy as np
 
@@ -276,7 +277,7 @@ def huggingface(spark, workdir: str) -> Dict[str, Any]:
     columns the tokenizer makes are learned on the client, and transform reads the text."""
     import torch
 
-    import hf_models
+    from support import hf_models
     from sparktrain import TorchEstimator
 
     tok = hf_models.tokenizer()
@@ -299,7 +300,7 @@ def mlflow_tracking(spark, workdir: str) -> Dict[str, Any]:
     import numpy as np
 
     import sparktrain.mlflow
-    from helpers import linear_estimator
+    from support.helpers import linear_estimator
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(600, 4))
@@ -332,7 +333,7 @@ def big_model(spark, workdir: str) -> Dict[str, Any]:
     import torch
     from pyspark.ml import Pipeline, PipelineModel
 
-    from big_models import FrozenTable
+    from support.big_models import FrozenTable
     from sparktrain import TorchEstimator, TorchModel
 
     rng = np.random.default_rng(0)

@@ -1,11 +1,16 @@
 """Elastic fits on a Spark standalone cluster on loopback that gains and loses machines, run by
 tests/test_elastic_cluster.py in a process of its own (one SparkContext per process):
 
-    python tests/elastic_cluster.py WORKDIR      # prints "RESULT {json}" last
+    python tests/support/elastic_cluster.py WORKDIR MASTER_URL CLUSTER_DIR  # "RESULT {json}" last
 
-* ``ddp``: ``num_proc=3, min_num_proc=2`` on 2 one-core Workers: the fit starts with 2 ranks;
-  a third Worker is started after epoch 1 and the fit grows to 3; once an epoch ran on 3 ranks
-  a Worker is SIGKILLed with its executor (a machine lost for good) and the fit finishes on 2.
+The cluster is the pytest worker's shared one (tests/support/servers.py: its Master at
+MASTER_URL, logs in CLUSTER_DIR, two 1-core Workers): Workers are added here, beside those two,
+and only those added here are killed (and stopped at the end).
+
+* ``ddp``: ``num_proc=3, min_num_proc=2`` on the 2 one-core Workers: the fit starts with 2
+  ranks; a third Worker is started after epoch 1 and the fit grows to 3; once an epoch ran on 3
+  ranks that Worker is SIGKILLed with its executor (a machine lost for good) and the fit
+  finishes on 2.
 * ``too_few``: ``min_num_proc=3`` on the 2 Workers left fails at once, with the counts.
 * ``horovod``, ``fsdp`` and ``keras`` (multi-worker mirrored): back to 3 Workers, each through
   one shrink (a Worker killed after epoch 1).
@@ -24,9 +29,10 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
+TESTS = os.path.dirname(HERE)
+sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # support.*, sparktrain
 
-from standalone import StandaloneCluster  # noqa: E402
+from support.standalone import StandaloneCluster  # noqa: E402
 
 from sparktrain.loop.callbacks import Callback  # noqa: E402
 
@@ -138,7 +144,7 @@ def num_proc_of(checkpoint) -> list:
     return checkpoint.meta["history"].get("num_proc", [])
 
 
-def main(workdir: str) -> dict:
+def main(workdir: str, master: str, cluster_dir: str) -> dict:
     from pyspark.sql import functions as F
 
     from sparktrain import local_spark
@@ -152,9 +158,7 @@ def main(workdir: str) -> dict:
     logging.getLogger("sparktrain").addHandler(changes)
     logging.getLogger("sparktrain").setLevel(logging.INFO)
     store = os.path.join(workdir, "store")
-    with StandaloneCluster(workdir) as cluster:
-        cluster.add_worker()
-        cluster.add_worker()
+    with StandaloneCluster(cluster_dir, url=master, name="elastic") as cluster:
         spark = local_spark(cluster.url, "sparktrain-elastic", conf={
             "spark.driver.host": "127.0.0.1", "spark.executor.memory": "640m",
             "spark.sparktrain.slotWaitSeconds": "60",
@@ -209,14 +213,12 @@ def main(workdir: str) -> dict:
                 except ImportError:
                     found[name] = {"skipped": "horovod is not installed"}
                     continue
-            alive = sum(worker is not None for worker in cluster.workers)
-            while alive < 3:
+            while 2 + len(cluster.alive()) < 3:  # the shared 2 and those added here
                 cluster.add_worker()
-                alive += 1
             deadline = time.time() + 60  # their executors registered
             while (max_concurrent_tasks(spark.sparkContext) or 0) < 3 and time.time() < deadline:
                 time.sleep(0.3)
-            victim = next(i for i, w in enumerate(cluster.workers) if w is not None)
+            victim = cluster.alive()[0]
             marks = {}
 
             def kill_one(victim=victim, marks=marks):
@@ -238,5 +240,5 @@ def main(workdir: str) -> dict:
 
 
 if __name__ == "__main__":
-    result = main(sys.argv[1])
+    result = main(*sys.argv[1:4])
     print("RESULT " + json.dumps(result), flush=True)

@@ -1,7 +1,7 @@
 """KerasEstimator(strategy="parameter_server") scenarios on a local[3] SparkSession of their own
 (the test session's is local[2]), run by tests/test_parameter_server.py in a subprocess:
 
-    python tests/ps_scenarios.py fit|kill WORKDIR    # prints one JSON line last
+    python tests/support/ps_scenarios.py fit|kill WORKDIR    # prints one JSON line last
 
 fit: 1 ps + 1 chief + 1 worker on digits with validation, metrics, callbacks and TensorBoard;
 transform, save, load; then a fit whose worker fails in transformation_fn; after each, the
@@ -21,7 +21,7 @@ import time
 import uuid
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -8,9 +8,12 @@ how the ranks read and decode. Each framework's spec extends it with its own fie
 their declarations (:mod:`sparktrain.options.declarations`, ``rank=``): the estimator fills
 them from its params (``EstimatorBase._spec_fields``); the others are declared here.
 
-A leaf module (standard library only): the launchers, the Keras child process and the
-estimators all import it without pulling in a framework or ``pyspark.ml``. Fields are
-keyword-only, so a framework's spec can add required fields after defaulted ones.
+It lives with the options it is made from, below every layer that reads it (data, launch,
+strategies, the rank loops, the estimators), and imports only the standard library and the
+declarations: the launchers, the Keras child process and the estimators all import it without
+pulling in a framework or ``pyspark.ml``. Fields are keyword-only, so a framework's spec can
+add required fields after defaulted ones. The objects that travel pickled beside it are the
+payload (:mod:`sparktrain.options.payload`).
 
 Example::
 
@@ -56,8 +59,9 @@ class LoopSpec:
     """Plain-valued description of one fit, shipped to every rank: JSON-able, so it travels
     as a file to a child process (Keras) as well as in a task's closure (torch). The pickled
     objects (model, optimizer, loss, metrics, callbacks, transformation_fn, the strategy
-    class) travel separately as the payload. Besides the fields below: one per option in
-    ``COMMON`` that the ranks read (``batch_size``, ``epochs``, ``seed``, ...)."""
+    and engine classes) travel separately as the payload (:mod:`sparktrain.options.payload`).
+    Besides the fields below: one per option in ``COMMON`` that the ranks read
+    (``batch_size``, ``epochs``, ``seed``, ...)."""
 
     # the materialized dataset (MaterializedDataset: root, files by split, column specs)
     dataset_root: str

@@ -1,7 +1,7 @@
 """A driver fitting on a standalone cluster, run by tests/test_driver_death.py, which SIGKILLs
 it mid-fit and then runs it again with the same run_id:
 
-    python tests/dying_driver.py MASTER_URL WORKDIR RUN_ID EPOCHS
+    python tests/support/dying_driver.py MASTER_URL WORKDIR RUN_ID EPOCHS
 
 Each batch of a rank appends a line to WORKDIR/beats (the test watches when they stop);
 prints "RESULT {json}" when its fit ends.
@@ -14,7 +14,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
+TESTS = os.path.dirname(HERE)
+sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # support.*, sparktrain
 
 
 class Beats:
@@ -39,7 +40,7 @@ class Beats:
 def main(master: str, workdir: str, run_id: str, epochs: str) -> None:
     from pyspark.sql import functions as F
 
-    from helpers import linear_estimator
+    from support.helpers import linear_estimator
     from sparktrain import local_spark
     from sparktrain.session.worker_daemon import DAEMON_CONF
 

@@ -1,7 +1,7 @@
 """Ctrl-C at many points of fits and of a prediction, in a process of its own (run by
 tests/test_interrupts.py), on a classic session or over Spark Connect:
 
-    python tests/interrupt_client.py classic|sc://127.0.0.1:PORT WORKDIR [torch|keras]
+    python tests/support/interrupt_client.py classic|sc://127.0.0.1:PORT WORKDIR [torch|keras]
 
 A real SIGINT is sent to this process (``os.kill``, what a terminal's Ctrl-C and Jupyter's
 "interrupt kernel" do) when the fit reaches a point, recognised by its log lines: at once,
@@ -24,7 +24,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
+TESTS = os.path.dirname(HERE)
+sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # support.*, sparktrain
 HANG_SECONDS = 420
 
 
@@ -112,7 +113,7 @@ def _quiet_after(path: str, since: float, limit: float = 30.0) -> float:
 
 
 def _estimator(framework: str, store: str, run_id: str, epochs: int, transformation: Any):
-    from helpers import linear_estimator
+    from support.helpers import linear_estimator
 
     if framework == "torch":
         return linear_estimator(store, epochs=epochs, batch_size=100, run_id=run_id,
@@ -178,7 +179,7 @@ def interrupt_transform(spark, workdir: str) -> Dict[str, Any]:
     """Ctrl-C while a prediction job runs (the user's action on ``transform``'s output)."""
     from pyspark.sql import functions as F
 
-    from helpers import linear_estimator
+    from support.helpers import linear_estimator
 
     df = spark.range(0, 400_000, numPartitions=2).select(
         F.array(*[F.rand(i) for i in range(4)]).alias("features"), F.rand(9).alias("label"))

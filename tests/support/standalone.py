@@ -10,6 +10,10 @@ Example::
         spark = SparkSession.builder.master(cluster.url).getOrCreate()
         ...
         cluster.kill_worker(1)     # the Worker JVM, its executors and their Python workers
+
+The tests share one per pytest worker (the ``standalone`` fixture of conftest.py); a script in
+a process of its own adds and kills Workers on it through ``StandaloneCluster(workdir,
+url=cluster.url, name="elastic")``, which starts no Master and stops only its own Workers.
 """
 from __future__ import annotations
 
@@ -31,13 +35,16 @@ def free_port() -> int:
 class StandaloneCluster:
     """See the module docstring; ``worker_env``: environment added to every Worker's."""
 
-    def __init__(self, workdir, worker_env: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, workdir, worker_env: Optional[Dict[str, str]] = None,
+                 url: Optional[str] = None, name: str = "worker") -> None:
         import pyspark
 
         self.workdir = Path(workdir)
         self.spark_home = os.path.dirname(pyspark.__file__)
-        self.port = free_port()
-        self.url = f"spark://127.0.0.1:{self.port}"
+        self.attached = url is not None  # another process's Master: start none, stop none
+        self.port = int(url.rsplit(":", 1)[1]) if url else free_port()
+        self.url = url or f"spark://127.0.0.1:{self.port}"
+        self.name = name
         self.env = dict(os.environ, SPARK_HOME=self.spark_home, SPARK_LOCAL_IP="127.0.0.1",
                         SPARK_LOG_DIR=str(self.workdir / "logs"), SPARK_NO_DAEMONIZE="1",
                         **(worker_env or {}))
@@ -52,10 +59,38 @@ class StandaloneCluster:
                                 start_new_session=True)
 
     def start(self) -> "StandaloneCluster":
+        if self.attached:
+            return self
+        self.webui_port = free_port()
         self.master = self._start("master", [
             "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port",
-            str(self.port), "--webui-port", str(free_port())], self.env)
+            str(self.port), "--webui-port", str(self.webui_port)], self.env)
         return self
+
+    def state(self) -> dict:
+        """The Master's own view (its web UI's ``/json``: ``aliveworkers``, ``coresused``,
+        ``activeapps``, ...); a Master started here only."""
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.webui_port}/json/", timeout=5) as r:
+            return json.load(r)
+
+    def wait_idle(self, workers: int, timeout: float = 90.0) -> None:
+        """Until the Master has ``workers`` alive Workers and no application: what a test
+        sharing the cluster must leave behind for the next one."""
+        deadline, state = time.time() + timeout, {}
+        while time.time() < deadline:
+            try:
+                state = self.state()
+            except OSError:
+                state = {}
+            if state.get("aliveworkers") == workers and not state.get("activeapps") \
+                    and state.get("coresused") == 0:
+                return
+            time.sleep(0.3)
+        raise AssertionError(f"the shared cluster is not idle with {workers} Workers "
+                             f"after {timeout:g}s: {state}")
 
     def registered(self) -> int:
         """Workers the Master has registered so far (its log's count)."""
@@ -65,16 +100,21 @@ class StandaloneCluster:
     def add_worker(self, env: Optional[Dict[str, str]] = None, wait: float = 90.0) -> int:
         """Start a 1-core Worker; with ``wait`` > 0, until the Master registered it. Its index."""
         index, before = len(self.workers), self.registered()
-        self.workers.append(self._start(f"worker{index}", [
+        self.workers.append(self._start(f"{self.name}{index}", [
             "org.apache.spark.deploy.worker.Worker", self.url, "--host", "127.0.0.1",
             "--cores", "1", "--memory", "1g", "--webui-port", str(free_port())],
-            dict(self.env, SPARK_WORKER_DIR=str(self.workdir / f"work{index}"), **(env or {}))))
+            dict(self.env, SPARK_WORKER_DIR=str(self.workdir / f"{self.name}-work{index}"),
+                 **(env or {}))))
         deadline = time.time() + wait
         while wait > 0 and self.registered() <= before:
             if time.time() > deadline:
                 raise AssertionError((self.workdir / "master.log").read_text()[-3000:])
             time.sleep(0.3)
         return index
+
+    def alive(self) -> List[int]:
+        """Indexes of the Workers started here that still run."""
+        return [i for i, p in enumerate(self.workers) if p is not None and p.poll() is None]
 
     def kill_worker(self, index: int) -> None:
         """SIGKILL Worker ``index`` with its executors: a machine lost for good."""
