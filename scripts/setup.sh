@@ -207,9 +207,10 @@ done
 estimate="about 1 min"
 { has keras || has hf; } && estimate="about 2 min"
 has tests && estimate="about 3 min"
-[ -n "$uv_bin" ] || estimate="pip: several times longer than uv's $estimate"
+estimate="$estimate the first time, seconds from the cache"
+[ -n "$uv_bin" ] || estimate="several minutes the first time (uv: ${estimate%%,*})"
 installer="pip"; [ -n "$uv_bin" ] && installer="uv"
-say "installing sparktrain[$extras] on the $stack stack ($constraints) with $installer${had_parts:+ (the venv had: $had_parts)}: $estimate the first time, seconds from the cache"
+say "installing sparktrain[$extras] on the $stack stack ($constraints) with $installer${had_parts:+ (the venv had: $had_parts)}: $estimate"
 # setuptools (torch needs >= 77.0.3, tensorflowonspark and petastorm import pkg_resources: < 81)
 # and wheel are also Horovod's build tools.
 install_into "$venv" -c "$constraints" pip "setuptools>=77.0.3,<81" wheel -e ".[$extras]"

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from support.interrupts import check_interrupts, run_interrupts
 from support.servers import connect_log_tail
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,9 +83,7 @@ def test_faults_over_connect_without_executors_reaching_the_client(connect_serve
 @pytest.mark.parametrize("framework,points", [("torch", 6), ("keras", 1)])
 def test_interrupts_over_connect(connect_server, tmp_path, framework, points):
     """Ctrl-C over Connect at each point of a fit, in a finalizer and during a prediction
-    (tests/test_interrupts.py says what is checked)."""
-    from test_interrupts import check_interrupts, run_interrupts
-
+    (tests/support/interrupts.py says what is checked)."""
     pytest.importorskip(framework)
     check_interrupts(run_interrupts(connect_server.url, tmp_path, framework), points)
 

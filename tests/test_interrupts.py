@@ -1,43 +1,17 @@
 """Ctrl-C (a real SIGINT) at many points of a fit and during a prediction, in a process of its
-own (tests/support/interrupt_client.py), on a classic session; over Spark Connect in test_connect.py.
+own (tests/support/interrupt_client.py, checked by tests/support/interrupts.py), on a classic
+session; over Spark Connect in test_connect.py.
 Each interrupt reaches the caller within seconds, the ranks stop, and a fit with the same
 run_id right after takes the run (its lock was released) and resumes from the last
 checkpoint."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-LIMIT_S = 15.0  # from the signal to the caller's KeyboardInterrupt, and to the ranks' stop
-
-
-def run_interrupts(where: str, workdir, framework: str, points: str = "") -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "PYSPARK_GATEWAY_PORT")}
-    result = subprocess.run([sys.executable, os.path.join(HERE, "support", "interrupt_client.py"), where,
-                             str(workdir), framework, points], cwd=os.path.dirname(HERE), env=env,
-                            capture_output=True, text=True, timeout=540)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def check_interrupts(found: dict, points: int) -> None:
-    fits = found["fits"]
-    assert len(fits) == points, fits
-    for point, outcome in fits.items():
-        assert "ended" not in outcome, (point, outcome)
-        assert outcome["interrupt_to_caller_s"] < LIMIT_S, (point, outcome)
-        assert outcome["ranks_stopped_after_s"] < LIMIT_S, (point, outcome)
-        # the lock was free and the run resumed where its last checkpoint left it
-        assert outcome["resumed_from"] == outcome["checkpoint_epochs"], (point, outcome)
-        assert outcome["resumed_epochs"] == outcome["checkpoint_epochs"] + 1, (point, outcome)
-    if "transform" in found:
-        assert found["transform"].get("interrupt_to_caller_s", 99) < LIMIT_S, found["transform"]
+from support.interrupts import check_interrupts, run_interrupts
 
 
 @pytest.mark.slow

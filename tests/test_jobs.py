@@ -67,6 +67,19 @@ def test_job_rejects_missing_arguments_and_unknown_backends():
     assert result.returncode == 2 and "--data is required with --model" in result.stderr
 
 
+def test_missing_framework_names_the_setup_flag():
+    """A job whose framework is not installed exits before Spark starts, naming the set-up flag
+    that adds it (jobs/train_keras.py after a plain ./scripts/setup.sh: --keras)."""
+    from jobs.common import require
+
+    require(["json"], "--keras", "tf-cpu,tfos")  # installed: nothing happens
+    with pytest.raises(SystemExit) as exited:
+        require(["json", "sparktrain_no_such_framework"], "--keras", "tf-cpu,tfos")
+    message = str(exited.value)
+    assert message.startswith("error: sparktrain_no_such_framework not installed")
+    assert "./scripts/setup.sh --keras" in message and "sparktrain[tf-cpu,tfos]" in message
+
+
 @pytest.mark.slow
 def test_demo_over_connect(connect_server, tmp_path):
     """The demo job with --remote against a Spark Connect server in its own JVM (the worker's

@@ -13,7 +13,8 @@ import pytest
 from sparktrain.launch import zygote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PRELOAD = ("numpy", "support.zygote_target")
+TARGET = "support.zygote_target"  # tests/support/zygote_target.py
+PRELOAD = ("numpy", TARGET)
 
 
 def _env(**extra):
@@ -23,7 +24,7 @@ def _env(**extra):
 
 
 def _run(*args, env=None, stdout=subprocess.PIPE):
-    return zygote.start_python("support.zygote_target", list(args), env or _env(), PRELOAD, stdout)
+    return zygote.start_python(TARGET, list(args), env or _env(), PRELOAD, stdout)
 
 
 def _describe(env=None):
@@ -78,7 +79,8 @@ def test_a_child_dies_with_its_requester_and_the_template_with_its_owner():
         sys.path.insert(0, {HERE!r})
         from sparktrain.launch import zygote
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([{HERE!r}, *sys.path]))
-        child = zygote.start_python("support.zygote_target", ["sleep", "60"], env, ("support.zygote_target",))
+        target = "support.zygote_target"
+        child = zygote.start_python(target, ["sleep", "60"], env, (target,))
         assert child.stdout.readline() == "sleeping\\n"
         with open(f"/proc/{{child.pid}}/stat") as f:
             template = f.read().split(") ")[1].split()[1]

@@ -62,12 +62,13 @@ class KerasEstimator(EstimatorBase, KerasParams):
     ``scale_learning_rate=True``). ``optimizer``: a Keras optimizer or its name; ``loss``: a Keras
     loss, its name, or a function ``(y_true, y_pred) -> per-row values``; ``metrics``: names or
     functions ``(y_true, y_pred)``; ``custom_objects``: as for ``keras.saving.load_model``.
-    ``backend="tensorflow"``: ``tf.distribute.MultiWorkerMirroredStrategy`` with a distributed
+    ``backend``: a registered :class:`~sparktrain.launch.engine.KerasEngine`;
+    ``'tensorflow'``: ``tf.distribute.MultiWorkerMirroredStrategy`` with a distributed
     train step of sparktrain's own (Keras 3's ``model.fit`` fails under it,
-    keras-team/keras#20585), so any Keras 3 model trains unchanged. ``backend="tfos"``: the same
+    keras-team/keras#20585), so any Keras 3 model trains unchanged; ``'tfos'``: the same
     loop on a TensorFlowOnSpark cluster (:mod:`sparktrain.launch.tfos`).
     ``strategy``: a registered :class:`~sparktrain.strategies.keras_strategy.KerasStrategy`;
-    ``parameter_server`` with ``num_ps`` (``backend="tensorflow"``):
+    ``'parameter_server'`` with ``num_ps`` (``backend='tensorflow'``):
     ``tf.distribute.ParameterServerStrategy``, ``num_ps`` tasks hold the variables, task 0
     coordinates, the others train asynchronously (:mod:`sparktrain.strategies.keras_ps`).
 

@@ -2,8 +2,8 @@
 
 The spec (:mod:`sparktrain.options.spec`) holds the plain values; the payload holds what only
 pickles: the model, the optimizer, the loss, the user's functions, and the strategy (and, for
-torch, engine) classes the driver resolved (so a strategy or an engine registered only in the driver's
-process trains on the executors too). Both frameworks ship it the same way: the estimator
+torch, engine) classes the driver resolved (so a strategy or an engine registered only in the
+driver's process trains on the executors too). Both frameworks ship it the same way: the estimator
 builds one, :meth:`Payload.dumps` makes the bytes (cloudpickle; your own code by value, see
 :mod:`sparktrain.pickling`), the store carries them to the ranks, and the rank loop reads them
 back with :meth:`Payload.loads`.

@@ -8,7 +8,8 @@ copy instead of a download.
 
 Run (executors need this Python: ``PYSPARK_PYTHON=.venv/bin/python``)::
 
-    .venv/bin/python tests/support/horovod_examples/keras_spark_digits.py --num-proc 2 --work-dir /tmp/w
+    .venv/bin/python tests/support/horovod_examples/keras_spark_digits.py \
+        --num-proc 2 --work-dir /tmp/w
 """
 import argparse
 import os
