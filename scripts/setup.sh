@@ -202,8 +202,9 @@ extras=""
 for part in $parts; do
   e="$(extras_of "$part")"; [ -n "$e" ] && extras="${extras:+$extras,}$e"
 done
-# Rough durations on 2 cores with uv and an empty cache (measured: base 55 s; TensorFlow and the
-# other parts download ~1 GB more); from uv's cache (another clone, a re-run) seconds each.
+# Rough durations on 2 cores with uv and an empty cache (measured: base ~1 min under light load,
+# 2 min at load 12; TensorFlow and the other parts download ~1 GB more); from uv's cache
+# (another clone, a re-run) seconds each.
 estimate="about 1 min"
 { has keras || has hf; } && estimate="about 2 min"
 has tests && estimate="about 3 min"
@@ -269,7 +270,7 @@ if has tests && [ "$stack" = spark4 ] && ! "$mlflow_venv/bin/python" -c "import 
 fi
 
 # Each part imports: a broken install fails here, not in the first job.
-imports="import sparktrain, pyspark, torch, sklearn"
+imports="import sparktrain, pyspark, torch, sklearn, pyarrow, numpy"
 has keras && imports="$imports, tensorflow, keras, tensorflowonspark"
 has connect && imports="$imports, pyspark.sql.connect.session"
 has mlflow && imports="$imports, mlflow.pytorch, mlflow.spark"
@@ -277,12 +278,16 @@ has mlflow && has keras && imports="$imports, mlflow.keras"
 has hf && imports="$imports, transformers, peft"
 has petastorm && imports="$imports, petastorm"
 has tests && imports="$imports, pytest, xdist"
-say "checking that the installed parts import ($parts)"
-TF_CPP_MIN_LOG_LEVEL=3 "$venv/bin/python" -c "$imports" 2> >(grep -v "^WARNING: All log messages\|oneDNN\|cpu_feature_guard\|rebuild TensorFlow" >&2 || true) \
+say "checking that the installed parts import ($parts; seconds)"
+versions="$(TF_CPP_MIN_LOG_LEVEL=3 "$venv/bin/python" -c "$imports; print('pyspark', pyspark.__version__, '| numpy', numpy.__version__, '| pyarrow', pyarrow.__version__, '| torch', torch.__version__)" \
+  2> >(grep -v "^WARNING: All log messages\|oneDNN\|cpu_feature_guard\|rebuild TensorFlow" >&2 || true))" \
   || die "the installed stack does not import"
-# sparktrain's own modules (an editable install: no installer compiles them) and the jobs'
-"$venv/bin/python" -m compileall -q -j 0 sparktrain jobs tests >/dev/null \
+# sparktrain's own modules (an editable install: no installer compiles them), the jobs' and,
+# for --tests, the tests'
+compile_dirs="sparktrain jobs"
+has tests && compile_dirs="$compile_dirs tests"
+"$venv/bin/python" -m compileall -q -j 0 $compile_dirs >/dev/null \
   || say "warning: could not compile sparktrain's bytecode (it is compiled at each import then)"
 printf '%s\n%s\n' "$inputs" "$parts" > "$stamp_file"
 jvm_archive
-say "done ($stack stack in $venv: $parts): $("$venv/bin/python" -c 'import pyspark, torch, pyarrow, numpy; print("pyspark", pyspark.__version__, "| numpy", numpy.__version__, "| pyarrow", pyarrow.__version__, "| torch", torch.__version__)')"
+say "done ($stack stack in $venv: $parts): $versions"

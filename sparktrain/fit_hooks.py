@@ -32,7 +32,8 @@ class FitListener:
         """Params checked, the run named: training is about to start."""
 
     def on_progress(self, event: Dict[str, Any]) -> None:
-        """A progress event from the ranks (``start``, ``epoch``: see :mod:`sparktrain.estimators.progress`)."""
+        """A progress event from the ranks (``start``, ``epoch``: see
+        :mod:`sparktrain.estimators.progress`)."""
 
     def trained(self, result: Dict[str, Any]) -> None:
         """Rank 0's result: history, stop reason, attempts."""

@@ -1,7 +1,7 @@
 """KerasEstimator(strategy="parameter_server"): real Spark local[3] barrier tasks (1 ps, 1
 coordinator, 1 worker), real TensorFlow servers, on digits. The fits run in a subprocess
-(tests/support/ps_scenarios.py) because they need three task slots and the test session is local[2];
-the configuration checks run here and launch nothing."""
+(tests/support/ps_scenarios.py, both scenarios in one) because they need three task slots and
+the test session is local[2]; the configuration checks run here and launch nothing."""
 from __future__ import annotations
 
 import json
@@ -21,26 +21,30 @@ from sparktrain import KerasEstimator, TorchEstimator  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _scenario(name: str, workdir) -> dict:
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "support", "ps_scenarios.py"),
-                             name, str(workdir)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=540, env=dict(os.environ, PYTHONPATH=ROOT))
+@pytest.fixture(scope="module")
+def ps_runs(tmp_path_factory) -> dict:
+    """Both scenarios of tests/support/ps_scenarios.py, one after the other in one process (one
+    local[3] JVM, one TensorFlow import): ``{"fit": findings, "kill": findings}``."""
+    script = os.path.join(ROOT, "tests", "support", "ps_scenarios.py")
+    result = subprocess.run([sys.executable, script, "fit,kill",
+                             str(tmp_path_factory.mktemp("ps"))], cwd=ROOT, capture_output=True,
+                            text=True, timeout=570, env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def ps_fit(tmp_path_factory):
-    return _scenario("fit", tmp_path_factory.mktemp("ps-fit"))
+@pytest.fixture
+def ps_fit(ps_runs):
+    return ps_runs["fit"]
 
 
-@pytest.mark.slow  # the shared local[3] fit: ~1-3 min with Spark and TF start-up
+@pytest.mark.slow  # the shared local[3] run: ~1-3 min with Spark and TF start-up
 def test_parameter_server_fit_reaches_accuracy_transforms_saves_loads(ps_fit):
     assert ps_fit["test_accuracy"] >= 0.9
     assert ps_fit["loaded_accuracy"] == ps_fit["test_accuracy"]
 
 
-@pytest.mark.slow  # the shared local[3] fit: ~1-3 min with Spark and TF start-up
+@pytest.mark.slow  # the shared local[3] run: ~1-3 min with Spark and TF start-up
 def test_parameter_server_validation_metrics_callbacks_history(ps_fit):
     history = ps_fit["history"]
     assert sorted(history) == ["accuracy", "loss", "val_accuracy", "val_loss"]
@@ -52,7 +56,7 @@ def test_parameter_server_validation_metrics_callbacks_history(ps_fit):
     assert ps_fit["tensorboard"] == ["train", "validation"]
 
 
-@pytest.mark.slow  # the shared local[3] fit: ~1-3 min with Spark and TF start-up
+@pytest.mark.slow  # the shared local[3] run: ~1-3 min with Spark and TF start-up
 def test_parameter_server_processes_stop_after_fit_and_failure(ps_fit):
     assert ps_fit["left_after_fit"] == []
     assert "transformation_fn failed on the worker" in ps_fit["failure"]
@@ -62,8 +66,8 @@ def test_parameter_server_processes_stop_after_fit_and_failure(ps_fit):
 
 
 @pytest.mark.slow
-def test_parameter_server_killed_worker_resumes(tmp_path):
-    result = _scenario("kill", tmp_path)
+def test_parameter_server_killed_worker_resumes(ps_runs):
+    result = ps_runs["kill"]
     assert result["killed"]
     assert result["epochs"] == 3
     assert result["attempts"] == [[0, 0], [1, 1]]

@@ -126,7 +126,8 @@ def _hint(value: Any) -> str:
         return ("decode the bytes in transformation_fn, e.g. np.asarray(PIL.Image.open("
                 "io.BytesIO(b))) for each image, and stack them")
     if isinstance(first, str):
-        return "turn the text into token ids in transformation_fn (a tokenizer), padded to one length"
+        return ("turn the text into token ids in transformation_fn (a tokenizer), padded to one "
+                "length")
     if isinstance(first, np.ndarray):
         return ("pad or truncate the arrays to one shape in transformation_fn, e.g. "
                 "np.stack([np.pad(a[:n], (0, n - len(a[:n]))) for a in batch[column]])")

@@ -82,9 +82,11 @@ class BatchFeed:
             except StopIteration:
                 return
             except TransformationFailed as exc:  # the user's function raised: not retried
-                raise mark_user_error(exc, "transformation_fn (in a decode worker)")
+                mark_user_error(exc, "transformation_fn (in a decode worker)")
+                raise
             except DecodeWorkerError as exc:  # killed or crashed: it would die again
-                raise mark_user_error(exc, "a decode worker of transformation_fn")
+                mark_user_error(exc, "a decode worker of transformation_fn")
+                raise
             yield batch
 
     def _pool(self, split: str) -> Any:

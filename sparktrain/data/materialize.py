@@ -28,11 +28,21 @@ from pyspark.ml.functions import vector_to_array
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
+from sparktrain.data.batch import values_to_numpy
+from sparktrain.data.columns import (
+    ARRAY,
+    BINARY,
+    IMAGE,
+    IMAGE_FIELDS,
+    SCALAR,
+    SPLIT_COL,
+    STRING,
+    VARLEN,
+    VECTOR,
+    ColumnSpec,
+)
 from sparktrain.data.commit import ATTEMPTS, Commit, DatasetDirectory
 from sparktrain.data.lease import DEFAULT_TTL_SECONDS, Lease, live_leases
-from sparktrain.data.batch import values_to_numpy
-from sparktrain.data.columns import (ARRAY, BINARY, IMAGE, IMAGE_FIELDS, SCALAR, SPLIT_COL, STRING,
-                                     VARLEN, VECTOR, ColumnSpec)
 from sparktrain.data.store import Store
 from sparktrain.fs import out_of_space, store_full
 from sparktrain.session.spark_api import conf_value, plan_fingerprint
@@ -201,8 +211,9 @@ def prepared_column(spec: ColumnSpec, nullable_elements: bool) -> List[Column]:
     """The stored form of one column, and checks that abort the write on a bad row."""
     name = spec.name
     col = F.col(f"`{name}`")
-    checks = [_fail_if(col.isNull(), F.lit(f"column {name!r} contains nulls; expected no nulls "
-                                           f"(drop or fill them, e.g. df.na.drop(subset=[{name!r}]))"))]
+    nulls = (f"column {name!r} contains nulls; expected no nulls (drop or fill them, e.g. "
+             f"df.na.drop(subset=[{name!r}]))")
+    checks = [_fail_if(col.isNull(), F.lit(nulls))]
     value = stored_value(spec)
     if spec.kind == IMAGE:
         checks.append(_fail_if(col.getField("data").isNull(),

@@ -12,8 +12,16 @@ from pyspark.ml.linalg import VectorUDT
 from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 
-from sparktrain.data.columns import ARRAY, BINARY, IMAGE, IMAGE_FIELDS, SCALAR, STRING, VECTOR, \
-    ColumnSpec
+from sparktrain.data.columns import (
+    ARRAY,
+    BINARY,
+    IMAGE,
+    IMAGE_FIELDS,
+    SCALAR,
+    STRING,
+    VECTOR,
+    ColumnSpec,
+)
 
 
 def _numeric_dtype(dtype: T.DataType) -> Optional[str]:
@@ -97,7 +105,8 @@ def training_columns(df: DataFrame, feature_cols: Sequence[str], label_cols: Seq
         raise ValueError("feature_cols is empty; name at least one feature column")
     if not label_cols:
         raise ValueError("label_cols is empty; name at least one label column")
-    names = list(feature_cols) + list(label_cols) + ([sample_weight_col] if sample_weight_col else [])
+    names = list(feature_cols) + list(label_cols) + \
+        ([sample_weight_col] if sample_weight_col else [])
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"columns {duplicates} appear more than once in "

@@ -146,7 +146,7 @@ def pack(out: Any, name: str) -> Tuple[Optional[str], Optional[Layout], Optional
         shm = shared_memory.SharedMemory(name=name, create=True, size=total)
         try:
             _reserve(shm, total)
-            for key, dtype, shape, offset in layout:
+            for key, _dtype, _shape, offset in layout:
                 if offset is not None:
                     _copy_in(shm, out[key], offset)
         except BaseException:

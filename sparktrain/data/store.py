@@ -21,9 +21,14 @@ import re
 import warnings
 from typing import Any, Dict, Optional, Tuple, Union
 
-from sparktrain.fs import DEFAULT_LOCAL_STORE, filesystem, put_file, split_scheme, to_fsspec_url, \
-    to_spark_url
-
+from sparktrain.fs import (
+    DEFAULT_LOCAL_STORE,
+    filesystem,
+    put_file,
+    split_scheme,
+    to_fsspec_url,
+    to_spark_url,
+)
 
 # Horovod 0.28.1's Store.create keywords (horovod/spark/common/store.py: AbstractFilesystemStore
 # and HDFSStore) -> what sparktrain does with them instead, for those it does not map.

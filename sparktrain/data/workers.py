@@ -31,8 +31,8 @@ holds Spark's and torch's threads, and a forked copy of a held lock deadlocks. A
 Failures (:mod:`sparktrain.data.worker_errors`): an exception in the function raises
 :class:`TransformationFailed` (with the worker's traceback) when its batch's turn comes; a worker
 that dies (OOM killer, segfault in a native decoder) raises :class:`DecodeWorkerError` as soon as
-the parent sees its process end. Either closes the pool. A consumer that stops early (closes the generator) only discards the batches
-in flight: the pool stays usable for the next ``map``.
+the parent sees its process end. Either closes the pool. A consumer that stops early (closes the
+generator) only discards the batches in flight: the pool stays usable for the next ``map``.
 
 Example::
 

@@ -11,7 +11,6 @@ Example::
 """
 from __future__ import annotations
 
-
 import logging
 import time
 import uuid
@@ -23,28 +22,27 @@ from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import DataFrame, SparkSession
 
-from sparktrain.options import horovod as horovod_params
-from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.batch import heavy_decoding
-from sparktrain.data.materialize import MaterializedDataset, lease_seconds, materialize, \
-    streamed
-from sparktrain.data.run_lock import run_lock
 from sparktrain.data.columns import BINARY, IMAGE, RAW_KINDS, STRING, VARLEN, ColumnSpec
+from sparktrain.data.materialize import MaterializedDataset, lease_seconds, materialize, streamed
+from sparktrain.data.run_lock import run_lock
 from sparktrain.data.schema import check_validation_column, training_columns
 from sparktrain.data.store import Store
 from sparktrain.estimators.fit_run import FitRun
 from sparktrain.estimators.model import ModelBase
+from sparktrain.estimators.persistence import EstimatorReader, EstimatorWriter
 from sparktrain.estimators.preflight import run_preflight, transformation_columns
+from sparktrain.estimators.progress import FitProgress, TqdmLogHandler, interval_from_conf
 from sparktrain.fit_hooks import FitListener, fit_hooks
 from sparktrain.launch import check_backend
 from sparktrain.launch.barrier import check_slots
 from sparktrain.launch.elastic import ElasticPlan
 from sparktrain.launch.executor_env import RANK_MODULES, check_executors
 from sparktrain.launch.gpus import check_gpu_conf
+from sparktrain.loop.checkpoint import Checkpoints
+from sparktrain.options import horovod as horovod_params
 from sparktrain.options.declarations import COMMON, Option
 from sparktrain.options.params import EstimatorParams, camel
-from sparktrain.estimators.persistence import EstimatorReader, EstimatorWriter
-from sparktrain.estimators.progress import FitProgress, TqdmLogHandler, interval_from_conf
 from sparktrain.session.interrupts import interruptible, raise_if_interrupted
 from sparktrain.session.spark_api import all_conf, check_store_shared, job_tag, master
 
@@ -61,7 +59,8 @@ _KIND_FORM = {BINARY: "an object array of bytes", STRING: "an object array of st
 class _FitLogging:
     """Show sparktrain's INFO lines (epoch progress, rank logs) on stderr during a fit with
     ``verbose >= 1`` when the application has not configured logging itself (printed above
-    the progress bar; off a terminal they are the progress, see :mod:`sparktrain.estimators.progress`)."""
+    the progress bar; off a terminal they are the progress, see
+    :mod:`sparktrain.estimators.progress`)."""
 
     def __init__(self, verbose: int) -> None:
         self.handler: Optional[logging.Handler] = None
@@ -171,7 +170,8 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                              f"{type(self).__name__}, got {backend!r}")
         check_backend(self.backends, backend)
         if not self.isDefined(self.feature_cols):
-            raise ValueError("feature_cols is not set; name the DataFrame columns to feed the model")
+            raise ValueError("feature_cols is not set; name the DataFrame columns to feed the "
+                             "model")
         for name in ("model", "optimizer", "loss"):
             if (not self.isDefined(name) or self.getOrDefault(name) is None) \
                     and not self._built_elsewhere(name):
@@ -255,11 +255,13 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                                         progress, time.time(), elastic))
             listener.trained(result)
             progress.close()
-            log.info("fit done in %.1fs (materialize %.1fs%s); run %s", time.perf_counter() - started,
-                     data.seconds, ", reused" if data.reused else "", store.run_path(run_id))
+            log.info("fit done in %.1fs (materialize %.1fs%s); run %s",
+                     time.perf_counter() - started, data.seconds,
+                     ", reused" if data.reused else "", store.run_path(run_id))
         if result.get("stop_reason") == "max_time":
-            warnings.warn(f"training stopped after {len(next(iter(result['history'].values()), []))} "
-                          f"of {self.getEpochs()} epochs: max_time={self.getMaxTime():g}s reached. "
+            epochs_done = len(next(iter(result["history"].values()), []))
+            warnings.warn(f"training stopped after {epochs_done} of {self.getEpochs()} epochs: "
+                          f"max_time={self.getMaxTime():g}s reached. "
                           f"The model is the last epoch's; fit again with run_id={run_id!r} to "
                           f"continue from its checkpoint.", RuntimeWarning, stacklevel=3)
         model = self._create_model(result, data)

@@ -17,8 +17,8 @@ from pyspark.sql import SparkSession
 
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.data.store import Store, StoredBytes
-from sparktrain.launch.elastic import ElasticPlan, run_elastic
 from sparktrain.estimators.progress import FitProgress
+from sparktrain.launch.elastic import ElasticPlan, run_elastic
 
 
 @dataclass

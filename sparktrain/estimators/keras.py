@@ -25,25 +25,27 @@ import cloudpickle
 from pyspark import keyword_only
 from pyspark.sql import SparkSession
 
-from sparktrain.options import horovod as horovod_params
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase
-from sparktrain.estimators.model import ModelBase
 from sparktrain.estimators.fit_run import FitRun
-from sparktrain.loop.keras_inputs import in_feature_order, keras_inputs
-from sparktrain.options.declarations import COMMON, KERAS
-from sparktrain.options.keywords import keyword_params
-from sparktrain.loop.keras_saving import keras_module as _keras, load_model as _load_model, \
-    loading_objects, model_bytes as _model_bytes, model_shapes
+from sparktrain.estimators.model import ModelBase
 from sparktrain.launch import KERAS_BACKENDS, backends_with, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.elastic import for_rank
 from sparktrain.launch.environment import rank_environment
+from sparktrain.loop.keras_inputs import in_feature_order, keras_inputs
+from sparktrain.loop.keras_saving import keras_module as _keras
+from sparktrain.loop.keras_saving import load_model as _load_model
+from sparktrain.loop.keras_saving import loading_objects, model_shapes
+from sparktrain.loop.keras_saving import model_bytes as _model_bytes
+from sparktrain.model_files import ModelFile
+from sparktrain.options import horovod as horovod_params
+from sparktrain.options.declarations import COMMON, KERAS
+from sparktrain.options.keywords import keyword_params
+from sparktrain.options.params import KerasParams
 from sparktrain.options.payload import KerasPayload
 from sparktrain.options.spec import KerasTrainSpec
-from sparktrain.model_files import ModelFile
-from sparktrain.options.params import KerasParams
 from sparktrain.pickling import dumps
 from sparktrain.session.spark_api import classic_only
 from sparktrain.strategies import KERAS_STRATEGIES, load_strategy
@@ -214,7 +216,8 @@ class KerasEstimator(EstimatorBase, KerasParams):
         from sparktrain.loop.keras_checkpoint import checkpoint_settings
 
         input_shapes = self._input_shapes()
-        horovod_params.check_data_shapes(self, run.data.columns, input_shapes, "the model's input shapes")
+        horovod_params.check_data_shapes(self, run.data.columns, input_shapes,
+                                         "the model's input shapes")
         ignored = []
         if horovod_params.compression_name(self.getGradientCompression()) is not None:
             ignored.append("gradient_compression: tf.distribute.MultiWorkerMirroredStrategy's "
@@ -256,9 +259,13 @@ class KerasEstimator(EstimatorBase, KerasParams):
         import tensorflow as tf
 
         from sparktrain.estimators import preflight
-        from sparktrain.loop.keras_batch import batch_tensors, forward_stats, \
-            per_row_loss, resolve_metrics
         from sparktrain.faults import user_code
+        from sparktrain.loop.keras_batch import (
+            batch_tensors,
+            forward_stats,
+            per_row_loss,
+            resolve_metrics,
+        )
 
         keras, model = _keras(), self.getModel()
         features, labels = self.getFeatureCols(), self.getLabelCols()
@@ -445,7 +452,7 @@ def _make_predictor(files: Dict[str, bytes], use_gpu: Optional[bool] = None,
     def predict(features: List[np.ndarray]) -> List[np.ndarray]:
         device = predict_device(tf, task_gpu(use_gpu))
         if shapes is not None:  # as in training: each feature in its input's shape
-            features = [f.reshape([-1] + s[1:]) for f, s in zip(features, shapes)]
+            features = [f.reshape([-1] + s[1:]) for f, s in zip(features, shapes, strict=True)]
         with tf.device(device):
             model = model_on(device)
             result = model(keras_inputs(model, columns, features), training=False)

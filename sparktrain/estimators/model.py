@@ -25,8 +25,12 @@ from pyspark.sql import types as T
 from sparktrain.data.columns import ARRAY, RAW_KINDS, VARLEN, VECTOR, ColumnSpec
 from sparktrain.data.schema import column_spec
 from sparktrain.estimators.persistence import ModelReader, ModelWriter
-from sparktrain.estimators.prediction import feature_expr, prediction_udf, series_to_numpy, \
-    with_profile
+from sparktrain.estimators.prediction import (
+    feature_expr,
+    prediction_udf,
+    series_to_numpy,
+    with_profile,
+)
 from sparktrain.model_files import ModelFile
 from sparktrain.options.params import ModelParams
 from sparktrain.pickling import dumps
@@ -97,7 +101,7 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
         if not names or missing:
             raise ValueError(f"no history for {missing or names}; recorded: {sorted(history)}")
         fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.5), squeeze=False)
-        for ax, name in zip(axes[0], names):
+        for ax, name in zip(axes[0], names, strict=True):
             for key, label in ((name, "train"), (f"val_{name}", "validation")):
                 if key in history:
                     values = history[key]

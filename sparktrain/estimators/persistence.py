@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import posixpath
 import warnings
-from urllib.parse import unquote
 from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
+from urllib.parse import unquote
 
 import cloudpickle
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter

@@ -54,7 +54,7 @@ def predict_columns(predict: Callable[[List[Any]], List[Any]], columns: Sequence
     """The model's outputs for pandas input ``columns`` (one per spec, as Arrow hands them to a
     pandas UDF): :func:`predict_batch` of their numpy forms. Used by the MLflow pyfunc
     (:mod:`sparktrain.mlflow.models`) and by ``transform`` where Spark has no Arrow UDFs."""
-    batch = {spec.name: series_values(s, spec) for s, spec in zip(columns, specs)}
+    batch = {spec.name: series_values(s, spec) for s, spec in zip(columns, specs, strict=True)}
     return predict_batch(predict, batch, specs, transform, batch_size, n_outputs, feature_names)
 
 
@@ -98,7 +98,7 @@ def output_series(outputs: Sequence[Any], scalar_out: Sequence[bool],
     list of floats per row (``array<double>``)."""
     return [pd.Series(o.reshape(rows).astype("float64")) if scalar
             else pd.Series(list(o.reshape(rows, -1).astype("float64")))
-            for o, scalar in zip(outputs, scalar_out)]
+            for o, scalar in zip(outputs, scalar_out, strict=True)]
 
 
 def _list_of_doubles() -> Any:
@@ -115,7 +115,7 @@ def output_arrays(outputs: Sequence[Any], scalar_out: Sequence[bool], rows: int)
     import pyarrow as pa
 
     arrays = []
-    for output, scalar in zip(outputs, scalar_out):
+    for output, scalar in zip(outputs, scalar_out, strict=True):
         values = np.ascontiguousarray(output, dtype=np.float64).reshape(rows, -1)
         if scalar:
             arrays.append(pa.array(values.reshape(rows)))
@@ -205,7 +205,8 @@ def prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
         predict = _predictor(key, factory)
         for arrays in batches:
             arrays = arrays if isinstance(arrays, tuple) else (arrays,)
-            batch = {spec.name: arrow_values(a, spec) for a, spec in zip(arrays, specs)}
+            batch = {spec.name: arrow_values(a, spec)
+                     for a, spec in zip(arrays, specs, strict=True)}
             outputs = predict_batch(predict, batch, specs, transform, batch_size, len(types),
                                     feature_names)
             yield output_arrays(outputs, scalar_out, len(arrays[0]))

@@ -30,8 +30,8 @@ from sparktrain.data.columns import ColumnSpec
 from sparktrain.data.materialize import sample_batch
 from sparktrain.data.transform_inputs import learn_inputs
 from sparktrain.errors import PreflightError
-from sparktrain.loop.keras_inputs import input_names
 from sparktrain.faults import is_fault, user_error_source
+from sparktrain.loop.keras_inputs import input_names
 from sparktrain.session.spark_api import conf_value
 
 log = logging.getLogger("sparktrain")
@@ -74,8 +74,9 @@ def run_preflight(estimator: Any, df: DataFrame, specs: Sequence[ColumnSpec]) ->
 def transformation_columns(df: DataFrame, fn: Callable, wanted: Sequence[str],
                            keep: Sequence[str]) -> Optional[List[ColumnSpec]]:
     """Specs of the DataFrame columns ``fn`` needs to produce ``wanted`` (see the module),
-    learned on :data:`PREFLIGHT_ROWS` rows (even with the preflight off: training needs it); ``None`` when it cannot be learned here (no rows, or
-    ``fn`` needs a training task): then every column a model could read is materialized.
+    learned on :data:`PREFLIGHT_ROWS` rows (even with the preflight off: training needs it);
+    ``None`` when it cannot be learned here (no rows, or ``fn`` needs a training task): then
+    every column a model could read is materialized.
 
     Raises ``ValueError`` when ``fn`` fails on the rows or does not produce a wanted column.
     """
@@ -203,6 +204,6 @@ def keras_expectation(model: Any) -> Optional[str]:
     names = input_names(model)
     if names is None or len(names) < 2:
         return f"inputs of shape {shapes}"
-    named = ", ".join(f"{n!r} {tuple(i.shape)}" for n, i in zip(names, inputs))
+    named = ", ".join(f"{n!r} {tuple(i.shape)}" for n, i in zip(names, inputs, strict=True))
     return (f"inputs {named} (fed by name when feature_cols are these names, else in this "
             f"order)")

@@ -27,22 +27,22 @@ from typing import Any, Dict, Optional, Tuple
 
 from pyspark import keyword_only
 
-from sparktrain.options import horovod as horovod_params
-from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.estimators.base import EstimatorBase
 from sparktrain.estimators.fit_run import FitRun
-from sparktrain.options.declarations import COMMON, TORCH
-from sparktrain.options.keywords import keyword_params
-from sparktrain.loop.torch_forward import takes_labels
 from sparktrain.estimators.torch_model import TorchModel
-from sparktrain.loop.torch_schedule import check_scheduler
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.environment import rank_environment
-from sparktrain.model_files import ModelFile
-from sparktrain.options.params import TorchParams
+from sparktrain.loop.checkpoint import Checkpoints
+from sparktrain.loop.torch_forward import takes_labels
 from sparktrain.loop.torch_losses import named_metrics
+from sparktrain.loop.torch_schedule import check_scheduler
+from sparktrain.model_files import ModelFile
+from sparktrain.options import horovod as horovod_params
+from sparktrain.options.declarations import COMMON, TORCH
+from sparktrain.options.keywords import keyword_params
+from sparktrain.options.params import TorchParams
 from sparktrain.options.payload import TorchPayload
 
 #: Horovod's ``horovod.spark.torch`` names (``import sparktrain.estimators.torch as hvd``)
@@ -326,8 +326,8 @@ class TorchEstimator(EstimatorBase, TorchParams):
         import torch
 
         from sparktrain.estimators import preflight
-        from sparktrain.loop.torch_files import is_builder
         from sparktrain.loop.torch_batch import Batches
+        from sparktrain.loop.torch_files import is_builder
         from sparktrain.loop.torch_loop import check_batch
 
         spec = self._train_spec()

@@ -22,7 +22,6 @@ from sparktrain.model_files import ModelFile
 from sparktrain.options.params import TorchModelParams
 from sparktrain.session.spark_api import master
 
-
 # -- weights by reference (see torch_files) ---------------------------------------------------
 #: a module built in the driver up to this size travels inside the prediction UDF; a larger
 #: one is written to a file first (a fitted or loaded model is always read from its file)
@@ -196,21 +195,20 @@ def _make_predictor(source: Tuple[Any, ...],
                     use_gpu: Optional[bool] = None, feature_names: Optional[List[str]] = None,
                     output_key: Optional[str] = None) -> Callable:
     """Executor side, once per Python worker: load the module (``source``: ``("file",
-    architecture, ModelFile)`` or ``("inline", architecture, weights bytes)``) and return ``predict``
-    (features reshaped to ``input_shapes`` when given, as in training; the model called and its
-    output picked by :class:`~sparktrain.loop.torch_forward.ForwardRule`) on the GPU Spark gave
-    the task (see ``use_gpu``), chosen per call: a reused worker's later task may hold
-    another."""
+    architecture, ModelFile)`` or ``("inline", architecture, weights bytes)``) and return
+    ``predict`` (features reshaped to ``input_shapes`` when given, as in training; the model
+    called and its output picked by :class:`~sparktrain.loop.torch_forward.ForwardRule`) on the
+    GPU Spark gave the task (see ``use_gpu``), chosen per call: a reused worker's later task may
+    hold another."""
     import contextlib
 
     import numpy as np
     import torch
     from pyspark import TaskContext
 
-    from sparktrain.loop.torch_forward import ForwardRule
     from sparktrain.launch.gpus import task_gpu
-
     from sparktrain.loop.torch_files import load_module, load_weights
+    from sparktrain.loop.torch_forward import ForwardRule
 
     kind, architecture, weights = source
     if kind == "file":  # memory-mapped: Python workers on one host share its pages
@@ -233,7 +231,7 @@ def _make_predictor(source: Tuple[Any, ...],
         tensors = [torch.from_numpy(f if f.flags.writeable else f.copy()).to(device)
                    for f in features]
         if input_shapes:
-            tensors = [t.reshape(shape) for t, shape in zip(tensors, input_shapes)]
+            tensors = [t.reshape(shape) for t, shape in zip(tensors, input_shapes, strict=True)]
         # the current CUDA device too, for modules that make tensors on "cuda" themselves
         current = torch.cuda.device(device) if device.type == "cuda" \
             else contextlib.nullcontext()

@@ -60,7 +60,8 @@ INSTALL_HINTS = {
 def import_quietly(name: str) -> Any:
     """Import ``name`` leaving the root logger as it was: tensorflowonspark runs
     ``logging.basicConfig(level=INFO)`` when imported (which would turn on every library's INFO
-    lines in the user's process) and imports ``pkg_resources``, which warns that it is deprecated."""
+    lines in the user's process) and imports ``pkg_resources``, which warns that it is
+    deprecated."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     try:

@@ -46,14 +46,21 @@ from pyspark import BarrierTaskContext
 from pyspark.sql import DataFrame, SparkSession
 
 from sparktrain.errors import TrainingError
+from sparktrain.faults import lost_rank_text, user_error_source
 from sparktrain.fs import DEFAULT_LAUNCH_DIR, filesystem
 from sparktrain.launch.events import EventWatcher, RankEvents
+from sparktrain.launch.rank_gather import NO_SERVER, GatherServer, RankGather, connect, publish
 from sparktrain.session.interrupts import raise_if_interrupted
-from sparktrain.launch.rank_gather import NO_SERVER, GatherServer, RankGather, connect, \
-    publish
-from sparktrain.faults import lost_rank_text, user_error_source
-from sparktrain.session.spark_api import cancel_tag, conf_value, is_local_master, is_remote, \
-    job_tag, master, num_partitions, task_slots
+from sparktrain.session.spark_api import (
+    cancel_tag,
+    conf_value,
+    is_local_master,
+    is_remote,
+    job_tag,
+    master,
+    num_partitions,
+    task_slots,
+)
 
 log = logging.getLogger(__name__)
 

@@ -48,9 +48,9 @@ import uuid
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Dict, List, Optional
 
-from sparktrain.options.converters import BATCH_RULES  # the elastic_batch option's values
 from sparktrain.errors import TrainingError
 from sparktrain.fs import DEFAULT_LAUNCH_DIR, filesystem
+from sparktrain.options.converters import BATCH_RULES  # the elastic_batch option's values
 
 log = logging.getLogger(__name__)
 

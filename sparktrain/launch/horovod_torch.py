@@ -22,8 +22,9 @@ What listens, and where (see docs/security.md):
   They are unauthenticated plain TCP, as in any Horovod job.
 
 Learning rate: used as given (Horovod's Spark estimators multiply it by ``hvd.size()``,
-horovod/spark/torch/remote.py in 0.28.1; ``scale_learning_rate=True`` does that here). ``hvd.DistributedOptimizer`` averages gradients; parameters and optimizer state are
-broadcast from rank 0 before the first step.
+horovod/spark/torch/remote.py in 0.28.1; ``scale_learning_rate=True`` does that here).
+``hvd.DistributedOptimizer`` averages gradients; parameters and optimizer state are broadcast
+from rank 0 before the first step.
 """
 from __future__ import annotations
 

@@ -31,17 +31,22 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import IO, Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
-from sparktrain.launch import zygote
-from sparktrain.launch.zygote import die_with_parent
 from sparktrain.data.stream import spool_shard
+from sparktrain.faults import killed_text, mark_user_error
+from sparktrain.launch import zygote
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.engine import KerasEngine
-from sparktrain.faults import killed_text, mark_user_error
 from sparktrain.launch.gpus import gpu_environment, rank_gpu
-from sparktrain.launch.tf_protocol import ERROR_FILE, PROGRESS_PREFIX, RESULT_FILE, \
-    USER_ERROR_FILE, WORKER_MODULE, write_inputs
+from sparktrain.launch.tf_protocol import (
+    ERROR_FILE,
+    PROGRESS_PREFIX,
+    RESULT_FILE,
+    USER_ERROR_FILE,
+    WORKER_MODULE,
+    write_inputs,
+)
+from sparktrain.launch.zygote import die_with_parent
 from sparktrain.options.spec import KerasTrainSpec
-
 
 # What the template imports: TensorFlow and Keras are ~9 CPU-s of a fresh worker's start.
 TEMPLATE_PRELOAD = ("tensorflow", "keras", WORKER_MODULE)
@@ -62,7 +67,7 @@ def cluster_config(addresses: List[str], roles: List[Tuple[str, int]], rank: int
     """``TF_CONFIG`` of task ``rank``: each task's ``host:port`` (rank order) in the job its
     role names, at its index."""
     cluster: Dict[str, List[str]] = {}
-    for address, (job, index) in sorted(zip(addresses, roles), key=lambda p: p[1]):
+    for address, (job, _index) in sorted(zip(addresses, roles, strict=True), key=lambda p: p[1]):
         cluster.setdefault(job, []).append(address)
     kind, index = roles[rank]
     return json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})

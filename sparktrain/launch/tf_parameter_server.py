@@ -35,11 +35,16 @@ import time
 from dataclasses import replace
 from typing import Any, List, Optional
 
-from sparktrain.launch.barrier import RankContext
 from sparktrain.faults import mark_user_error
+from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.tf_multiworker import TFTask, start_tf_child
-from sparktrain.launch.tf_protocol import ERROR_FILE, READY, SHARD_INFO, USER_ERROR_FILE, \
-    write_inputs
+from sparktrain.launch.tf_protocol import (
+    ERROR_FILE,
+    READY,
+    SHARD_INFO,
+    USER_ERROR_FILE,
+    write_inputs,
+)
 from sparktrain.options.spec import KerasTrainSpec
 
 STOP_SECONDS = 10.0  # SIGTERM, then SIGKILL after this long

@@ -174,7 +174,8 @@ class TorchDDP(TorchEngine):
         cast to float16, all-reduced and cast back, what Horovod's ``Compression.fp16`` does.
         """
         if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+            raise ValueError(f"backward_passes_per_step must be >= 1, got "
+                             f"{backward_passes_per_step}")
         if compression not in (None, "fp16"):
             raise ValueError(f"gradient compression {compression!r}; expected None or 'fp16'")
         if self.world_size == 1 or not any(p.requires_grad for p in model.parameters()):

@@ -43,9 +43,9 @@ import os
 import selectors
 import signal
 import socket
+import struct
 import subprocess
 import sys
-import struct
 import time
 from typing import IO, Any, Dict, List, Optional, Sequence, Tuple, Union
 

@@ -35,11 +35,11 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from sparktrain.errors import CheckpointError
-from sparktrain.loop.checkpoint import Checkpoint, Checkpoints
+from sparktrain.faults import mark_user_error
 from sparktrain.fs import filesystem
 from sparktrain.launch.elastic import Generation, Regroup
 from sparktrain.launch.events import WARNING
-from sparktrain.faults import mark_user_error
+from sparktrain.loop.checkpoint import Checkpoint, Checkpoints
 from sparktrain.options.spec import LoopSpec
 
 Logs = Dict[str, float]

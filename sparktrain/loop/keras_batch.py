@@ -112,9 +112,10 @@ def batch_tensors(tf: Any, batch: Dict[str, Any], features: List[str], labels: L
             raise ValueError(f"{what}: column {name!r} has {per_row} value(s) per row (a batch "
                              f"of {value.shape}), which do not fit the shape {list(shape)}") \
                 from None
-    x = [shaped("the model's input shape", c, s) for c, s in zip(features, input_shapes)] \
+    x = [shaped("the model's input shape", c, s)
+         for c, s in zip(features, input_shapes, strict=True)] \
         if input_shapes else [col(c) for c in features]
-    y = [shaped("label_shapes", c, s) for c, s in zip(labels, label_shapes)] \
+    y = [shaped("label_shapes", c, s) for c, s in zip(labels, label_shapes, strict=True)] \
         if label_shapes else [col(c) for c in labels]
     w = tf.constant(batch[weight_col], tf.float32) if weight_col else None
     return x, y, w
@@ -131,10 +132,11 @@ def forward_stats(tf: Any, model: Any, loss_fn: Any, metrics: List[Tuple[str, An
     (:func:`~.keras_inputs.keras_inputs`), by position otherwise."""
     outputs = model(keras_inputs(model, feature_cols, x), training=training)
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-    y = [_match_label(tf, o, l, not keep_label_shapes) for o, l in zip(outputs, y)]
+    y = [_match_label(tf, o, label, not keep_label_shapes)
+         for o, label in zip(outputs, y, strict=True)]
     per_row = 0.0
-    for i, (o, l) in enumerate(zip(outputs, y)):
-        value = loss_fn(l, o)
+    for i, (o, label) in enumerate(zip(outputs, y, strict=True)):
+        value = loss_fn(label, o)
         if loss_weights:
             value = value * loss_weights[i]
         per_row += tf.reshape(value, [tf.shape(o)[0], -1]) if len(value.shape) > 1 else value
@@ -142,6 +144,6 @@ def forward_stats(tf: Any, model: Any, loss_fn: Any, metrics: List[Tuple[str, An
     if w is not None:
         per_row = per_row * w
     stats = [tf.cast(tf.shape(per_row)[0], tf.float32), tf.reduce_sum(per_row)]
-    for o, l in zip(outputs, y):
-        stats += [_row_sum(tf, fn(l, o), stats[0]) for _, fn in metrics]
+    for o, label in zip(outputs, y, strict=True):
+        stats += [_row_sum(tf, fn(label, o), stats[0]) for _, fn in metrics]
     return per_row, tf.stack(stats), outputs

@@ -75,7 +75,7 @@ def in_feature_order(model: Any, feature_cols: Sequence[str], per_input: List[T]
     if not fed_by_name(model, feature_cols):
         return per_input
     names = input_names(model) or []
-    by_name = dict(zip(names, per_input))
+    by_name = dict(zip(names, per_input, strict=True))
     return [by_name[c] for c in feature_cols]
 
 
@@ -85,5 +85,5 @@ def keras_inputs(model: Any, feature_cols: Sequence[str],
     ``feature_cols``): ``{column: array}`` when the model takes them by name, else the list,
     or the array itself for one column."""
     if fed_by_name(model, feature_cols):
-        return dict(zip(feature_cols, arrays))
+        return dict(zip(feature_cols, arrays, strict=True))
     return list(arrays) if len(arrays) > 1 else arrays[0]

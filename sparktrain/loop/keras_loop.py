@@ -1,7 +1,8 @@
 """Keras training in one process of a TensorFlow cluster (``TF_CONFIG``).
 
 Runs as ``python -m sparktrain.loop.keras_loop DIR`` (see
-:mod:`sparktrain.launch.tf_multiworker`; the files in ``DIR``: :mod:`sparktrain.launch.tf_protocol`).
+:mod:`sparktrain.launch.tf_multiworker`; the files in ``DIR``:
+:mod:`sparktrain.launch.tf_protocol`).
 Keras 3's ``model.fit`` fails under MultiWorkerMirroredStrategy (keras-team/keras#20585), so the
 loop is a distributed train step of its own, the pattern TensorFlow documents for custom
 training with ``tf.distribute``: the user's model is re-loaded from its ``.keras`` file inside
@@ -35,16 +36,21 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 import numpy as np
 
+from sparktrain.faults import mark_user_error, user_code, user_error_source
+from sparktrain.launch.elastic import REGROUP, Regroup, scaling_ranks
+from sparktrain.launch.tf_protocol import (
+    ERROR_FILE,
+    PAYLOAD_FILE,
+    RESULT_FILE,
+    USER_ERROR_FILE,
+    progress,
+    read_spec,
+)
 from sparktrain.loop.epochs import EpochBoard, EpochDriver, StepReporter
-from sparktrain.loop.keras_batch import batch_tensors, forward_stats, per_row_loss, \
-    resolve_metrics
+from sparktrain.loop.keras_batch import batch_tensors, forward_stats, per_row_loss, resolve_metrics
 from sparktrain.loop.keras_inputs import keras_inputs
 from sparktrain.loop.keras_saving import loading_objects
-from sparktrain.launch.elastic import REGROUP, Regroup, scaling_ranks
-from sparktrain.faults import mark_user_error, user_code, user_error_source
 from sparktrain.model_files import ModelFile
-from sparktrain.launch.tf_protocol import ERROR_FILE, PAYLOAD_FILE, \
-    RESULT_FILE, USER_ERROR_FILE, progress, read_spec
 from sparktrain.options.payload import KerasPayload
 from sparktrain.options.spec import KerasTrainSpec
 from sparktrain.strategies.keras_strategy import KerasStrategy, RankLoop, stack_batches
@@ -135,7 +141,7 @@ def _load(keras: Any, spec: KerasTrainSpec, payload: KerasPayload, custom: Dict[
         if len(optimizer.variables) != len(optimizer_state):
             raise RuntimeError("the run's checkpoint does not fit this optimizer; pass a new "
                                "run_id to start a fresh run")
-        for variable, value in zip(optimizer.variables, optimizer_state):
+        for variable, value in zip(optimizer.variables, optimizer_state, strict=True):
             variable.assign(value)
     elif spec.scale_learning_rate:
         if not isinstance(optimizer.learning_rate, (float, int)) and \
@@ -171,8 +177,8 @@ class _KerasEpochs:
         atexit.register(self.feed.close)  # this worker process ends with the fit, whichever way
         strategy.compile(tf, self.forward, self.model, self.optimizer)
         labels = spec.label_cols  # the metrics' names, per label when there are several
-        self.names = [n if len(labels) == 1 else f"{l}_{n}"
-                      for l in labels for n, _ in self.metrics]
+        self.names = [n if len(labels) == 1 else f"{label}_{n}"
+                      for label in labels for n, _ in self.metrics]
         self.loop = RankLoop(run_epoch=lambda step_fn, epoch, report, steps:
                              self.run_epoch(step_fn, self.train_reader, epoch, report, steps),
                              step_reporter=self.step_reporter)
@@ -222,7 +228,7 @@ class _KerasEpochs:
         totals = np.asarray(totals).astype(np.float64)
         rows = max(totals[0], 1.0)
         return {"loss": totals[1] / rows,
-                **{n: v / rows for n, v in zip(self.names, totals[2:])}}
+                **{n: v / rows for n, v in zip(self.names, totals[2:], strict=True)}}
 
     def step_reporter(self, epoch: int, report: bool, total: Any = None
                       ) -> Callable[[int, Any], None]:
@@ -370,8 +376,8 @@ class _KerasEpochs:
 def train(spec: KerasTrainSpec, payload: KerasPayload, workdir: str) -> Dict[str, Any]:
     """Train this process's part of the fit; rank 0 returns the fitted model (a file in the
     store), the history, why training stopped and the output shapes, the others ``{}``."""
-    import tensorflow as tf
     import keras
+    import tensorflow as tf
 
     if spec.seed is not None:
         keras.utils.set_random_seed(spec.seed)

@@ -78,7 +78,8 @@ class LossComputer:
     def __call__(self, outputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
                  weights: Optional[torch.Tensor]) -> torch.Tensor:
         total = 0
-        for index, (fn, output, label) in enumerate(zip(self.losses, outputs, labels)):
+        terms = zip(self.losses, outputs, labels, strict=True)
+        for index, (fn, output, label) in enumerate(terms):
             value = fn(output, label)
             if self.weighted:
                 if value.dim() == 0:
@@ -111,13 +112,14 @@ class Batches:
         spec = self.spec
         if spec.input_shapes:
             features = [_reshaped("input_shapes", c, tensor(c), shape)
-                        for c, shape in zip(spec.feature_cols, spec.input_shapes)]
+                        for c, shape in zip(spec.feature_cols, spec.input_shapes, strict=True)]
         else:
             features = [as_2d(tensor(c)) for c in spec.feature_cols]
         labels = [tensor(c) for c in spec.label_cols]
         if spec.label_shapes:
             labels = [_reshaped("label_shapes", c, label, shape)
-                      for c, label, shape in zip(spec.label_cols, labels, spec.label_shapes)]
+                      for c, label, shape in zip(spec.label_cols, labels, spec.label_shapes,
+                                                 strict=True)]
         weights = tensor(self.spec.sample_weight_col) if self.spec.sample_weight_col else None
         return features, labels, weights
 

@@ -77,7 +77,7 @@ class ForwardRule:
             if self.model_loss and labels:
                 return model(*features, labels=labels[0])
             return model(*features)
-        kwargs = dict(zip(self.feature_names, features))
+        kwargs = dict(zip(self.feature_names, features, strict=True))
         if self.model_loss and labels:
             kwargs["labels"] = labels[0]
         return model(**kwargs)

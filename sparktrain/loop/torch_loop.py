@@ -31,24 +31,28 @@ import torch
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.reader import ShardReader, take_steps
 from sparktrain.data.stream import rank_readers
+from sparktrain.faults import mark_user_error, user_code
+from sparktrain.launch import TORCH_BACKENDS, load_backend
+from sparktrain.launch.barrier import RankContext
+from sparktrain.launch.elastic import for_rank, scaling_ranks
 from sparktrain.loop.epochs import EpochBoard, EpochDriver, Logs, StepReporter
-from sparktrain.loop.torch_batch import Batches, LossComputer, as_outputs, match_label, \
-    select_device
+from sparktrain.loop.torch_batch import (
+    Batches,
+    LossComputer,
+    as_outputs,
+    match_label,
+    select_device,
+)
 from sparktrain.loop.torch_checkpoint import checkpoint_bytes, restore
 from sparktrain.loop.torch_files import BuiltModule, dumps_without_weights, save_weights
 from sparktrain.loop.torch_forward import ForwardRule
 from sparktrain.loop.torch_losses import build_losses, named_metrics
 from sparktrain.loop.torch_schedule import Schedule
-from sparktrain.launch import TORCH_BACKENDS, load_backend
-from sparktrain.launch.barrier import RankContext
-from sparktrain.launch.elastic import for_rank, scaling_ranks
-from sparktrain.faults import mark_user_error, user_code
 from sparktrain.options.payload import TorchPayload
 from sparktrain.options.spec import TorchTrainSpec
 from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
 from sparktrain.strategies.torch_blocks import blocks, checkpoint_activations
 from sparktrain.strategies.torch_strategy import StrategyConfig, TorchStrategy
-
 
 
 @dataclass
@@ -71,8 +75,8 @@ class _Step:
         ``zero_grad``/``step`` at group boundaries are the function's."""
         def transform_outputs(outputs: Any, labels: List[torch.Tensor]) -> Tuple[List, List]:
             outputs = as_outputs(outputs)
-            return outputs, [match_label(o, l, not self.keep_label_shapes)
-                             for o, l in zip(outputs, labels)]
+            return outputs, [match_label(o, label, not self.keep_label_shapes)
+                             for o, label in zip(outputs, labels, strict=True)]
 
         outputs, loss = self.minibatch_fn(model, self.optimizer, transform_outputs, compute_loss,
                                           features, labels, weights, self.passes, step)
@@ -148,8 +152,8 @@ def _run_epoch(model: torch.nn.Module, forward: ForwardRule, batches: Iterator[D
                         f"the model returned {len(outputs)} outputs for {len(labels)} label "
                         f"columns {label_cols}"), "the model's outputs")
                 with user_code("the loss"):
-                    labels = [match_label(o, l, not to_tensors.spec.label_shapes)
-                              for o, l in zip(outputs, labels)]
+                    labels = [match_label(o, label, not to_tensors.spec.label_shapes)
+                              for o, label in zip(outputs, labels, strict=True)]
                     if loss is None:
                         loss = compute_loss(outputs, labels, weights)
             if training:
@@ -158,7 +162,7 @@ def _run_epoch(model: torch.nn.Module, forward: ForwardRule, batches: Iterator[D
             rows = features[0].shape[0]
             values = [loss.detach().float()]
             with torch.no_grad():
-                for output, label in zip(outputs, labels):
+                for output, label in zip(outputs, labels, strict=True):
                     for name, fn in metrics:
                         with user_code(f"metric {name!r}"):
                             values.append(torch.as_tensor(fn(output.float(), label))
@@ -178,7 +182,8 @@ def _averaged(dist: Any, sums: torch.Tensor, names: List[str], prefix: str) -> D
     total = dist.all_reduce_sum(sums.clone()).cpu().tolist()
     rows = max(total[0], 1.0)
     result = {f"{prefix}loss": total[1] / rows}
-    result.update({f"{prefix}{name}": value / rows for name, value in zip(names, total[2:])})
+    result.update({f"{prefix}{name}": value / rows
+                   for name, value in zip(names, total[2:], strict=True)})
     return result
 
 
@@ -191,7 +196,8 @@ class _TensorBoard(EpochBoard):
 
         # tensorboard.compat imports all of TensorFlow when it is installed (8 s here) unless
         # the module tensorboard.compat.notf exists: its own switch to the TF-free stub.
-        sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
+        stub = "tensorboard.compat.notf"
+        sys.modules.setdefault(stub, types.ModuleType(stub))
         from torch.utils.tensorboard import SummaryWriter
 
         return SummaryWriter(directory)
@@ -213,7 +219,8 @@ class _TorchEpochs:
                  metrics: List[Tuple[str, Callable]], callbacks: List[Any], feed: BatchFeed,
                  readers: Dict[str, ShardReader], shapes: List) -> None:
         self.spec, self.ctx, self.dist, self.device = spec, ctx, dist, device
-        self.strategy, self.model, self.trained, self.step_rule = strategy, model, trained, step_rule
+        self.strategy, self.model, self.trained = strategy, model, trained
+        self.step_rule = step_rule
         self.forward = forward
         self.compute_loss, self.metrics, self.callbacks = compute_loss, metrics, callbacks
         self.feed, self.readers, self.shapes = feed, readers, shapes

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Optional
 
 from sparktrain.faults import mark_user_error, user_code
 
+
 def check_scheduler(factory: Any, has_minibatch_fn: bool) -> None:
     """Driver-side checks of ``lr_scheduler`` (before any job)."""
     if factory is None:
@@ -82,5 +83,6 @@ class Schedule:
         """Go on from a checkpoint's scheduler state, at the learning rate it had reached (a
         new scheduler has just set its step-0 rate, e.g. the start of a warm-up)."""
         self.scheduler.load_state_dict(state)
-        for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr()):
+        groups = self.scheduler.optimizer.param_groups
+        for group, lr in zip(groups, self.scheduler.get_last_lr(), strict=True):
             group["lr"] = lr

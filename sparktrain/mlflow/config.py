@@ -70,8 +70,7 @@ def _from_mlflow_autolog() -> Optional[Settings]:
     if "mlflow" not in sys.modules:
         return None
     try:
-        from mlflow.utils.autologging_utils import autologging_is_disabled, \
-            get_autologging_config
+        from mlflow.utils.autologging_utils import autologging_is_disabled, get_autologging_config
     except ImportError:
         return None
     if autologging_is_disabled("pyspark.ml"):

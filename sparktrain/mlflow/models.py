@@ -17,8 +17,13 @@ from typing import Any, Dict, List, Optional
 import mlflow
 import pandas as pd
 
-from sparktrain.estimators.prediction import as_model_input, feature_expr, output_series, \
-    predict_columns, series_values
+from sparktrain.estimators.prediction import (
+    as_model_input,
+    feature_expr,
+    output_series,
+    predict_columns,
+    series_values,
+)
 from sparktrain.pickling import dumps
 
 EXAMPLE_ROWS = 5
@@ -61,7 +66,7 @@ with warnings.catch_warnings():
             outputs = predict_columns(self._predict, columns, self.specs, transform,
                                       self.batch_size, len(self.outputs), self.feature_names)
             series = output_series(outputs, self.scalar_out, len(frame))
-            return pd.DataFrame(dict(zip(self.outputs, series)))
+            return pd.DataFrame(dict(zip(self.outputs, series, strict=True)))
 
 
 def _size(shape: List[int]) -> int:

@@ -61,6 +61,7 @@ class FitTracker(FitListener):
 
     def __init__(self, estimator: Any, config: Settings) -> None:
         import mlflow
+
         from sparktrain.mlflow.sender import Sender
         from sparktrain.mlflow.tuning import parent_run_id
 

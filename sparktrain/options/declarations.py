@@ -24,11 +24,34 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from sparktrain.options.converters import BATCH_RULES, INPUT_MODES, INTERVALS, MP_START_METHODS, \
-    READER_POOL_TYPES, EnvVars, to_backend_name, to_bool, to_choice, to_compression, to_count, \
-    to_env, to_function, to_int, to_keras_strategy, to_list_string, to_loss_weights, \
-    to_mixed_precision, to_module_classes, to_optional_bool, to_resource_profile, to_seconds, \
-    to_shapes, to_strategy, to_string, to_validation
+from sparktrain.options.converters import (
+    BATCH_RULES,
+    INPUT_MODES,
+    INTERVALS,
+    MP_START_METHODS,
+    READER_POOL_TYPES,
+    EnvVars,
+    to_backend_name,
+    to_bool,
+    to_choice,
+    to_compression,
+    to_count,
+    to_env,
+    to_function,
+    to_int,
+    to_keras_strategy,
+    to_list_string,
+    to_loss_weights,
+    to_mixed_precision,
+    to_module_classes,
+    to_optional_bool,
+    to_resource_profile,
+    to_seconds,
+    to_shapes,
+    to_strategy,
+    to_string,
+    to_validation,
+)
 
 
 class _Unset:

@@ -13,8 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any, List, Sequence
 
-from sparktrain.options.declarations import COMMON, KERAS, MODEL, TORCH, TORCH_MODEL, UNSET, \
-    Option
+from sparktrain.options.declarations import COMMON, KERAS, MODEL, TORCH, TORCH_MODEL, UNSET, Option
 
 BEGIN = "<!-- options: made by `python -m sparktrain.options.docs docs/usage.md`, do not edit -->"
 END = "<!-- end of options -->"

@@ -53,7 +53,9 @@ def check_shapes_fit(name: str, shapes: Optional[Sequence[Sequence[int]]],
                      sizes: Sequence[Tuple[str, int]]) -> None:
     """Each ``(-1, d1, d2, ...)`` shape must hold exactly the column's values per row
     (``d1 * d2 * ... == size``); checked on the driver once the data is materialized."""
-    for shape, (column, size) in zip(shapes or [], sizes):
+    if not shapes:
+        return
+    for shape, (column, size) in zip(shapes, sizes, strict=True):
         if shape[0] == -1 and -1 not in shape[1:] and size is not None:
             per_row = math.prod(shape[1:])
             if per_row != size:
@@ -137,8 +139,8 @@ def reader_options(est: Any, raw: bool = False) -> Dict[str, Any]:
     thread (0: on demand), and with ``reader_pool_type='process'`` N worker processes run
     ``transformation_fn``. ``'process'`` is the default when ``raw`` (a column holds bytes,
     images or variable-length arrays: decoding them is the bottleneck) and a
-    ``transformation_fn`` is given; text alone (a tokenizer) runs in the training thread. ``'dummy'`` (Petastorm: read in the calling thread) reads
-    on demand.
+    ``transformation_fn`` is given; text alone (a tokenizer) runs in the training thread.
+    ``'dummy'`` (Petastorm: read in the calling thread) reads on demand.
     """
     get = est.getOrDefault
     train = get("train_reader_num_workers")

@@ -18,8 +18,7 @@ from typing import Any, Callable, Dict, List, Sequence, Type
 
 from pyspark.ml.param import Param, Params
 
-from sparktrain.options.declarations import COMMON, KERAS, MODEL, TORCH, TORCH_MODEL, UNSET, \
-    Option
+from sparktrain.options.declarations import COMMON, KERAS, MODEL, TORCH, TORCH_MODEL, UNSET, Option
 
 #: Params whose values are Python objects (modules, optimizers, callables): pickled with
 #: cloudpickle on save, never written into the JSON metadata

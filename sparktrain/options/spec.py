@@ -2,8 +2,8 @@
 
 :class:`LoopSpec` holds what both loops (:mod:`sparktrain.loop.torch_loop`,
 :mod:`sparktrain.loop.keras_loop`) read: the materialized data, the model's columns and
-shapes, the epoch settings the shared driver (:class:`sparktrain.loop.epochs.EpochDriver`) takes, and
-how the ranks read and decode. Each framework's spec extends it with its own fields
+shapes, the epoch settings the shared driver (:class:`sparktrain.loop.epochs.EpochDriver`)
+takes, and how the ranks read and decode. Each framework's spec extends it with its own fields
 (``TorchTrainSpec``, ``KerasTrainSpec``). The fields of the options the ranks read come from
 their declarations (:mod:`sparktrain.options.declarations`, ``rank=``): the estimator fills
 them from its params (``EstimatorBase._spec_fields``); the others are declared here.
@@ -119,7 +119,8 @@ class KerasTrainSpec(LoopSpec):
     (``strategy``) and what the estimator and the launchers add; written to the child process
     as JSON (``spec.json``)."""
 
-    best_model: Optional[Dict[str, Any]] = None  # checkpoint_callback's settings, see keras_checkpoint
+    # checkpoint_callback's settings, see keras_checkpoint
+    best_model: Optional[Dict[str, Any]] = None
     strategy_options: Dict[str, Any] = field(default_factory=dict)  # KerasStrategy.check's
     # set by the launcher for each process
     rank: int = 0

@@ -101,7 +101,8 @@ def slots_from_conf(spark: SparkSession) -> Optional[int]:
     if cluster:
         return int(cluster.group(1)) * int(cluster.group(2)) // task_cpus
     cores = conf_value(spark, "spark.executor.cores")
-    dynamic = (conf_value(spark, "spark.dynamicAllocation.enabled", "false") or "").lower() == "true"
+    allocation = conf_value(spark, "spark.dynamicAllocation.enabled", "false") or ""
+    dynamic = allocation.lower() == "true"
     executors = conf_value(spark, "spark.dynamicAllocation.maxExecutors" if dynamic
                            else "spark.executor.instances")
     if cores is None or executors is None or int(executors) >= 2 ** 31 - 1:

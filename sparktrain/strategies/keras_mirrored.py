@@ -1,4 +1,5 @@
-"""``strategy="multi_worker_mirrored"`` (the default): ``tf.distribute.MultiWorkerMirroredStrategy``.
+"""``strategy="multi_worker_mirrored"`` (the default):
+``tf.distribute.MultiWorkerMirroredStrategy``.
 
 Every barrier task is a TensorFlow ``worker`` holding a replica of the model; each trains on its
 own shard, the Keras optimizer all-reduces the gradients and applies them (TensorFlow's
@@ -39,7 +40,7 @@ class MultiWorkerMirrored(KerasStrategy):
                     loss = tf.reduce_sum(per_row) / (tf.cast(tf.shape(per_row)[0], tf.float32)
                                                      * world)
                 grads = tape.gradient(loss, model.trainable_variables)
-                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
                 return stats
             # this worker's statistics only: they are summed over workers once per epoch, not
             # per step (an all-reduce per step cost as much as the gradients' own)

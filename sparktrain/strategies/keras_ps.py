@@ -10,7 +10,8 @@ each applying its own gradients to the variables on the parameter servers. spark
   parameter servers, the rest are workers; each task's launch (servers, shard hand-over,
   shutdown) is :mod:`sparktrain.launch.tf_parameter_server`'s.
 - ps and worker tasks run :func:`serve`: a ``tf.distribute.Server`` that joins forever (the
-  Spark task SIGTERMs it when the coordinator is done, :mod:`sparktrain.launch.tf_parameter_server`).
+  Spark task SIGTERMs it when the coordinator is done,
+  :mod:`sparktrain.launch.tf_parameter_server`).
   A worker first writes its shard of the materialized training data into local files
   (:func:`write_shard`), one serialized tensor per model input, label and weight. Python
   generators or ``tf.py_function`` in a ``dataset_fn`` would run in the coordinator's process,
@@ -124,7 +125,7 @@ class ParameterServer(KerasStrategy):
                     # each worker applies its own gradients: the mean over its batch
                     loss = tf.reduce_sum(per_row) / tf.cast(tf.shape(per_row)[0], tf.float32)
                 grads = tape.gradient(loss, model.trainable_variables)
-                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
                 return stats
             return strategy.reduce(tf.distribute.ReduceOp.SUM,
                                    strategy.run(replica, args=(next(iterator),)), axis=None)
@@ -169,8 +170,8 @@ def write_shard(spec: KerasTrainSpec, payload: KerasPayload, workdir: str, index
     import numpy as np
     import tensorflow as tf
 
-    from sparktrain.data.reader import ShardReader
     from sparktrain.data.columns import ColumnSpec
+    from sparktrain.data.reader import ShardReader
     from sparktrain.faults import user_code
 
     columns = [ColumnSpec.from_json(c) for c in spec.columns]

@@ -177,8 +177,8 @@ def stack_batches(tf: Any, batches: Sequence[Tuple[List[Any], List[Any], Any]]
                   ) -> Tuple[List[Any], List[Any], Any]:
     """``(xs, ys, ws)`` for :func:`stacked_steps`: batches' ``(x, y, w)`` tensors of one shape
     stacked on a new first axis."""
-    xs = [tf.stack(column) for column in zip(*(x for x, _, _ in batches))]
-    ys = [tf.stack(column) for column in zip(*(y for _, y, _ in batches))]
+    xs = [tf.stack(column) for column in zip(*(x for x, _, _ in batches), strict=True)]
+    ys = [tf.stack(column) for column in zip(*(y for _, y, _ in batches), strict=True)]
     ws = None if batches[0][2] is None else tf.stack([w for _, _, w in batches])
     return xs, ys, ws
 

@@ -23,6 +23,7 @@ import torch
 from sparktrain.strategies.torch_blocks import blocks
 from sparktrain.strategies.torch_strategy import StrategyConfig, TorchStrategy
 
+
 def _parameter_names(model: torch.nn.Module) -> Dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
@@ -54,7 +55,8 @@ class FullySharded(TorchStrategy):
                              f"{torch.__version__}") from None
         wrap = options.get("fsdp_wrap")
         if isinstance(wrap, list):
-            missing = [c.__name__ for c in wrap if not any(isinstance(m, c) for m in model.modules())]
+            missing = [c.__name__ for c in wrap
+                       if not any(isinstance(m, c) for m in model.modules())]
             if missing:
                 raise ValueError(f"fsdp_wrap: the model has no submodule of class "
                                  f"{', '.join(missing)}")
@@ -111,7 +113,7 @@ class FullySharded(TorchStrategy):
         sharded = dict(model.named_parameters())
         rebuilt = [dict({k: v for k, v in group.items() if k != "params"},
                         params=[sharded[name] for name in names_])
-                   for group, names_ in zip(optimizer.param_groups, groups)]
+                   for group, names_ in zip(optimizer.param_groups, groups, strict=True)]
         try:
             new_optimizer = type(optimizer)(rebuilt, **_constructor_defaults(optimizer))
         except Exception as exc:  # noqa: BLE001 - re-raised with what to do
@@ -126,13 +128,15 @@ class FullySharded(TorchStrategy):
     def _load_optimizer(model: torch.nn.Module, optimizer: Any, state: Dict[str, Any],
                         groups: List[List[str]]) -> None:
         """Shard a full, index-keyed ``optimizer.state_dict()`` into ``optimizer``."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
 
         flat = [name for names in groups for name in names]
         by_name = {"state": {flat[index]: value for index, value in state["state"].items()},
                    "param_groups": [dict(group, params=names) for group, names
-                                    in zip(state["param_groups"], groups)]}
+                                    in zip(state["param_groups"], groups, strict=True)]}
         set_optimizer_state_dict(model, optimizer, by_name,
                                  options=StateDictOptions(full_state_dict=True))
 
@@ -153,9 +157,11 @@ class FullySharded(TorchStrategy):
         ``optimizer``, its state_dict in the usual index-keyed form, on rank 0's CPU (empty
         on the other ranks). The same form a DDP run checkpoints, so either strategy resumes
         from the other's checkpoints and the fitted model loads them as usual."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_model_state_dict,
-                                                             get_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         weights = get_model_state_dict(model, options=options)

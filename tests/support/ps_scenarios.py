@@ -1,7 +1,8 @@
 """KerasEstimator(strategy="parameter_server") scenarios on a local[3] SparkSession of their own
-(the test session's is local[2]), run by tests/test_parameter_server.py in a subprocess:
+(the test session's is local[2]), run by tests/test_parameter_server.py in a subprocess, all on
+one session:
 
-    python tests/support/ps_scenarios.py fit|kill WORKDIR    # prints one JSON line last
+    python tests/support/ps_scenarios.py fit,kill WORKDIR    # prints one JSON line last
 
 fit: 1 ps + 1 chief + 1 worker on digits with validation, metrics, callbacks and TensorBoard;
 transform, save, load; then a fit whose worker fails in transformation_fn; after each, the
@@ -190,14 +191,22 @@ def kill_scenario(spark, workdir) -> dict:
             "test_accuracy": accuracy(model, test), "left_after_fit": settled(marker)}
 
 
-def main(scenario: str, workdir: str) -> None:
+SCENARIOS = {"fit": fit_scenario, "kill": kill_scenario}
+
+
+def main(scenarios: str, workdir: str) -> None:
+    """Run the comma-separated ``scenarios`` one after the other on one local[3] session (one
+    JVM and one TensorFlow import for all); print ``{name: findings}``."""
     from sparktrain import local_spark
 
-    spark = local_spark("local[3]", app_name=f"sparktrain-ps-{scenario}", conf={
+    spark = local_spark("local[3]", app_name="sparktrain-ps", conf={
         "spark.sparktrain.slotWaitSeconds": "1", "spark.default.parallelism": "3",
         "spark.stage.maxConsecutiveAttempts": "3"})
     try:
-        result = (fit_scenario if scenario == "fit" else kill_scenario)(spark, workdir)
+        result = {}
+        for name in scenarios.split(","):
+            os.makedirs(os.path.join(workdir, name), exist_ok=True)
+            result[name] = SCENARIOS[name](spark, os.path.join(workdir, name))
     finally:
         spark.stop()
     print(json.dumps(result))
