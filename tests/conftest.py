@@ -11,9 +11,9 @@ sys.path.insert(0, ROOT)
 
 from sparktrain.session.jvm_archive import java_options  # noqa: E402 - after the path
 from support import durations  # noqa: E402
+
 # one standalone cluster, Connect server and MLflow server per pytest worker, for every file
-from support.servers import (  # noqa: E402,F401 - fixtures, after the path
-    connect_server, mlflow_server, standalone, standalone_cluster)
+from support.servers import connect_server, mlflow_server, standalone, standalone_cluster  # noqa: E402,F401 - fixtures, after the path
 
 # Every JVM the tests start (Spark drivers and executors, Connect servers, standalone Masters
 # and Workers) compiles with C1 only: they live seconds to minutes on tiny data, and C2's

@@ -7,8 +7,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from sparktrain.data.batch import arrow_to_numpy, decode_image, heavy_decoding, model_ready, \
-    values_to_numpy
+from sparktrain.data.batch import (
+    arrow_to_numpy,
+    decode_image,
+    heavy_decoding,
+    model_ready,
+    values_to_numpy,
+)
 from sparktrain.data.columns import ARRAY, BINARY, IMAGE, SCALAR, STRING, VARLEN, ColumnSpec
 
 

@@ -19,8 +19,13 @@ from support.big_models import DirtyWeightPages, FrozenTable  # noqa: E402 - aft
 
 
 def test_the_pickle_refers_to_weights_by_key_and_keeps_ties_and_the_optimizer(tmp_path):
-    from sparktrain.loop.torch_files import ShippedModule, dumps_without_weights, \
-        load_module, load_weights, save_weights
+    from sparktrain.loop.torch_files import (
+        ShippedModule,
+        dumps_without_weights,
+        load_module,
+        load_weights,
+        save_weights,
+    )
 
     net = torch.nn.Sequential(torch.nn.Embedding(50_000, 64), torch.nn.Linear(64, 50_000))
     net[1].weight = net[0].weight  # tied, as a language model's input and output embeddings

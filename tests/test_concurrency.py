@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
-from support.helpers import linear_estimator
 from sparktrain import RunInUseError, TrainingError
+from support.helpers import linear_estimator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = 2000

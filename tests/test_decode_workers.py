@@ -15,8 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from sparktrain.data.workers import (SHM_PREFIX, DecodePool, DecodeWorkerError,
-                                     TransformationFailed)
+from sparktrain.data.workers import SHM_PREFIX, DecodePool, DecodeWorkerError, TransformationFailed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

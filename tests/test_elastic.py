@@ -4,11 +4,11 @@ import math
 
 import pytest
 
-from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.reader import shard_range, steps_per_epoch
-from sparktrain.loop.epochs import EpochDriver
-from sparktrain.launch.elastic import ElasticPlan, Generation, Regroup, for_rank
 from sparktrain.launch.barrier import RankContext
+from sparktrain.launch.elastic import ElasticPlan, Generation, Regroup, for_rank
+from sparktrain.loop.checkpoint import Checkpoints
+from sparktrain.loop.epochs import EpochDriver
 
 
 def test_a_generation_takes_the_free_slots_within_the_bounds():

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 
 import pytest
-from support.helpers import linear_estimator
 
 from sparktrain.launch import TORCH_BACKENDS, register_keras_backend, register_torch_backend
 from sparktrain.launch.torch_ddp import TorchDDP
+from support.helpers import linear_estimator
 
 
 class RecordingDDP(TorchDDP):

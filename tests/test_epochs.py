@@ -6,9 +6,9 @@ import time
 
 import pytest
 
+from sparktrain.faults import is_user_error
 from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.loop.epochs import EpochBoard, EpochDriver, StepReporter
-from sparktrain.faults import is_user_error
 from sparktrain.options.spec import LoopSpec
 
 

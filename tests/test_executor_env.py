@@ -13,8 +13,12 @@ import time
 import pytest
 
 from sparktrain import ExecutorEnvironmentError, TrainingError
-from sparktrain.launch.executor_env import RANK_MODULES, _warn_on_version_differences, \
-    check_executors, environment_error
+from sparktrain.launch.executor_env import (
+    RANK_MODULES,
+    _warn_on_version_differences,
+    check_executors,
+    environment_error,
+)
 
 # The executors lacked pyarrow (a bare venv as PYSPARK_PYTHON) when a barrier mapInPandas ran.
 BARRIER_NO_PYARROW = """An error occurred while calling o109.collectToPython.

@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from support.helpers import KillRankOnce, linear_estimator
 from sparktrain import CheckpointError, TrainingError
-from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.store import Store
+from sparktrain.loop.checkpoint import Checkpoints
+from support.helpers import KillRankOnce, linear_estimator
 
 
 def _estimator(store, run_id, **kwargs):

@@ -9,10 +9,10 @@ import os
 import numpy as np
 import pytest
 
-from support.helpers import KillRankOnce
 from sparktrain import TorchEstimator, TorchModel
-from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.store import Store
+from sparktrain.loop.checkpoint import Checkpoints
+from support.helpers import KillRankOnce
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from support.helpers import linear_estimator
 from sparktrain import StoreFullError, TrainingError
 from sparktrain.data.store import Store
 from sparktrain.loop.checkpoint import Checkpoints
+from support.helpers import linear_estimator
 
 
 def _estimator(store: str, model, **params):

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from support.helpers import run_on_fake_gpus
 from sparktrain import TorchModel
 from sparktrain.launch.gpus import cuda_ordinal, rank_gpu
+from support.helpers import run_on_fake_gpus
 
 
 # -- the device choice (pure functions) ----------------------------------------------------------

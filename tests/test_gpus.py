@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from support.helpers import run_on_fake_gpus
 from sparktrain.launch.gpus import check_gpu_conf, gpu_environment, rank_gpu
+from support.helpers import run_on_fake_gpus
 
 GPU_CONF = {"spark.task.resource.gpu.amount": "1", "spark.executor.resource.gpu.amount": "2"}
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.helpers import linear_estimator
 from sparktrain import TrainingError
 from sparktrain.launch import TORCH_BACKENDS, check_backend
 from sparktrain.launch.horovod_torch import slot_for
+from support.helpers import linear_estimator
 
 
 def estimator(store, backend, **overrides):

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from support.helpers import linear_estimator
 from sparktrain import Store, TorchEstimator, TorchModel, TrainingError
 from sparktrain.options.horovod import IgnoredParamWarning, reader_options, warn_ignored
+from support.helpers import linear_estimator
 
 # Every getter/setter and constructor param of Horovod 0.28.1's classes, from
 # horovod/spark/{common/params.py, torch/estimator.py, keras/estimator.py} at tag v0.28.1
@@ -476,8 +476,8 @@ def test_keras_horovod_params(spark, store, regression_df, tmp_path):
     import keras
 
     from sparktrain import KerasEstimator
-    from sparktrain.loop.keras_loop import _read_checkpoint
     from sparktrain.loop.checkpoint import Checkpoints
+    from sparktrain.loop.keras_loop import _read_checkpoint
 
     keras.utils.set_random_seed(0)
     net = keras.Sequential([keras.Input((2, 2)), keras.layers.Flatten(), keras.layers.Dense(1)])

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from support import hf_models
 from sparktrain import TorchEstimator
 from sparktrain.data.transform_inputs import learn_inputs
 from sparktrain.errors import PreflightError
 from sparktrain.estimators.torch import TorchModel
 from sparktrain.loop.torch_forward import ForwardRule
+from support import hf_models
 
 pytest.importorskip("transformers")  # installed by the test set-up: never skipped there
 

@@ -10,8 +10,8 @@ import pytest
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 keras = pytest.importorskip("keras")
 
-from support.helpers import check_keras_classifier, check_keras_pipeline  # noqa: E402
 from sparktrain import KerasEstimator, TrainingError  # noqa: E402
+from support.helpers import check_keras_classifier, check_keras_pipeline  # noqa: E402
 
 
 @pytest.mark.stack

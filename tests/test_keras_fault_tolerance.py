@@ -11,8 +11,8 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 keras = pytest.importorskip("keras")
 
 from sparktrain import KerasEstimator, TrainingError  # noqa: E402
-from sparktrain.loop.checkpoint import Checkpoints  # noqa: E402
 from sparktrain.data.store import Store  # noqa: E402
+from sparktrain.loop.checkpoint import Checkpoints  # noqa: E402
 
 
 def _estimator(store, run_id, **kwargs):

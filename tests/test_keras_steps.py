@@ -7,8 +7,11 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from sparktrain.loop.keras_loop import MAX_STEPS_PER_EXECUTION, STACKED_BYTES, \
-    auto_steps_per_execution  # noqa: E402 - after TensorFlow's check
+from sparktrain.loop.keras_loop import (
+    MAX_STEPS_PER_EXECUTION,
+    STACKED_BYTES,
+    auto_steps_per_execution,  # noqa: E402 - after TensorFlow's check
+)
 from sparktrain.strategies.keras_strategy import stack_batches, stacked_steps  # noqa: E402
 
 

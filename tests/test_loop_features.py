@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from support.helpers import linear_estimator
 from sparktrain.loop.callbacks import EarlyStopping
+from support.helpers import linear_estimator
 
 
 def _fit(df, store, lr=0.02, **kwargs):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sparktrain import TorchEstimator
-from sparktrain.launch.events import EventWatcher, RankEvents
 from sparktrain.estimators.progress import FitProgress
+from sparktrain.launch.events import EventWatcher, RankEvents
 
 
 def _wait_for(predicate, seconds=5.0):

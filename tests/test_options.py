@@ -10,10 +10,10 @@ import pytest
 from pyspark.ml.param import TypeConverters
 
 from sparktrain import KerasEstimator, KerasModel, TorchEstimator, TorchModel
-from sparktrain.options.spec import KerasTrainSpec, TorchTrainSpec
 from sparktrain.options import converters, docs
 from sparktrain.options.declarations import COMMON, KERAS, MODEL, TORCH, TORCH_MODEL
 from sparktrain.options.params import OBJECT_PARAMS, camel
+from sparktrain.options.spec import KerasTrainSpec, TorchTrainSpec
 
 USAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "usage.md"
 

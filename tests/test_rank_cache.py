@@ -9,13 +9,12 @@ import os
 
 import numpy as np
 import pytest
+from test_reader import COLUMNS, count_reads, epochs_of, write_dataset
 
 from sparktrain.data import rank_cache
 from sparktrain.data.rank_cache import RankCache, remove_orphans
 from sparktrain.data.reader import ShardReader
 from sparktrain.data.schema import BINARY, SCALAR, ColumnSpec
-
-from test_reader import COLUMNS, count_reads, epochs_of, write_dataset
 
 
 def _reader(root, layout, rank, world, cache_root, shuffle=True, columns=COLUMNS, **options):
@@ -162,9 +161,8 @@ class _CacheWatch:
 def test_a_fit_trains_from_its_caches_and_removes_them(spark, regression_df, tmp_path, fail):
     """From the second epoch on the ranks read nothing from the store: their dataset is moved
     away at the second epoch's first batch and the fit trains on to its end."""
-    from support.helpers import linear_estimator
-
     from sparktrain.errors import TrainingError
+    from support.helpers import linear_estimator
 
     watched, store = tmp_path / "watch", tmp_path / "store"
     watched.mkdir()

@@ -7,8 +7,7 @@ import time
 import fsspec
 import pytest
 
-from sparktrain.launch.rank_gather import (NO_SERVER, GatherServer, RankGather, connect,
-                                           publish)
+from sparktrain.launch.rank_gather import NO_SERVER, GatherServer, RankGather, connect, publish
 
 
 def _ranks(world_size: int, tmp_path, rounds, fail_rank=None):

@@ -148,8 +148,8 @@ def torch_payload(callbacks: List[Any] = ()) -> bytes:
 
 def train_torch(spec: Any, payload: bytes):
     """``torch_loop.train`` as rank 0 of 1; ``(its result, the rank's log/progress)``."""
-    from sparktrain.loop.torch_loop import train
     from sparktrain.launch.barrier import RankContext
+    from sparktrain.loop.torch_loop import train
 
     job = _OneRank()
     ctx = RankContext(rank=0, world_size=1, hosts=["127.0.0.1"], cpus=1, resources={},
@@ -158,7 +158,6 @@ def train_torch(spec: Any, payload: bytes):
 
 
 def test_torch_loop_trains_validates_and_reports(dataset, torch_threads):
-    import io
 
     import torch
 
@@ -228,13 +227,18 @@ def _free_port() -> int:
 @pytest.mark.timeout(180)
 @pytest.mark.slow  # Keras: TensorFlow rank processes of their own
 def test_keras_worker_process_trains_checkpoints_and_resumes(dataset, tmp_path):
-    from sparktrain.loop.keras_saving import keras_module, model_bytes
     from sparktrain.launch.tf_multiworker import child_environment, tf_config
-    from sparktrain.launch.tf_protocol import ERROR_FILE, PROGRESS_PREFIX, RESULT_FILE, \
-        WORKER_MODULE, write_inputs
+    from sparktrain.launch.tf_protocol import (
+        ERROR_FILE,
+        PROGRESS_PREFIX,
+        RESULT_FILE,
+        WORKER_MODULE,
+        write_inputs,
+    )
+    from sparktrain.loop.checkpoint import Checkpoints
+    from sparktrain.loop.keras_saving import keras_module, model_bytes
     from sparktrain.options.payload import KerasPayload
     from sparktrain.options.spec import KerasTrainSpec
-    from sparktrain.loop.checkpoint import Checkpoints
     from sparktrain.strategies import KERAS_STRATEGIES, load_strategy
 
     keras = keras_module()

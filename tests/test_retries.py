@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from support.helpers import linear_estimator, run_reporting_script
 from sparktrain import TrainingError
-from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.data.store import Store
 from sparktrain.faults import is_fault, is_user_error, user_code
+from sparktrain.loop.checkpoint import Checkpoints
+from support.helpers import linear_estimator, run_reporting_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

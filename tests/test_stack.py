@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import uuid
 import subprocess
 import sys
+import uuid
 
 import numpy as np
 import pyarrow

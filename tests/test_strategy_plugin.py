@@ -8,9 +8,9 @@ import os
 import numpy as np
 import pytest
 
-from support.helpers import linear_estimator
 from sparktrain.strategies import TORCH_STRATEGIES, register_torch_strategy
 from sparktrain.strategies.torch_ddp import DataParallel
+from support.helpers import linear_estimator
 
 
 def averaging_hook(marker_dir, bucket):

@@ -16,10 +16,13 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 keras = pytest.importorskip("keras")
 pytest.importorskip("tensorflowonspark")
 
-from support.helpers import check_keras_classifier, check_keras_pipeline  # noqa: E402
 from sparktrain import KerasEstimator, TrainingError  # noqa: E402
-from sparktrain.launch import KERAS_BACKENDS, check_backend  # noqa: E402
-from sparktrain.launch import tfos  # noqa: E402
+from sparktrain.launch import (  # noqa: E402
+    KERAS_BACKENDS,
+    check_backend,
+    tfos,  # noqa: E402
+)
+from support.helpers import check_keras_classifier, check_keras_pipeline  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -116,8 +119,8 @@ def test_retried_attempt_gets_a_fresh_cluster_and_resumes(spark, store, regressi
                                                           caplog):
     """Spark re-runs the failed stage; the second attempt forms a new TFoS cluster (new
     reservation server, new ports) and resumes from the checkpoint of epoch 1."""
-    from sparktrain.loop.checkpoint import Checkpoints
     from sparktrain.data.store import Store
+    from sparktrain.loop.checkpoint import Checkpoints
 
     keras.utils.set_random_seed(2)
     net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])

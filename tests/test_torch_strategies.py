@@ -41,8 +41,8 @@ def _model_and_data():
 
 
 def _rank(rank, name, folder):
-    from sparktrain.loop.torch_loop import _Step
     from sparktrain.launch.torch_ddp import TorchDDP
+    from sparktrain.loop.torch_loop import _Step
     from sparktrain.strategies.torch_strategy import StrategyConfig
 
     torch.set_num_threads(1)

@@ -13,8 +13,8 @@ import pytest
 import torch
 from pyspark.sql import functions as F
 
-from support.helpers import assert_reload_predicts_the_same, class_accuracy
 from sparktrain import PreflightError, TorchEstimator, TrainingError
+from support.helpers import assert_reload_predicts_the_same, class_accuracy
 
 DIGITS = 600
 

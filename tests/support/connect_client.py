@@ -55,8 +55,8 @@ def readme(spark, workdir: str) -> Dict[str, Any]:
     from pyspark.ml.feature import StandardScaler, VectorAssembler
     from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 
-    from support.helpers import linear_estimator
     from sparktrain import KerasEstimator, TorchEstimator, TorchModel
+    from support.helpers import linear_estimator
 
     store = os.path.join(workdir, "store")
     train, test = _digits(spark)
@@ -150,8 +150,8 @@ def faults(spark, workdir: str) -> Dict[str, Any]:
     still usable, and no listening socket on the client while it all happens."""
     import numpy as np
 
-    from support.helpers import KillRankOnce, linear_estimator
     from sparktrain import KerasEstimator, TrainingError
+    from support.helpers import KillRankOnce, linear_estimator
 
     store = os.path.join(workdir, "store")
     rng = np.random.default_rng(0)
@@ -237,9 +237,9 @@ def faults(spark, workdir: str) -> Dict[str, Any]:
 
 def horovod(spark, workdir: str) -> Dict[str, Any]:
     """backend='horovod' over Connect (its rendezvous server runs on rank 0's executor)."""
-    from support.helpers import linear_estimator
-
     import numpy as np
+
+    from support.helpers import linear_estimator
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(1000, 4))
@@ -254,9 +254,9 @@ def horovod(spark, workdir: str) -> Dict[str, Any]:
 def stream(spark, workdir: str) -> Dict[str, Any]:
     """input_mode='stream' over Connect: the barrier stage reads the DataFrame's rows, nothing
     goes to the store."""
-    from support.helpers import linear_estimator
-
     import numpy as np
+
+    from support.helpers import linear_estimator
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(1000, 4))
@@ -277,8 +277,8 @@ def huggingface(spark, workdir: str) -> Dict[str, Any]:
     columns the tokenizer makes are learned on the client, and transform reads the text."""
     import torch
 
-    from support import hf_models
     from sparktrain import TorchEstimator
+    from support import hf_models
 
     tok = hf_models.tokenizer()
     model = hf_models.tiny_bert(tok.vocab_size)
@@ -333,8 +333,8 @@ def big_model(spark, workdir: str) -> Dict[str, Any]:
     import torch
     from pyspark.ml import Pipeline, PipelineModel
 
-    from support.big_models import FrozenTable
     from sparktrain import TorchEstimator, TorchModel
+    from support.big_models import FrozenTable
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(600, 4))

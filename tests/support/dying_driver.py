@@ -40,9 +40,9 @@ class Beats:
 def main(master: str, workdir: str, run_id: str, epochs: str) -> None:
     from pyspark.sql import functions as F
 
-    from support.helpers import linear_estimator
     from sparktrain import local_spark
     from sparktrain.session.worker_daemon import DAEMON_CONF
+    from support.helpers import linear_estimator
 
     spark = local_spark(master, "sparktrain-dying-driver", conf={
         "spark.driver.host": "127.0.0.1", "spark.executor.memory": "640m",

@@ -32,9 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # support.*, sparktrain
 
-from support.standalone import StandaloneCluster  # noqa: E402
-
 from sparktrain.loop.callbacks import Callback  # noqa: E402
+from support.standalone import StandaloneCluster  # noqa: E402
 
 
 class Pace(Callback):
@@ -70,8 +69,8 @@ class Changes(logging.Handler):
 
 
 def latest(store: str, run_id: str):
-    from sparktrain.loop.checkpoint import Checkpoints
     from sparktrain.data.store import Store
+    from sparktrain.loop.checkpoint import Checkpoints
 
     return Checkpoints(Store.create(store).run_path(run_id)).latest()
 
@@ -148,8 +147,8 @@ def main(workdir: str, master: str, cluster_dir: str) -> dict:
     from pyspark.sql import functions as F
 
     from sparktrain import local_spark
-    from sparktrain.session.worker_daemon import DAEMON_CONF
     from sparktrain.session.spark_jvm import max_concurrent_tasks
+    from sparktrain.session.worker_daemon import DAEMON_CONF
 
     found: dict = {}
     done = os.path.join(workdir, "seen-it-all")

@@ -40,8 +40,8 @@ class KillRankOnce:
         return batch
 
 
-FAKE_GPU_DISCOVERY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                  "conf", "getGpusResources.sh")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FAKE_GPU_DISCOVERY = os.path.join(ROOT, "conf", "getGpusResources.sh")
 
 
 def run_reporting_script(code: str, timeout: int, fake_gpus: str = "") -> tuple:

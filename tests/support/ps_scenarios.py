@@ -14,15 +14,16 @@ the fit must resume from the checkpoint of epoch 1.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import sys
 import time
 import uuid
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -177,8 +178,8 @@ def fit_scenario(spark, workdir) -> dict:
 
 
 def kill_scenario(spark, workdir) -> dict:
-    from sparktrain.loop.checkpoint import Checkpoints
     from sparktrain.data.store import Store
+    from sparktrain.loop.checkpoint import Checkpoints
 
     train, test = digits(spark)
     marker = uuid.uuid4().hex

@@ -15,7 +15,6 @@ import argparse
 import os
 
 import numpy as np
-
 import pyspark.sql.types as T
 from pyspark import SparkConf
 from pyspark.ml.evaluation import MulticlassClassificationEvaluator
@@ -27,8 +26,8 @@ from sklearn.datasets import load_digits
 
 os.environ.setdefault('KERAS_BACKEND', 'tensorflow')
 from tensorflow import keras
-from tensorflow.keras.models import Sequential
 from tensorflow.keras.layers import Conv2D, Dense, Flatten, Input, MaxPooling2D
+from tensorflow.keras.models import Sequential
 
 import sparktrain.estimators.keras as hvd  # Horovod: import horovod.spark.keras as hvd
 from sparktrain import Store  # Horovod: from horovod.spark.common.store import Store

@@ -13,18 +13,16 @@ Run (executors need this Python: ``PYSPARK_PYTHON=.venv/bin/python``)::
 import argparse
 
 import numpy as np
-
 import pyspark.sql.types as T
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.optim as optim
 from pyspark import SparkConf
 from pyspark.ml.evaluation import MulticlassClassificationEvaluator
 from pyspark.ml.linalg import Vectors
 from pyspark.sql import SparkSession
 from pyspark.sql.functions import udf
 from sklearn.datasets import load_digits
-
-import torch.nn as nn
-import torch.nn.functional as F
-import torch.optim as optim
 
 import sparktrain.estimators.torch as hvd  # Horovod: import horovod.spark.torch as hvd
 from sparktrain import Store  # Horovod: from horovod.spark.common.store import Store
