@@ -35,7 +35,7 @@ from common import (
     figure,
     parse_common,
     progress,
-    remove_tmp,  # noqa: E402
+    remove_tmp,  # noqa: E402 - after sys.path is set
     report,
     versions,
 )

@@ -32,7 +32,7 @@ import tempfile
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common  # noqa: E402 - after sys.path is set
 
 FIGURES = ["throughput", "accuracy"]
 

@@ -90,7 +90,7 @@ def _prepare_environment() -> None:
 
 _prepare_environment()
 import test_rank_loops as rank_loops  # noqa: E402  (after the pytest stand-in)
-import torch  # noqa: E402
+import torch  # noqa: E402 - after sys.path is set
 
 
 @dataclass(frozen=True)
@@ -400,9 +400,9 @@ def _treat_as_installed(packages: List[str]) -> None:
 def check_hf(env: Env) -> Dict[str, Any]:
     """The tiny BERT on raw text: ``Tokenize`` as transformation_fn, the model's own loss."""
     import pyarrow as pa
-    from support import hf_models
 
     from sparktrain.data.columns import SCALAR, STRING, ColumnSpec
+    from support import hf_models
 
     def table(rows: int, seed: int) -> Any:
         texts, labels = zip(*hf_models.sentences(rows, seed=seed), strict=True)

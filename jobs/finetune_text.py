@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jobs.common import get_spark, require  # noqa: E402
+from jobs.common import get_spark, require  # noqa: E402 - after sys.path is set
 
 # -- the demo's data ----------------------------------------------------------------------------
 SUBJECTS = ["my order", "the delivery", "the refund", "your support team", "the app",

@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jobs.common import get_spark  # noqa: E402
+from jobs.common import get_spark  # noqa: E402 - after sys.path is set
 
 
 def write_digit_pngs(folder: str, size: int) -> int:

@@ -21,7 +21,7 @@ from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jobs.common import parse_args, require, run, run_options, use_gpu  # noqa: E402
+from jobs.common import parse_args, require, run, run_options, use_gpu  # noqa: E402 - after sys.path is set
 
 
 def build_estimator(args, n_in: int, n_out: int, store: str):

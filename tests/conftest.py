@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from sparktrain.session.jvm_archive import java_options  # noqa: E402 - after the path
-from support import durations  # noqa: E402
+from support import durations  # noqa: E402 - after sys.path is set
 
 # one standalone cluster, Connect server and MLflow server per pytest worker, for every file
 from support.servers import connect_server, mlflow_server, standalone, standalone_cluster  # noqa: E402,F401 - fixtures, after the path
@@ -93,7 +93,8 @@ def regression_df(spark):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2000, 4))
     y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5 + 0.1 * rng.normal(size=2000)
-    rows = [(Vectors.dense(a.tolist()), float(b), int(i % 5 == 0)) for i, (a, b) in enumerate(zip(x, y))]
+    rows = [(Vectors.dense(a.tolist()), float(b), int(i % 5 == 0))
+            for i, (a, b) in enumerate(zip(x, y, strict=True))]
     df = spark.createDataFrame(rows, ["features", "label", "is_val"]).repartition(3)
     df = df.withColumn("is_val", df["is_val"].cast("boolean")).cache()
     df.count()
@@ -109,7 +110,7 @@ def classification_df(spark):
     centers = np.array([[2.0, 0.0], [-2.0, 0.0], [0.0, 2.5]])
     labels = rng.integers(0, 3, size=600)
     x = centers[labels] + 0.4 * rng.normal(size=(600, 2))
-    df = spark.createDataFrame([(a.tolist(), int(b)) for a, b in zip(x, labels)],
+    df = spark.createDataFrame([(a.tolist(), int(b)) for a, b in zip(x, labels, strict=True)],
                                "features array<double>, label int").cache()
     df.count()
     return df

@@ -86,7 +86,7 @@ def test_lease_expires_renews_and_knows_dead_local_holders(tmp_path):
     second = Lease.acquire(fs, directory, ttl=0.4)
     assert first.first() and not second.first()
     time.sleep(0.6)  # renewed every ttl/4: both still live
-    assert [l.owner for l in live_leases(fs, directory)] == [first.owner, second.owner]
+    assert [lease.owner for lease in live_leases(fs, directory)] == [first.owner, second.owner]
     first._stop.set()  # the holder stops renewing (hung or dead): its lease expires
     first._thread.join()
     time.sleep(0.6)

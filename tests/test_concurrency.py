@@ -172,7 +172,7 @@ def _ready(process):
 
 def _report(process, timeout=400):
     out, err = process.communicate(timeout=timeout)
-    lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     assert lines, out[-2000:] + err[-4000:]
     return json.loads(lines[0][len("RESULT "):])
 

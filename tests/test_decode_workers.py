@@ -127,7 +127,8 @@ def run_epochs(workers, seed, epochs=(0, 1), start_method=None):
 
 def same(a, b):
     return len(a) == len(b) and all(
-        x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+        x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+        for x, y in zip(a, b, strict=True))
 
 
 def test_augmentations_do_not_depend_on_the_number_of_workers():
@@ -151,7 +152,10 @@ def tracked(n, reads, consumed):
 def test_batches_in_flight_bounded_by_bytes_and_workers(max_bytes, bound):
     # every result is exactly 1000 bytes; 2 workers allow at most 4 in flight
     reads, consumed = [], []
-    fn = lambda b: {"out": np.full(1000, b["i"][0] % 256, np.uint8)}  # noqa: E731
+
+    def fn(b):
+        return {"out": np.full(1000, b["i"][0] % 256, np.uint8)}
+
     with DecodePool(fn, workers=2, max_bytes=max_bytes) as pool:
         for batch in pool.map(tracked(30, reads, consumed)):
             consumed.append(int(batch["out"][0]))

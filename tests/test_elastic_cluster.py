@@ -46,7 +46,7 @@ def test_a_fit_starts_with_the_free_slots_grows_and_survives_a_lost_machine(foun
     assert len(ranks) == 60
     # started on the 2 Workers there were, grew to 3 when the third came, shrank to 2 after
     # its Worker was SIGKILLed: each change at an epoch boundary
-    changes = [(a, b) for a, b in zip(ranks, ranks[1:]) if a != b]
+    changes = [(a, b) for a, b in zip(ranks, ranks[1:], strict=False) if a != b]
     assert ranks[0] == 2 and changes == [(2, 3), (3, 2)], ranks
     assert [a["ranks"] for a in ddp["attempts"]] == [2, 3, 2], ddp["attempts"]
     _sane_across_changes(ddp["history"])
@@ -61,7 +61,8 @@ def test_fewer_slots_than_min_num_proc_fail_fast(found):
     assert "the cluster has 2" in failure["error"] and failure["seconds"] < 30, failure
 
 
-@pytest.mark.parametrize("engine", ["horovod", "fsdp", "keras", "stream"])  # stream: ddp, rows streamed again
+# stream: ddp, rows streamed again
+@pytest.mark.parametrize("engine", ["horovod", "fsdp", "keras", "stream"])
 def test_each_engine_survives_a_shrink(found, engine):
     outcome = found[engine]
     if "skipped" in outcome:

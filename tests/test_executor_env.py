@@ -20,14 +20,21 @@ from sparktrain.launch.executor_env import (
     environment_error,
 )
 
+# Spark's texts below, verbatim: a backslash at a line's end only wraps it (Python drops it).
+
 # The executors lacked pyarrow (a bare venv as PYSPARK_PYTHON) when a barrier mapInPandas ran.
 BARRIER_NO_PYARROW = """An error occurred while calling o109.collectToPython.
-: org.apache.spark.SparkException: Job aborted due to stage failure: ShuffleMapStage 2 (collect at /tmp/envwork/capture.py:26) has failed the maximum allowable number of times: 2. Most recent failure reason: Stage failed because barrier task ShuffleMapTask(2, 1) finished unsuccessfully.
-org.apache.spark.api.python.PythonException: [PYTHON_EXCEPTION] An exception was thrown from the Python worker: Traceback (most recent call last):
-  File "/work/main/.venv/lib/python3.11/site-packages/pyspark/python/lib/pyspark.zip/pyspark/worker.py", line 4207, in invoke_udf
+: org.apache.spark.SparkException: Job aborted due to stage failure: ShuffleMapStage 2 (collect at \
+/tmp/envwork/capture.py:26) has failed the maximum allowable number of times: 2. Most recent \
+failure reason: Stage failed because barrier task ShuffleMapTask(2, 1) finished unsuccessfully.
+org.apache.spark.api.python.PythonException: [PYTHON_EXCEPTION] An exception was thrown from the \
+Python worker: Traceback (most recent call last):
+  File "/work/main/.venv/lib/python3.11/site-packages/pyspark/python/lib/pyspark.zip/pyspark/\
+worker.py", line 4207, in invoke_udf
     func, profiler, deserializer, serializer = read_udfs(
                                                ^^^^^^^^^^
-  File "/work/main/.venv/lib/python3.11/site-packages/pyspark/python/lib/pyspark.zip/pyspark/worker.py", line 2696, in read_udfs
+  File "/work/main/.venv/lib/python3.11/site-packages/pyspark/python/lib/pyspark.zip/pyspark/\
+worker.py", line 2696, in read_udfs
     import pyarrow as pa
 ModuleNotFoundError: No module named 'pyarrow'
  SQLSTATE: 38000
@@ -35,12 +42,17 @@ ModuleNotFoundError: No module named 'pyarrow'
 
 # The executors had pandas and pyarrow but not sparktrain: unpickling the rank function failed.
 BARRIER_NO_SPARKTRAIN = """An error occurred while calling o56.collectToPython.
-: org.apache.spark.SparkException: Job aborted due to stage failure: ShuffleMapStage 0 (collect at /tmp/envwork/capture2.py:14) has failed the maximum allowable number of times: 2. Most recent failure reason: Stage failed because barrier task ShuffleMapTask(0, 1) finished unsuccessfully.
-org.apache.spark.api.python.PythonException: [PYTHON_EXCEPTION] An exception was thrown from the Python worker: Traceback (most recent call last):
-  File "/work/main/.venv/lib/python3.11/site-packages/pyspark/python/lib/pyspark.zip/pyspark/worker_util.py", line 75, in read_command
+: org.apache.spark.SparkException: Job aborted due to stage failure: ShuffleMapStage 0 (collect at \
+/tmp/envwork/capture2.py:14) has failed the maximum allowable number of times: 2. Most recent \
+failure reason: Stage failed because barrier task ShuffleMapTask(0, 1) finished unsuccessfully.
+org.apache.spark.api.python.PythonException: [PYTHON_EXCEPTION] An exception was thrown from the \
+Python worker: Traceback (most recent call last):
+  File "/work/main/.venv/lib/python3.11/site-packages/pyspark/python/lib/pyspark.zip/pyspark/\
+worker_util.py", line 75, in read_command
     command = serializer.loads(file)
               ^^^^^^^^^^^^^^^^^^^^^^
-  File "/work/main/.venv/lib/python3.11/site-packages/pyspark/python/lib/pyspark.zip/pyspark/serializers.py", line 483, in loads
+  File "/work/main/.venv/lib/python3.11/site-packages/pyspark/python/lib/pyspark.zip/pyspark/\
+serializers.py", line 483, in loads
     return cloudpickle.loads(obj, encoding=encoding)
            ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
 ModuleNotFoundError: No module named 'sparktrain'
@@ -50,25 +62,34 @@ ModuleNotFoundError: No module named 'sparktrain'
 # PYSPARK_PYTHON was a Python 3.10 under a 3.11 driver (a plain UDF: the probe's own job).
 VERSION_MISMATCH = """An exception was thrown from the Python worker:
 Traceback (most recent call last):
-  File "/work/main/.venv/lib/python3.11/site-packages/pyspark/python/lib/pyspark.zip/pyspark/worker.py", line 4174, in invoke_udf
+  File "/work/main/.venv/lib/python3.11/site-packages/pyspark/python/lib/pyspark.zip/pyspark/\
+worker.py", line 4174, in invoke_udf
     check_python_version(init_info.python_version)
-  File "/work/main/.venv/lib/python3.11/site-packages/pyspark/python/lib/pyspark.zip/pyspark/worker_util.py", line 93, in check_python_version
+  File "/work/main/.venv/lib/python3.11/site-packages/pyspark/python/lib/pyspark.zip/pyspark/\
+worker_util.py", line 93, in check_python_version
     raise PySparkRuntimeError(
-pyspark.errors.exceptions.base.PySparkRuntimeError: [PYTHON_VERSION_MISMATCH] Python in worker has different version: 3.10 than that in driver: 3.11, PySpark cannot run with different minor versions.
+pyspark.errors.exceptions.base.PySparkRuntimeError: [PYTHON_VERSION_MISMATCH] Python in worker has \
+different version: 3.10 than that in driver: 3.11, PySpark cannot run with different minor versions.
 Please check environment variables PYSPARK_PYTHON and PYSPARK_DRIVER_PYTHON are correctly set."""
 
 # PYSPARK_PYTHON named a file that does not exist.
 NO_SUCH_PYTHON = """An error occurred while calling o61.collectToPython.
-: org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in stage 0.0 failed 1 times, most recent failure: Lost task 0.0 in stage 0.0 (TID 0) (localhost executor driver): java.io.IOException: Cannot run program "/nonexistent/bin/python": error=2, No such file or directory
+: org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in stage 0.0 failed 1 \
+times, most recent failure: Lost task 0.0 in stage 0.0 (TID 0) (localhost executor driver): \
+java.io.IOException: Cannot run program "/nonexistent/bin/python": error=2, No such file or \
+directory
 Caused by: java.io.IOException: error=2, No such file or directory
 \t... 32 more
 
 Driver stacktrace:
-Caused by: java.io.IOException: Cannot run program "/nonexistent/bin/python": error=2, No such file or directory"""
+Caused by: java.io.IOException: Cannot run program "/nonexistent/bin/python": error=2, No such \
+file or directory"""
 
 # A rank that failed in training (not an environment problem): the parser must leave it alone.
 TRAINING_FAILURE = """An error occurred while calling o208.collectToPython.
-: org.apache.spark.SparkException: Job aborted due to stage failure: Could not recover from a failed barrier ResultStage. Most recent failure reason: Stage failed because barrier task ResultTask(5, 1) finished unsuccessfully.
+: org.apache.spark.SparkException: Job aborted due to stage failure: Could not recover from a \
+failed barrier ResultStage. Most recent failure reason: Stage failed because barrier task \
+ResultTask(5, 1) finished unsuccessfully.
 org.apache.spark.api.python.PythonException: Traceback (most recent call last):
 ValueError: Expected input batch_size (16) to match target batch_size (8)."""
 

@@ -21,7 +21,7 @@ def digits(spark):
     from sklearn.datasets import load_digits
 
     data = load_digits()
-    rows = [((x / 16.0).tolist(), int(y)) for x, y in zip(data.data, data.target)]
+    rows = [((x / 16.0).tolist(), int(y)) for x, y in zip(data.data, data.target, strict=True)]
     df = spark.createDataFrame(rows, "features array<double>, label int")
     train, test = df.randomSplit([0.8, 0.2], seed=3)
     return train.cache(), test.cache()

@@ -61,7 +61,8 @@ def test_a_dataset_without_room_fails_before_training_and_works_after(spark, tmp
         est.fit(df)
     message = str(info.value)
     assert "out of space" in message and "the dataset to " in message
-    assert str(disk / "store" / "datasets") in message and re.search(r"a row takes \d+ bytes", message)
+    assert str(disk / "store" / "datasets") in message
+    assert re.search(r"a row takes \d+ bytes", message)
     assert "Py4JJavaError" not in message and len(message) < 1500
     assert not [f for f in _files(disk) if f.endswith(".parquet")]  # no half dataset kept
     tmpfs.resize(disk, "64m")  # the user makes room

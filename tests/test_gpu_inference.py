@@ -45,7 +45,8 @@ def test_a_gpu_without_cuda_is_a_clear_error():
     if torch.cuda.is_available():
         pytest.skip("this torch has CUDA")
     with pytest.raises(RuntimeError, match=rf"GPU 1 to this prediction task, but torch "
-                                           rf"{re.escape(torch.__version__)} cannot use CUDA.*setUseGpu"):
+                                           rf"{re.escape(torch.__version__)} cannot use CUDA"
+                                           r".*setUseGpu"):
         predict_device("1")
 
 

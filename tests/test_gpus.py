@@ -23,7 +23,8 @@ def test_complete_gpu_conf_turns_gpus_on(master, extra, expected):
 
 
 @pytest.mark.parametrize("master,conf,use_gpu,message", [
-    ("yarn", {}, True, "use_gpu=True but Spark gives tasks no GPUs: set spark.task.resource.gpu.amount=1"),
+    ("yarn", {}, True,
+     "use_gpu=True but Spark gives tasks no GPUs: set spark.task.resource.gpu.amount=1"),
     ("yarn", {"spark.task.resource.gpu.amount": "1"}, None,
      "spark.executor.resource.gpu.amount is not set"),
     ("k8s://https://api:6443", GPU_CONF, None, "spark.executor.resource.gpu.vendor is not set"),

@@ -23,7 +23,7 @@ def test_horovod_matches_torch_backend(spark, store, regression_df):
     horovod = estimator(store, "horovod").fit(regression_df).getHistory()["loss"]
     ddp = estimator(store, "torch").fit(regression_df).getHistory()["loss"]
     assert horovod[-1] < 0.02  # converged to the noise floor (0.01)
-    for a, b in zip(horovod, ddp):
+    for a, b in zip(horovod, ddp, strict=True):
         assert abs(a - b) <= 1e-4 * max(abs(b), 1e-8), (horovod, ddp)
 
 
@@ -42,7 +42,8 @@ class FailsOnRankOne(torch.nn.Module):
 
 def test_horovod_failing_rank_surfaces_its_traceback(spark, store, regression_df):
     net = FailsOnRankOne()
-    est = estimator(store, "horovod", model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    est = estimator(store, "horovod", model=net,
+                    optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
     with pytest.raises(TrainingError, match="horovod rank one gives up") as info:
         est.fit(regression_df)
     assert info.value.rank == 1 and "in forward" in info.value.remote_traceback

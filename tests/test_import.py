@@ -1,4 +1,6 @@
 """`import sparktrain` works with neither torch nor TensorFlow importable."""
+import ast
+import pathlib
 import subprocess
 import sys
 
@@ -21,14 +23,13 @@ def test_import_without_frameworks():
         "assert KerasEstimator(num_proc=2).getBackend() == 'tensorflow'\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 
 
 # -- the import graph ------------------------------------------------------------------------------
-import ast  # noqa: E402
-import pathlib  # noqa: E402
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "sparktrain"
 #: the modules that run inside barrier tasks and their child processes
@@ -224,7 +225,7 @@ def test_packages_import_down_and_never_in_a_circle():
             if target in path:
                 loop = path[path.index(target):] + [target]
                 circles.append(" -> ".join(loop) + "  (" + "; ".join(
-                    graph[a][b] for a, b in zip(loop, loop[1:])) + ")")
+                    graph[a][b] for a, b in zip(loop, loop[1:], strict=False)) + ")")
             elif target not in done:
                 visit(target, path + [target], done)
         done.add(package)

@@ -10,8 +10,8 @@ import pytest
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 keras = pytest.importorskip("keras")
 
-from sparktrain import KerasEstimator, TrainingError  # noqa: E402
-from support.helpers import check_keras_classifier, check_keras_pipeline  # noqa: E402
+from sparktrain import KerasEstimator, TrainingError  # noqa: E402 - after the importorskip above
+from support.helpers import check_keras_classifier, check_keras_pipeline  # noqa: E402 - after the importorskip above
 
 
 @pytest.mark.stack
@@ -23,7 +23,8 @@ def test_fit_transform_save_load_classification(spark, store, classification_df,
     events = EventAccumulator(f"{store}/runs/{model.getOrDefault('run_id')}/tensorboard/validation")
     events.Reload()
     tags = events.Tags()
-    assert any("epoch/accuracy" in t for t in tags.get("tensors", []) + tags.get("scalars", [])), tags
+    names = tags.get("tensors", []) + tags.get("scalars", [])
+    assert any("epoch/accuracy" in t for t in names), tags
 
 
 @pytest.mark.slow  # Keras: TensorFlow rank processes of their own

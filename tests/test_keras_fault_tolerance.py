@@ -10,9 +10,9 @@ import pytest
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 keras = pytest.importorskip("keras")
 
-from sparktrain import KerasEstimator, TrainingError  # noqa: E402
-from sparktrain.data.store import Store  # noqa: E402
-from sparktrain.loop.checkpoint import Checkpoints  # noqa: E402
+from sparktrain import KerasEstimator, TrainingError  # noqa: E402 - after the importorskip above
+from sparktrain.data.store import Store  # noqa: E402 - after the importorskip above
+from sparktrain.loop.checkpoint import Checkpoints  # noqa: E402 - after the importorskip above
 
 
 def _estimator(store, run_id, **kwargs):

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-tf = pytest.importorskip("tensorflow")
-
-from sparktrain.loop.keras_loop import (
+from sparktrain.loop.keras_loop import (  # neither imports TensorFlow
     MAX_STEPS_PER_EXECUTION,
     STACKED_BYTES,
-    auto_steps_per_execution,  # noqa: E402 - after TensorFlow's check
+    auto_steps_per_execution,
 )
-from sparktrain.strategies.keras_strategy import stack_batches, stacked_steps  # noqa: E402
+from sparktrain.strategies.keras_strategy import stack_batches, stacked_steps
+
+tf = pytest.importorskip("tensorflow")
 
 
 def _stateful_step(state):

@@ -17,10 +17,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 mlflow = pytest.importorskip("mlflow", reason="needs the mlflow extra (mlflow-skinny): the "
-                             "primary stack's setup installs it, the classic spark35 stack's does not")
+                             "primary stack's setup installs it, the classic spark35 stack's "
+                             "does not")
 
-from support.helpers import linear_estimator  # noqa: E402
-from support.standalone import free_port  # noqa: E402
+from support.helpers import linear_estimator  # noqa: E402 - after the importorskip above
+from support.standalone import free_port  # noqa: E402 - after the importorskip above
 
 
 @pytest.fixture(scope="module")

@@ -92,7 +92,8 @@ def test_fit_writes_tensorboard_events_and_plots_history(spark, store, regressio
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     net = torch.nn.Linear(4, 1)
-    est = TorchEstimator(num_proc=2, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.05),
+    est = TorchEstimator(num_proc=2, model=net,
+                         optimizer=torch.optim.SGD(net.parameters(), lr=0.05),
                          loss=torch.nn.MSELoss(), feature_cols=["features"], label_cols=["label"],
                          validation="is_val", batch_size=64, epochs=3, store=store,
                          run_id="observability-run", verbose=1)

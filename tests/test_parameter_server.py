@@ -16,7 +16,7 @@ keras = pytest.importorskip("keras")
 pytest.importorskip("sklearn")
 pytest.importorskip("psutil")
 
-from sparktrain import KerasEstimator, TorchEstimator  # noqa: E402
+from sparktrain import KerasEstimator, TorchEstimator  # noqa: E402 - after the importorskip above
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -57,7 +57,7 @@ def _expected(frame, feature, one, two):
 def _close(got, expected):
     assert got.keys() == expected.keys()
     for key, outputs in got.items():
-        for mine, theirs in zip(outputs, expected[key]):
+        for mine, theirs in zip(outputs, expected[key], strict=True):
             np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
@@ -81,12 +81,12 @@ def test_arrow_and_pandas_udfs_predict_the_same(frame, feature, monkeypatch):
     expected = _expected(frame, feature, one, two)
     if hasattr(F, "arrow_udf"):  # pyspark >= 4.1: the Arrow UDF, then the pandas one
         arrow = predictions()
-        for got, want in zip(arrow, expected):
+        for got, want in zip(arrow, expected, strict=True):
             _close(got, want)
         monkeypatch.delattr(F, "arrow_udf")  # what pyspark < 4.1 gives: the pandas UDF
         assert predictions() == arrow
     else:
-        for got, want in zip(predictions(), expected):
+        for got, want in zip(predictions(), expected, strict=True):
             _close(got, want)
     assert one.transform(frame).schema["y__output"].dataType.simpleString() == "array<double>"
     assert two.transform(frame).schema["b__output"].dataType.simpleString() == "double"

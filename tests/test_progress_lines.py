@@ -25,7 +25,8 @@ def test_progress_off_a_terminal_is_lines(caplog):
     assert progress.lines
 
     def lines():
-        return [r.getMessage() for r in caplog.records if r.name == "sparktrain.estimators.progress"]
+        return [r.getMessage() for r in caplog.records
+                if r.name == "sparktrain.estimators.progress"]
 
     progress.update({"event": "start", "epochs": 3, "steps": 10})
     progress.update({"event": "step", "epoch": 0, "step": 2, "loss": 0.5})

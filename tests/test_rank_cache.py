@@ -39,7 +39,7 @@ def test_later_epochs_read_only_the_cache_and_every_row_once(tmp_path, monkeypat
     reads = [count_reads(r, monkeypatch) for r in readers]
     first = [epochs_of(r, 1)[0] for r in readers]
     # the first pass is today's, batch for batch
-    for mine, theirs in zip(first, [epochs_of(p, 1)[0] for p in plain]):
+    for mine, theirs in zip(first, [epochs_of(p, 1)[0] for p in plain], strict=True):
         assert [b["id"].tolist() for b in mine] == [b["id"].tolist() for b in theirs]
     assert all(r.local_cache_complete for r in readers)
     assert len(os.listdir(cache)) == world  # one folder a rank

@@ -165,11 +165,14 @@ def test_torch_loop_trains_validates_and_reports(dataset, torch_threads):
 
     losses = result["history"]["loss"]
     assert len(losses) == 5 and len(result["history"]["val_loss"]) == 5
-    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:], strict=False)), losses
     assert result["history"]["val_loss"][-1] < 0.5 * result["history"]["val_loss"][0]
     assert result["stop_reason"] is None and result["output_shapes"] == [[1]]
     net = initial_net()
-    distance = lambda m: float((m.weight.detach().ravel() - torch.from_numpy(WEIGHTS)).abs().sum())
+
+    def distance(m):
+        return float((m.weight.detach().ravel() - torch.from_numpy(WEIGHTS)).abs().sum())
+
     before = distance(net)
     net.load_state_dict(torch.load(result["weights_file"].local_path(), weights_only=True))
     assert distance(net) < 0.5 * before  # the weights moved toward the data's
@@ -294,7 +297,10 @@ def test_keras_worker_process_trains_checkpoints_and_resumes(dataset, tmp_path):
     assert path.startswith(run) and path.endswith(".keras")
     fitted = keras.saving.load_model(path, compile=False)
     x = np.random.default_rng(2).normal(size=(8, 4)).astype(np.float32)
-    mean_error = lambda model: np.abs(model(x).numpy().ravel() - (x @ WEIGHTS + 0.5)).mean()
+
+    def mean_error(model):
+        return np.abs(model(x).numpy().ravel() - (x @ WEIGHTS + 0.5)).mean()
+
     assert mean_error(fitted) < 0.5 * mean_error(net)
 
     # an elastic generation asked to regroup: the child checkpoints its epoch and says so

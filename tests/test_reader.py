@@ -21,8 +21,8 @@ def write_dataset(root, sizes, row_group_size=7, empty_group=False):
     for i, n in enumerate(sizes):
         ids = np.arange(start, start + n, dtype=np.int64)
         x = pa.FixedSizeListArray.from_arrays(pa.array(np.repeat(ids, 3).astype(np.float32)), 3)
-        table = pa.table({"x": pa.ListArray.from_arrays(pa.array(np.arange(0, 3 * n + 1, 3, dtype=np.int32)), x.flatten()),
-                          "id": ids})
+        offsets = pa.array(np.arange(0, 3 * n + 1, 3, dtype=np.int32))
+        table = pa.table({"x": pa.ListArray.from_arrays(offsets, x.flatten()), "id": ids})
         name = f"part-{i}.parquet"
         with pq.ParquetWriter(root / name, table.schema) as writer:
             if empty_group:
@@ -103,7 +103,8 @@ def test_shuffle_is_a_permutation_that_changes_per_epoch(tmp_path):
 def test_shard_arithmetic():
     assert [shard_range(10, r, 3) for r in range(3)] == [(0, 3), (3, 6), (6, 10)]
     pieces = shard_pieces([["a", [4, 4]], ["b", [4]]], 3, 9)
-    assert [(p.file, p.group, p.lo, p.hi) for p in pieces] == [(0, 0, 3, 4), (0, 1, 0, 4), (1, 0, 0, 1)]
+    assert [(p.file, p.group, p.lo, p.hi) for p in pieces] == [
+        (0, 0, 3, 4), (0, 1, 0, 4), (1, 0, 0, 1)]
     assert steps_per_epoch(10, 3, 2) == 2
 
 
@@ -135,9 +136,11 @@ def skewed(spark, tmp_path_factory):
         return df.select(array_to_vector(x).alias("x"), "id", *[c for c in df.columns if c != "id"])
 
     # one partition of 1 row beside two of 1000
-    union = frame(spark.range(0, 2000, numPartitions=2).union(spark.range(2000, 2001, numPartitions=1)))
+    union = frame(spark.range(0, 2000, numPartitions=2)
+                  .union(spark.range(2000, 2001, numPartitions=1)))
     # 8 partitions by a skewed key: one holds 1990 rows, a few hold 1-10, the rest are empty
-    hot = spark.range(0, 2001).withColumn("key", F.when(F.col("id") < 1990, 0).otherwise(F.col("id") % 3 + 1))
+    hot = spark.range(0, 2001).withColumn(
+        "key", F.when(F.col("id") < 1990, 0).otherwise(F.col("id") % 3 + 1))
     repartitioned = frame(hot.repartition(8, "key")).drop("key")
     tiny = frame(spark.range(0, 3, numPartitions=3))  # 3 rows in 3 files
     # validation: 1 row of 301, so the val split has fewer rows than ranks
@@ -248,15 +251,16 @@ def test_inmemory_cache_all_yields_the_same_batches_and_reads_files_once(tmp_pat
     assert not cached._handles  # nothing left to read: the files were closed
 
     assert len(got) == len(expected) == 3
-    for mine, theirs in zip(got, expected):
+    for mine, theirs in zip(got, expected, strict=True):
         assert [b["id"].tolist() for b in mine] == [b["id"].tolist() for b in theirs]
-        for a, b in zip(mine, theirs):
+        for a, b in zip(mine, theirs, strict=True):
             np.testing.assert_array_equal(a["x"], b["x"])
     if shuffle:
         assert got[0][0]["id"].tolist() != got[1][0]["id"].tolist()
     # the cache holds the shard, not whole row groups around its ends (compact arrays)
     assert sum(len(chunk["id"]) for chunk in cached._cache.values()) == cached.rows_per_epoch
-    assert all(owner_bytes(v) == v.nbytes for chunk in cached._cache.values() for v in chunk.values())
+    assert all(owner_bytes(v) == v.nbytes
+               for chunk in cached._cache.values() for v in chunk.values())
     cached.close()
     assert not cached._cache
     with pytest.raises(FileNotFoundError):  # after close() the files are needed again
@@ -339,7 +343,8 @@ def test_two_rank_fit_on_a_skewed_frame_finishes(spark, tmp_path):
     from sparktrain import TorchEstimator
 
     slices = [[], list(range(250)), [1000], []]  # one list per partition
-    base = spark.sparkContext.parallelize(slices, len(slices)).flatMap(lambda ids: [(i,) for i in ids])
+    base = spark.sparkContext.parallelize(slices, len(slices)).flatMap(
+        lambda ids: [(i,) for i in ids])
     df = (spark.createDataFrame(base, "id long")
           .select(array_to_vector(F.array((F.col("id") % 7).cast("double"),
                                           (F.col("id") % 3).cast("double"))).alias("features"),
@@ -349,7 +354,8 @@ def test_two_rank_fit_on_a_skewed_frame_finishes(spark, tmp_path):
     assert sizes == [0, 0, 1, 250], sizes
     torch.manual_seed(0)
     net = torch.nn.Linear(2, 1)
-    est = TorchEstimator(num_proc=2, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.05),
+    est = TorchEstimator(num_proc=2, model=net,
+                         optimizer=torch.optim.SGD(net.parameters(), lr=0.05),
                          loss=torch.nn.MSELoss(), feature_cols=["features"], label_cols=["label"],
                          batch_size=32, epochs=2, validation="is_val", shuffle=True,
                          random_seed=1, store=str(tmp_path), verbose=0)

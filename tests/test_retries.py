@@ -42,8 +42,8 @@ def test_user_code_marks_bugs_but_not_faults_seen_through_it():
         try:
             with user_code("a callback"):
                 raise ValueError("bug")
-        except ValueError:
-            raise RuntimeError("cleanup failed")
+        except ValueError:  # no __cause__: found through __context__, as when implicit
+            raise RuntimeError("cleanup failed") from None
     except RuntimeError as exc:
         assert is_user_error(exc)
 

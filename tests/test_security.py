@@ -172,7 +172,8 @@ def test_horovod_rendezvous_answers_only_with_the_secret():
     server = RendezvousServer("127.0.0.1", slot_for(["127.0.0.1", "127.0.0.1"], 0)[1])
 
     def status(path, method="GET", data=None):
-        request = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data, method=method)
+        request = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data,
+                                         method=method)
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
                 return response.status, response.read()

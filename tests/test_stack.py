@@ -44,9 +44,11 @@ def test_requirements_are_ranges_that_admit_spark4_and_numpy2():
             assert not any(s.operator in ("==", "===", "~=") for s in req.specifier), str(req)
     base = {r.name.lower(): r for r in requirements if r.marker is None}
     assert "petastorm" not in base, "petastorm must stay an optional extra"
-    assert base["pyspark"].specifier.contains("4.3.0") and base["pyspark"].specifier.contains("3.5.8")
+    assert base["pyspark"].specifier.contains("4.3.0")
+    assert base["pyspark"].specifier.contains("3.5.8")
     assert base["numpy"].specifier.contains("2.4.6") and base["numpy"].specifier.contains("1.26.4")
-    assert base["pyarrow"].specifier.contains("26.0.1") and base["pyarrow"].specifier.contains("14.0.2")
+    assert base["pyarrow"].specifier.contains("26.0.1")
+    assert base["pyarrow"].specifier.contains("14.0.2")
     extras = {r.name.lower(): r for r in requirements
               if r.marker is not None and not r.marker.evaluate({"extra": "petastorm"})}
     assert extras["torch"].specifier.contains("2.13.0")
@@ -162,6 +164,7 @@ def test_materialized_rows_read_back_with_their_values(spark, tmp_path, regressi
     source = regression_df.toPandas()
     expected_features = np.array([v.toArray() for v in source["features"]], dtype=np.float32)
     expected_labels = source["label"].to_numpy(dtype=np.float32)
-    order, expected_order = np.argsort(labels, kind="stable"), np.argsort(expected_labels, kind="stable")
+    order = np.argsort(labels, kind="stable")
+    expected_order = np.argsort(expected_labels, kind="stable")
     np.testing.assert_array_equal(labels[order], expected_labels[expected_order])
     np.testing.assert_array_equal(features[order], expected_features[expected_order])

@@ -46,7 +46,8 @@ def id_frame(spark):
     rng = np.random.default_rng(2)
     x = rng.normal(size=(1000, 4))
     y = x @ np.array([1.0, -2.0, 0.5, 3.0])
-    rows = [(i, a.tolist(), float(b), i % 5 == 0) for i, (a, b) in enumerate(zip(x, y))]
+    rows = [(i, a.tolist(), float(b), i % 5 == 0)
+            for i, (a, b) in enumerate(zip(x, y, strict=True))]
     return spark.createDataFrame(rows, "id long, features array<double>, label double, "
                                        "is_val boolean").repartition(3).cache()
 

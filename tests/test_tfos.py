@@ -16,13 +16,13 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 keras = pytest.importorskip("keras")
 pytest.importorskip("tensorflowonspark")
 
-from sparktrain import KerasEstimator, TrainingError  # noqa: E402
-from sparktrain.launch import (  # noqa: E402
+from sparktrain import KerasEstimator, TrainingError  # noqa: E402 - after the importorskip above
+from sparktrain.launch import (  # noqa: E402 - after the importorskip above
     KERAS_BACKENDS,
     check_backend,
-    tfos,  # noqa: E402
+    tfos,  # noqa: E402 - after the importorskip above
 )
-from support.helpers import check_keras_classifier, check_keras_pipeline  # noqa: E402
+from support.helpers import check_keras_classifier, check_keras_pipeline  # noqa: E402 - after the importorskip above
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

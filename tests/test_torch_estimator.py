@@ -68,7 +68,8 @@ def accuracy(output, label):
 def test_classification_with_array_features(spark, store, classification_df):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    est = TorchEstimator(num_proc=2, model=net, optimizer=torch.optim.Adam(net.parameters(), lr=0.02),
+    est = TorchEstimator(num_proc=2, model=net,
+                         optimizer=torch.optim.Adam(net.parameters(), lr=0.02),
                          loss=torch.nn.CrossEntropyLoss(), metrics=[accuracy],
                          feature_cols=["features"], label_cols=["label"], batch_size=32,
                          epochs=5, validation=0.2, random_seed=3, store=store, verbose=0)
@@ -167,7 +168,8 @@ def _listening_ports():
     ports = set()
     for proc in procs:
         try:
-            ports |= {c.laddr.port for c in proc.net_connections(kind="tcp") if c.status == "LISTEN"}
+            ports |= {c.laddr.port for c in proc.net_connections(kind="tcp")
+                      if c.status == "LISTEN"}
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return ports

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sparktrain.strategies import TORCH_STRATEGIES, load_strategy  # noqa: E402
+from sparktrain.strategies import TORCH_STRATEGIES, load_strategy  # noqa: E402 - after the importorskip above
 
 WORLD = 2
 STEPS = 3
@@ -22,9 +22,11 @@ def _file_all_gather(folder, rank, world_size):
     def all_gather(message):
         with open(os.path.join(folder, f"gather-{rank}.tmp"), "w") as f:
             f.write(message)
-        os.replace(os.path.join(folder, f"gather-{rank}.tmp"), os.path.join(folder, f"gather-{rank}"))
+        os.replace(os.path.join(folder, f"gather-{rank}.tmp"),
+                   os.path.join(folder, f"gather-{rank}"))
         deadline = time.time() + 60
-        while not all(os.path.exists(os.path.join(folder, f"gather-{r}")) for r in range(world_size)):
+        while not all(os.path.exists(os.path.join(folder, f"gather-{r}"))
+                      for r in range(world_size)):
             if time.time() > deadline:
                 raise TimeoutError("peer did not gather")
             time.sleep(0.05)

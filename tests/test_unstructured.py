@@ -217,7 +217,7 @@ def test_nested_array_column_reaches_the_model_as_a_grid(spark, store):
     rng = np.random.default_rng(0)
     grids = rng.normal(size=(200, 8, 8)).astype(np.float32)
     labels = (grids[:, 2, 3] > 0).astype(int)
-    df = spark.createDataFrame([(g.tolist(), int(y)) for g, y in zip(grids, labels)],
+    df = spark.createDataFrame([(g.tolist(), int(y)) for g, y in zip(grids, labels, strict=True)],
                                "grid array<array<float>>, label int")
 
     class Grid(torch.nn.Module):
@@ -230,7 +230,8 @@ def test_nested_array_column_reaches_the_model_as_a_grid(spark, store):
             return self.out(x.flatten(1))
 
     net = Grid()
-    model = TorchEstimator(num_proc=2, model=net, optimizer=torch.optim.Adam(net.parameters(), 0.05),
+    model = TorchEstimator(num_proc=2, model=net,
+                           optimizer=torch.optim.Adam(net.parameters(), 0.05),
                            loss=torch.nn.CrossEntropyLoss(), feature_cols=["grid"],
                            label_cols=["label"], batch_size=20, epochs=8, store=store,
                            verbose=0).fit(df)

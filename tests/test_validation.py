@@ -50,7 +50,8 @@ def estimator(store, **overrides):
 SCHEMA_CASES = [
     (dict(feature_cols=["nope"]), "feature column 'nope' is not in the DataFrame"),
     (dict(label_cols=["missing"]), "label column 'missing' is not in the DataFrame"),
-    (dict(feature_cols=["name"]), "feature column 'name' is a string column; a model takes numbers: pass transformation_fn"),
+    (dict(feature_cols=["name"]),
+     "feature column 'name' is a string column; a model takes numbers: pass transformation_fn"),
     (dict(num_proc=0), "num_proc must be an integer >= 1, got 0"),
     (dict(batch_size=0), "batch_size must be an integer >= 1"),
     (dict(epochs=0), "epochs must be an integer >= 1"),
@@ -83,7 +84,8 @@ def test_optimizer_must_be_bound_to_the_model(store, regression_df, no_training,
     other = torch.nn.Linear(4, 1)
     with spark_jobs:
         with pytest.raises(ValueError, match="optimizer is not bound to this model's parameters"):
-            estimator(store, optimizer=torch.optim.SGD(other.parameters(), lr=0.1)).fit(regression_df)
+            est = estimator(store, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+            est.fit(regression_df)
     assert spark_jobs.count() == 0
 
 
@@ -104,14 +106,16 @@ def test_nulls_are_rejected_with_the_column_name(spark, store, no_training):
 def test_ragged_arrays_are_rejected(spark, store, no_training):
     df = spark.createDataFrame([([1.0, 2.0, 3.0, 4.0], 1.0), ([1.0, 2.0], 2.0)],
                                "features array<double>, label double")
-    with pytest.raises(ValueError, match="column 'features' holds arrays of 2 to 4 elements; a model "
-                                         "needs one length per column. Pass a transformation_fn"):
+    with pytest.raises(ValueError, match="column 'features' holds arrays of 2 to 4 elements; "
+                                         "a model needs one length per column. "
+                                         "Pass a transformation_fn"):
         estimator(store).fit(df)
 
 
 @pytest.mark.stack
 def test_null_inside_an_array_is_rejected(spark, store, no_training):
-    df = spark.createDataFrame([([1.0, None, 3.0, 4.0], 1.0)], "features array<double>, label double")
+    df = spark.createDataFrame([([1.0, None, 3.0, 4.0], 1.0)],
+                               "features array<double>, label double")
     with pytest.raises(ValueError, match="column 'features' has arrays containing nulls"):
         estimator(store).fit(df)
 

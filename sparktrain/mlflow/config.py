@@ -53,7 +53,7 @@ def autolog(log_models: bool = True, registered_model_name: Optional[str] = None
 
 def _check_mlflow() -> None:
     try:
-        import mlflow  # noqa: F401
+        import mlflow  # noqa: F401 - only whether it imports
     except ImportError:
         raise ImportError("sparktrain.mlflow needs MLflow: pip install 'sparktrain[mlflow]' "
                           f"(mlflow-skinny {SUPPORTED}, or mlflow)") from None

@@ -48,7 +48,7 @@ class FullySharded(TorchStrategy):
               options: Dict[str, Any]) -> None:
         super().check(name, backend, model, options)
         try:
-            from torch.distributed.fsdp import fully_shard  # noqa: F401
+            from torch.distributed.fsdp import fully_shard  # noqa: F401 - only whether it imports
         except ImportError:
             raise ValueError(f"strategy={name!r} needs torch >= 2.6 "
                              f"(torch.distributed.fsdp.fully_shard); this is torch "

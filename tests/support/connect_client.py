@@ -93,7 +93,7 @@ def readme(spark, workdir: str) -> Dict[str, Any]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(600, 4))
     y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
-    regression = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y)],
+    regression = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y, strict=True)],
                                        "features array<double>, label double")
     linear = linear_estimator(store, epochs=1, batch_size=64)
     grid = ParamGridBuilder().addGrid(linear.epochs, [1, 4]).build()
@@ -157,7 +157,7 @@ def faults(spark, workdir: str) -> Dict[str, Any]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2000, 4))
     y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
-    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y)],
+    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y, strict=True)],
                                "features array<double>, label double").cache()
     found: Dict[str, Any] = {"listening": []}
     stop = threading.Event()
@@ -244,7 +244,7 @@ def horovod(spark, workdir: str) -> Dict[str, Any]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(1000, 4))
     y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
-    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y)],
+    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y, strict=True)],
                                "features array<double>, label double")
     model = linear_estimator(os.path.join(workdir, "store"), backend="horovod", epochs=3,
                              batch_size=50).fit(df)
@@ -261,7 +261,7 @@ def stream(spark, workdir: str) -> Dict[str, Any]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(1000, 4))
     y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
-    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y)],
+    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y, strict=True)],
                                "features array<double>, label double")
     store = os.path.join(workdir, "store")
     model = linear_estimator(store, input_mode="stream", validation=0.2, epochs=3,
@@ -305,7 +305,7 @@ def mlflow_tracking(spark, workdir: str) -> Dict[str, Any]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(600, 4))
     y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
-    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y)],
+    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y, strict=True)],
                                "features array<double>, label double")
     sparktrain.mlflow.autolog()
     model = linear_estimator(os.path.join(workdir, "store"), epochs=2, batch_size=50,
@@ -339,7 +339,7 @@ def big_model(spark, workdir: str) -> Dict[str, Any]:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(600, 4))
     y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
-    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y)],
+    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y, strict=True)],
                                "features array<double>, label double")
     net = FrozenTable(rows=680_000)
     size = sum(t.numel() * t.element_size() for t in net.state_dict().values())
@@ -375,7 +375,8 @@ def _big_keras_model(spark, workdir: str, x, y) -> Dict[str, Any]:
 
     rows = 550_000
     ids = (np.abs(x[:, 0]) * 1000).astype(np.int64) % rows
-    df = spark.createDataFrame([(a.tolist(), int(i), float(b)) for a, i, b in zip(x, ids, y)],
+    df = spark.createDataFrame([(a.tolist(), int(i), float(b))
+                                for a, i, b in zip(x, ids, y, strict=True)],
                                "features array<double>, ids long, label double")
     features = keras.Input((4,), name="features")
     token = keras.Input((1,), name="ids", dtype="int32")

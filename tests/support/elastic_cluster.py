@@ -32,8 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # support.*, sparktrain
 
-from sparktrain.loop.callbacks import Callback  # noqa: E402
-from support.standalone import StandaloneCluster  # noqa: E402
+from sparktrain.loop.callbacks import Callback  # noqa: E402 - after sys.path is set
+from support.standalone import StandaloneCluster  # noqa: E402 - after sys.path is set
 
 
 class Pace(Callback):
@@ -208,7 +208,7 @@ def main(workdir: str, master: str, cluster_dir: str) -> dict:
                              ("keras", {}), ("stream", {"input_mode": "stream"})):
             if name == "horovod":
                 try:
-                    import horovod.torch  # noqa: F401
+                    import horovod.torch  # noqa: F401 - only whether it imports
                 except ImportError:
                     found[name] = {"skipped": "horovod is not installed"}
                     continue

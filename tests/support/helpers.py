@@ -60,7 +60,8 @@ def run_reporting_script(code: str, timeout: int, fake_gpus: str = "") -> tuple:
         stdout, stderr = (b.decode(errors="replace") if isinstance(b, bytes) else b or ""
                           for b in (stdout, stderr))
         return stdout[-3000:] + "\n".join(
-            l for l in stderr.splitlines() if not l.lstrip().startswith("at "))[-6000:]
+            line for line in stderr.splitlines()
+            if not line.lstrip().startswith("at "))[-6000:]
 
     try:
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -68,7 +69,7 @@ def run_reporting_script(code: str, timeout: int, fake_gpus: str = "") -> tuple:
     except subprocess.TimeoutExpired as exc:  # its output so far says where it stuck
         raise AssertionError(f"the script ran past {timeout} s:\n"
                              + tails(exc.stdout, exc.stderr)) from None
-    lines = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, tails(result.stdout, result.stderr)
     return json.loads(lines[0][len("RESULT "):]), result.stderr
 
@@ -144,10 +145,11 @@ def __getattr__(name: str):
 
 def check_keras_classifier(classification_df, path: str, epochs: int, **params: Any):
     """Fit ``Sequential([Scale(1.0), Dense(16, relu), Dense(3)])`` (``Scale``: the custom layer
-    above, loaded through ``custom_objects``) with a 2-rank ``KerasEstimator`` on the ``classification_df``
-    fixture (``params``: more of its params) and check the history (``epochs`` of loss and
-    accuracy, with validation over 0.95), the predictions (over 0.95 right) and that the model
-    saved at ``path`` loads with the same history and predictions. Returns (model, loaded)."""
+    above, loaded through ``custom_objects``) with a 2-rank ``KerasEstimator`` on the
+    ``classification_df`` fixture (``params``: more of its params) and check the history
+    (``epochs`` of loss and accuracy, with validation over 0.95), the predictions (over 0.95
+    right) and that the model saved at ``path`` loads with the same history and predictions.
+    Returns (model, loaded)."""
     import keras
 
     from sparktrain import KerasEstimator

@@ -138,7 +138,7 @@ def interrupt_fits(spark, workdir: str, framework: str, points: List[Any]) -> Di
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2000, 4))
     y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
-    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y)],
+    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y, strict=True)],
                                "features array<double>, label double")
     found: Dict[str, Any] = {}
     for index, (name, text, delay) in enumerate(points):

@@ -25,9 +25,9 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
+import keras  # noqa: E402 - after sys.path is set
+import numpy as np  # noqa: E402 - after sys.path is set
+import psutil  # noqa: E402 - after sys.path is set
 
 MARKER = "SPARKTRAIN_PS_SCENARIO"
 ZYGOTE = "sparktrain.launch.zygote"

@@ -38,7 +38,8 @@ parser.add_argument('--batch-size', type=int, default=32,
 parser.add_argument('--epochs', type=int, default=4,
                     help='number of epochs to train')
 parser.add_argument('--work-dir', default='/tmp',
-                    help='temporary working directory to write intermediate files (prefix with hdfs:// to use HDFS)')
+                    help='temporary working directory to write intermediate files '
+                         '(prefix with hdfs:// to use HDFS)')
 parser.add_argument('--backward-passes-per-step', type=int, default=1,
                     help='number of backward passes to perform before calling hvd.allreduce')
 
@@ -66,7 +67,8 @@ class Net(nn.Module):
 def digits_df(spark):
     """The 1797 8x8 digits as (features: 64-vector, label: double)."""
     digits = load_digits()
-    rows = [(Vectors.dense(x.tolist()), float(y)) for x, y in zip(digits.data, digits.target)]
+    rows = [(Vectors.dense(x.tolist()), float(y))
+            for x, y in zip(digits.data, digits.target, strict=True)]
     return spark.createDataFrame(rows, ['features', 'label'])
 
 
@@ -107,7 +109,8 @@ def train_and_evaluate(spark, args):
 
     argmax = udf(lambda v: float(np.argmax(v)), returnType=T.DoubleType())
     pred_df = pred_df.withColumn('label_pred', argmax(pred_df.label_prob))
-    evaluator = MulticlassClassificationEvaluator(predictionCol='label_pred', labelCol='label', metricName='accuracy')
+    evaluator = MulticlassClassificationEvaluator(predictionCol='label_pred', labelCol='label',
+                                                  metricName='accuracy')
     accuracy = evaluator.evaluate(pred_df)
     print('Test accuracy:', accuracy)
     return accuracy
