@@ -11,6 +11,7 @@ classic session.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import os
 import sys
@@ -409,7 +410,13 @@ def main(scenario: str, url: str, workdir: str) -> None:
     started = time.time()
     found = SCENARIOS[scenario](spark, workdir)
     found["seconds"] = time.time() - started
-    print(json.dumps(found))
+    print(json.dumps(found), flush=True)
+    # Release the scenario's remote ML objects (pipeline stages held by reference cycles) while
+    # the session is up: pyspark's finalizer deletes each from the server's ML cache with a
+    # blocking gRPC call, which, left to interpreter shutdown, waited forever for a reply the
+    # server had sent (seen twice in full suite runs, as a hang in `_delete_ml_cache`).
+    gc.collect()
+    spark.stop()
 
 
 if __name__ == "__main__":
