@@ -45,7 +45,8 @@ KERAS_BACKENDS: Dict[str, Tuple[Entry, str]] = {
 
 INSTALL_HINTS = {
     "tensorflow": "TensorFlow and Keras 3: pip install 'sparktrain[tf]' (or 'sparktrain[tf-cpu]' "
-                  "where tensorflow-cpu is the TensorFlow you use)",
+                  "where tensorflow-cpu is the TensorFlow you use; in a clone of sparktrain, "
+                  "./scripts/setup.sh --keras)",
     "horovod.torch": "Horovod compiled for PyTorch with Gloo: in a clone of sparktrain run "
                      "./scripts/setup.sh --horovod (compiles it once, about 3 minutes on 2 "
                      "cores, then reuses the cached wheel), or HOROVOD_WITH_PYTORCH=1 "

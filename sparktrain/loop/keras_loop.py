@@ -64,7 +64,6 @@ _progress = progress
 def _print(text: str) -> None:
     """A log line: this process's stdout goes to the task, which echoes it to the driver."""
     print(text, flush=True)
-_resolve_metrics = resolve_metrics  # the names this module had before keras_batch
 
 
 #: ``steps_per_execution`` by default: at most this many steps a call, their batches within
