@@ -18,7 +18,7 @@ from pyspark.sql import types as T
 
 from sparktrain.data.batch import arrow_to_numpy, model_ready, values_to_numpy
 from sparktrain.data.columns import ARRAY, SCALAR, VECTOR, ColumnSpec
-from sparktrain.data.materialize import stored_value
+from sparktrain.data.prepare import stored_value
 
 
 def feature_expr(spec: ColumnSpec) -> Column:

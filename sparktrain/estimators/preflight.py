@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from pyspark.sql import DataFrame
 
 from sparktrain.data.columns import ColumnSpec
-from sparktrain.data.materialize import sample_batch
+from sparktrain.data.prepare import sample_batch
 from sparktrain.data.transform_inputs import learn_inputs
 from sparktrain.errors import PreflightError
 from sparktrain.faults import is_fault, user_error_source
