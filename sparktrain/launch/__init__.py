@@ -27,7 +27,7 @@ import warnings
 from typing import Any, Dict, List, Tuple, Union
 
 from sparktrain.launch.engine import KerasEngine, TorchEngine
-from sparktrain.plugins import load
+from sparktrain.plugins import check_entry, load
 
 Entry = Union[str, type]
 
@@ -78,14 +78,7 @@ def import_quietly(name: str) -> Any:
 
 def _register(registry: Dict[str, Tuple[Entry, str]], kind: str, base: type, name: str,
               engine: Entry, requires: str) -> None:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a {kind} engine's name must be a non-empty string, got {name!r}")
-    if not isinstance(engine, (str, type)):
-        raise TypeError(f"register a {kind} engine as a class or a 'module:Class' string, "
-                        f"got {type(engine).__name__}")
-    if isinstance(engine, type) and not issubclass(engine, base):
-        raise TypeError(f"a {kind} engine must subclass sparktrain.launch.engine."
-                        f"{base.__name__}, got {engine.__name__}")
+    check_entry(f"{kind} engine", name, engine, base)
     if not isinstance(requires, str) or not requires:
         raise ValueError(f"requires must name the module the engine needs (e.g. 'torch'), "
                          f"got {requires!r}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Dict, Tuple, Union
 
 from sparktrain.launch import backends_with, load_backend
-from sparktrain.plugins import load
+from sparktrain.plugins import check_entry, load
 
 Entry = Union[str, type]
 
@@ -42,11 +42,7 @@ KERAS_STRATEGIES: Dict[str, Entry] = {
 
 
 def _register(registry: Dict[str, Entry], kind: str, name: str, strategy: Entry) -> None:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a {kind} strategy's name must be a non-empty string, got {name!r}")
-    if not isinstance(strategy, (str, type)):
-        raise TypeError(f"register a {kind} strategy as a class or a 'module:Class' string, "
-                        f"got {type(strategy).__name__}")
+    check_entry(f"{kind} strategy", name, strategy)
     registry[name] = strategy
 
 
