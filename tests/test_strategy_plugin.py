@@ -59,3 +59,12 @@ def test_a_strategy_registered_from_outside_fits(hooked, regression_df, store):
 def test_unregistered_strategy_names_the_registry():
     with pytest.raises(ValueError, match="register your own with sparktrain.strategies"):
         linear_estimator("/tmp/unused", strategy="ddp_hooked")
+
+
+def test_strategy_registration_is_checked():
+    with pytest.raises(ValueError, match="a torch strategy's name must be a non-empty string"):
+        register_torch_strategy("", HookedDataParallel)
+    with pytest.raises(TypeError, match="as a class or a 'module:Class' string, "
+                                        "got HookedDataParallel"):
+        register_torch_strategy("instance", HookedDataParallel.__new__(HookedDataParallel))
+    assert "" not in TORCH_STRATEGIES and "instance" not in TORCH_STRATEGIES
