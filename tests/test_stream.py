@@ -1,5 +1,7 @@
-"""input_mode="stream": the training stage takes the DataFrame's rows itself (real Spark, real
-barrier tasks): every row trains once per epoch, nothing is written to the store."""
+"""input_mode="stream" (real Spark, real barrier tasks): rows fed by jobs beside the ranks where
+task slots are free (``num_proc=1`` on the local[2] test session), else taken by the training
+stage itself (``num_proc=2``): every row trains once per epoch, nothing is written to the
+store."""
 from __future__ import annotations
 
 import collections
@@ -58,8 +60,9 @@ def _seen(folder):
 
 
 @pytest.mark.parametrize("validation", [None, "is_val"], ids=["no_validation", "val_column"])
+@pytest.mark.parametrize("num_proc", [1, 2], ids=["fed", "stage"])
 def test_a_stream_fit_trains_every_row_once_an_epoch_and_writes_no_dataset(
-        spark, id_frame, tmp_path, validation):
+        spark, id_frame, tmp_path, validation, num_proc):
     import torch
 
     from sparktrain import TorchEstimator
@@ -68,7 +71,8 @@ def test_a_stream_fit_trains_every_row_once_an_epoch_and_writes_no_dataset(
     seen.mkdir()
     store = tmp_path / "store"
     net = _net()
-    est = TorchEstimator(num_proc=2, model=net, optimizer=torch.optim.SGD(net.parameters(), 0.01),
+    est = TorchEstimator(num_proc=num_proc, model=net,
+                         optimizer=torch.optim.SGD(net.parameters(), 0.01),
                          loss=torch.nn.MSELoss(), feature_cols=["id", "features"],
                          label_cols=["label"], batch_size=64, epochs=3, validation=validation,
                          input_mode="stream", store=str(store), verbose=0, random_seed=1,

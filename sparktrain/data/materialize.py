@@ -66,6 +66,8 @@ class MaterializedDataset:
     # input_mode="stream": nothing in the store; the training stage reads this DataFrame's rows
     # (its columns in their stored form, and the split column) and each rank spools its own
     stream: Any = field(default=None, repr=False)
+    # ... fed to the ranks by jobs beside them (sparktrain.data.feeding): the ranks' plan
+    feed: Optional[Dict[str, Any]] = None
 
     @property
     def train_rows(self) -> int:
@@ -188,17 +190,28 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
 
 def streamed(df: DataFrame, columns: Sequence[ColumnSpec],
              validation: Union[None, float, str] = None, seed: Optional[int] = None,
-             variable_length: bool = False) -> MaterializedDataset:
+             variable_length: bool = False, feed_dir: Optional[str] = None,
+             cache_limit: Optional[float] = None) -> MaterializedDataset:
     """``input_mode="stream"``: ``columns`` sized and checked as :func:`materialize` does, and
-    nothing written: the training stage reads the returned dataset's ``stream``, ``df``'s rows
-    in their stored form with their split (:mod:`sparktrain.data.stream`)."""
+    nothing written: the ranks get the returned dataset's ``stream``, ``df``'s rows in their
+    stored form with their split: fed by jobs beside them through ``feed_dir`` when given
+    (:mod:`sparktrain.data.feeding`, the dataset's ``feed`` plan), else taken by the training
+    stage itself (:mod:`sparktrain.data.stream`)."""
     start = time.perf_counter()
     specs = sized_columns(df, columns, variable_length)
     nullable = {f.name: nullable_elements(f.dataType) for f in df.schema.fields}
     selected = [expr for spec in specs for expr in prepared_column(spec, nullable[spec.name])]
     split = split_column(df, validation, seed) or [F.lit("train").alias(SPLIT_COL)]
+    rows = df.select(*selected, *split)
+    plan = None
+    if feed_dir is not None:
+        from sparktrain.data.feeding import feed_plan
+
+        plan = feed_plan(rows, feed_dir, cache_limit)
+        if not sum(plan["counts"].get("train", [])):
+            raise ValueError("input_mode='stream': the DataFrame has no training rows")
     return MaterializedDataset("", specs, {}, "stream", seconds=time.perf_counter() - start,
-                               stream=df.select(*selected, *split))
+                               stream=rows, feed=plan)
 
 
 def _reused(store: Store, key: str, found: Commit, start: float) -> MaterializedDataset:

@@ -61,6 +61,15 @@ def cacheable(columns: Sequence[ColumnSpec]) -> bool:
         and (c.kind == SCALAR or bool(c.row_shape)) for c in columns)
 
 
+def row_bytes(columns: Sequence[ColumnSpec]) -> int:
+    """Bytes one row of fixed-shape ``columns`` takes decoded (variable ones count as 8)."""
+    total = 0
+    for c in columns:
+        size = np.dtype(c.dtype).itemsize if c.dtype not in ("bytes", "str") else 8
+        total += int(np.prod(c.row_shape or (), dtype=np.int64)) * size
+    return total
+
+
 _CREATING_SECONDS = 3600.0  # a hidden folder this old was left by a process that died making it
 
 
@@ -152,15 +161,13 @@ class RankCache:
 
     @classmethod
     def create(cls, columns: Sequence[ColumnSpec], rows: int, root: Optional[str] = None,
-               label: str = "") -> Optional["RankCache"]:
+               label: str = "", quiet: bool = False) -> Optional["RankCache"]:
         """A cache of ``rows`` rows of ``columns``, or ``None`` (with a warning where the disk
-        lacks room) when there is none to make."""
+        lacks room, an info line when ``quiet``) when there is none to make."""
         if rows < 1 or not cacheable(columns):
             return None
         root = root or cache_root()
-        row_bytes = sum(int(np.prod(c.row_shape, dtype=np.int64)) * np.dtype(c.dtype).itemsize
-                        for c in columns)
-        need = rows * row_bytes
+        need = rows * row_bytes(columns)
         try:
             os.makedirs(root, exist_ok=True)
             free = shutil.disk_usage(root).free
@@ -168,9 +175,10 @@ class RankCache:
             log.warning("no local cache for %s (%s): every epoch reads the store", label, exc)
             return None
         if free - need < HEADROOM_BYTES:
-            log.warning("no local cache for %s: it needs %.1f MiB and %s has %.1f MiB free "
-                        "(%d MiB kept free); every epoch reads the store", label, need / 2**20,
-                        root, free / 2**20, HEADROOM_BYTES >> 20)
+            say = log.info if quiet else log.warning
+            say("no local cache for %s: it needs %.1f MiB and %s has %.1f MiB free (%d MiB "
+                "kept free); every epoch reads the rows again", label, need / 2**20, root,
+                free / 2**20, HEADROOM_BYTES >> 20)
             return None
         folder = None
         try:

@@ -190,6 +190,10 @@ def rank_readers(spec: LoopSpec, rank: int, world_size: int, rows: Optional[Iter
     streams to it (``rows``, agreeing on the steps through ``all_gather``)."""
     if spec.input_mode != "stream":
         return shard_readers(spec, rank, world_size)
+    if spec.feed and all_gather is not None:  # fed by jobs beside the ranks
+        from sparktrain.data.fed_rows import FedRows
+
+        return dict(FedRows(spec, rank, world_size, all_gather).readers)
     if spec.streamed:
         return streamed_readers(spec, spec.streamed, rank)
     if rows is None or all_gather is None:

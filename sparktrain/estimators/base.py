@@ -44,7 +44,13 @@ from sparktrain.options import horovod as horovod_params
 from sparktrain.options.declarations import COMMON, Option
 from sparktrain.options.params import EstimatorParams, camel
 from sparktrain.session.interrupts import interruptible, raise_if_interrupted
-from sparktrain.session.spark_api import all_conf, check_store_shared, job_tag, master
+from sparktrain.session.spark_api import (
+    all_conf,
+    check_store_shared,
+    job_tag,
+    master,
+    task_slots,
+)
 
 log = logging.getLogger("sparktrain")
 
@@ -133,7 +139,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
             return dict(fields, dataset_root="", layouts={}, columns=[],
                         **horovod_params.reader_options(self))
         max_time = self.getMaxTime()
-        return dict(fields, dataset_root=run.data.root, layouts=run.data.files,
+        return dict(fields, dataset_root=run.data.root, layouts=run.data.files, feed=run.data.feed,
                     columns=[c.to_json() for c in run.data.columns],
                     storage_options=run.store.storage_options, run_path=run.run_path,
                     fit_id=run.fit_id, deadline=run.started + max_time if max_time else None,
@@ -143,10 +149,17 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         raise NotImplementedError
 
     # -- fit ------------------------------------------------------------------------------------
+    #: whether the ranks can take rows fed by jobs beside them (their readers run where the
+    #: Spark task's ``all_gather`` is; Keras's run in a child process and read a spooled shard)
+    fed_streams = False
+
     def _rows_to_ranks(self, df: DataFrame, store: Store, specs: List[ColumnSpec],
-                       validation: Any, elastic: ElasticPlan) -> MaterializedDataset:
+                       validation: Any, elastic: ElasticPlan, feed_dir: str
+                       ) -> MaterializedDataset:
         """The dataset the ranks read: materialized in the store (``input_mode="store"``), or
-        streamed by the training stage itself (``"stream"``: nothing written)."""
+        streamed (``"stream"``: nothing written), fed by jobs beside the ranks where task slots
+        are left for them (:mod:`sparktrain.data.feeding`), else taken by the training stage
+        itself."""
         variable = self.getTransformationFn() is not None
         if self.getInputMode() == "store":
             return materialize(df, store, specs, validation, self.getRandomSeed(),
@@ -156,7 +169,15 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
             raise ValueError(f"input_mode='stream' gives each of the {ranks} ranks its own "
                              f"rows, and the DataFrame has fewer rows than that; use fewer "
                              f"ranks (num_proc) or more rows")
-        return streamed(df, specs, validation, self.getRandomSeed(), variable_length=variable)
+        slots = task_slots(df.sparkSession)
+        fed = self.fed_streams and (slots is None or slots > elastic.num_proc)
+        if self.fed_streams and not fed:
+            log.info("input_mode='stream': num_proc=%d takes every task slot (%s), none is left "
+                     "to feed the ranks while they train: each rank takes its rows from the "
+                     "training stage (after a shuffle) before its first step", elastic.num_proc,
+                     slots)
+        return streamed(df, specs, validation, self.getRandomSeed(), variable_length=variable,
+                        feed_dir=feed_dir if fed else None, cache_limit=self.getCacheLimit())
 
     def _check_params(self, df: DataFrame) -> List[ColumnSpec]:
         """What spans several options, the estimator or the DataFrame (each option's own range
@@ -249,7 +270,8 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                 log.info("run %s has a checkpoint after epoch %d: resuming from it", run_id,
                          latest.epochs_done)
             raise_if_interrupted()
-            data = self._rows_to_ranks(dataset, store, specs, validation, elastic)
+            data = self._rows_to_ranks(dataset, store, specs, validation, elastic,
+                                       f"{store.run_path(run_id)}/_feed/{uuid.uuid4().hex[:8]}")
             raise_if_interrupted()
             result = self._train(FitRun(dataset.sparkSession, data, store, use_gpu, run_id,
                                         progress, time.time(), elastic))

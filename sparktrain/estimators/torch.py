@@ -119,6 +119,7 @@ class TorchEstimator(EstimatorBase, TorchParams):
 
     backends = TORCH_BACKENDS
     framework = "torch"
+    fed_streams = True  # the torch rank loop reads its rows in the barrier task itself
     options = COMMON + TORCH
 
     @keyword_params(options)

@@ -290,6 +290,36 @@ def to_seconds(name: str) -> Any:
     return convert
 
 
+_SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def to_cache_limit(value: Any) -> Optional[float]:
+    """``cache_limit``: ``None``, a fraction of the free local disk in ``(0, 1]``, or bytes
+    (a number > 1, or a string such as ``"20g"``).
+
+    Example::
+
+        to_cache_limit(0.5)      # 0.5: half the free space
+        to_cache_limit("2g")     # 2147483648.0
+    """
+    expected = ("cache_limit must be None, a fraction of the free local disk in (0, 1], or "
+                "a size in bytes (a number > 1, or a string such as '20g')")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower().rstrip("ib").rstrip("b")
+        factor = _SIZE_SUFFIXES.get(text[-1:], 1) if text else 1
+        try:
+            value = float(text[:-1] if factor > 1 else text) * factor
+        except ValueError:
+            raise ValueError(f"{expected}, got {value!r}") from None
+    if not _is_number(value):
+        raise TypeError(f"{expected}, got {value!r}")
+    if not value > 0:
+        raise ValueError(f"{expected}, got {value!r}")
+    return float(value)
+
+
 def to_function(name: str, contract: str) -> Any:
     """Converter for ``name``: ``None`` or a callable (``contract`` says what it takes and
     returns, for the error)."""

@@ -33,6 +33,7 @@ from sparktrain.options.converters import (
     EnvVars,
     to_backend_name,
     to_bool,
+    to_cache_limit,
     to_choice,
     to_compression,
     to_count,
@@ -113,6 +114,10 @@ COMMON = (
            "Parquet once, reused by later fits of the same DataFrame) or 'stream' (the training "
            "stage reads the DataFrame's partitions itself, nothing written to the store)",
            "store", to_choice("input_mode", INPUT_MODES), Optional[str], rank=True),
+    Option("cache_limit", "input_mode='stream': the most local disk each rank's cache of its "
+           "rows may take, as a fraction of the free space (0.5) or bytes (2e9, '20g'); rows "
+           "that do not fit are read again from the DataFrame every epoch (default: the free "
+           "space less 256 MiB)", None, to_cache_limit, Optional[Union[float, str]]),
     Option("batch_size", "rows per batch on each process", 32, to_count("batch_size", 1), _INTS,
            rank=True),
     Option("val_batch_size", "rows per validation batch (default: batch_size)", None,
@@ -163,6 +168,15 @@ COMMON = (
            "(GPU)", None, to_mixed_precision, Optional[str], rank=True),
     Option("max_time", "seconds after which training stops at the end of an epoch", None,
            to_seconds("max_time"), Optional[float]),
+    Option("checkpoint_steps", "also write a checkpoint every this many optimizer steps "
+           "inside an epoch (Hugging Face's save_steps; None: off); a resumed fit continues "
+           "inside the epoch, after the rows already trained", None,
+           to_count("checkpoint_steps", 1, optional=True), _INTS, rank=True),
+    Option("checkpoint_seconds", "also write a checkpoint inside an epoch after about this "
+           "many seconds of training since the last one (None: off). Default 1800: an epoch "
+           "longer than 30 minutes loses at most about 30 minutes to a fault, while a fit of "
+           "short epochs writes only its epoch-end checkpoints", 1800.0,
+           to_seconds("checkpoint_seconds"), Optional[float], rank=True),
     Option("max_attempts", "attempts of the training stage before a fit fails on a fault (a "
            "lost process or executor, a store error: retried from the checkpoint); an error "
            "raised by user code fails the fit at once (default and upper bound: "

@@ -80,6 +80,9 @@ class LoopSpec:
     # input_mode="stream" in a child process: the files its Spark task spooled, split ->
     # [path, rows per epoch] (sparktrain.data.stream.spool_shard)
     streamed: Optional[Dict[str, List[Any]]] = None
+    # input_mode="stream" fed by jobs beside the ranks: the feed folder, rows per input
+    # partition and split, the chunk they are dealt in (sparktrain.data.feeding.feed_plan)
+    feed: Optional[Dict[str, Any]] = None
     # how the ranks read and decode (sparktrain.options.horovod.reader_options)
     train_prefetch: int = 2  # row groups the readers decode ahead
     val_prefetch: int = 2

@@ -1,0 +1,363 @@
+"""A rank's streamed rows as they arrive from the feeding tasks (``input_mode="stream"``).
+
+Every rank knows from the driver's plan (each input partition's row count per split) how many
+rows it will get and where each partition's rows go in its shard (:mod:`.row_feed` deals them),
+so all ranks run the same steps without counting or talking: ``ceil(most rows of any rank /
+batch_size)``, a rank short of the most repeating some of its rows.
+
+Two ways to hold the rows, chosen per split:
+
+* **cached** (fixed-shape numeric columns, and the shard fits ``cache_limit`` and the local
+  disk): arriving rows are written straight into the rank-local cache
+  (:class:`~sparktrain.data.rank_cache.RankCache`) at their place in the shard. The first
+  epoch trains on them as they arrive, shuffled within a window of :data:`WINDOW_BYTES`; every
+  later epoch is a permutation of the whole shard (exact and repeatable: a resumed epoch skips
+  exactly the batches it had trained). One decoded copy on the local disk, nothing else.
+* **re-read** (anything else): rows are kept only in a bounded in-memory window, and every
+  epoch asks the driver to feed the DataFrame again (read again from its source), as
+  TensorFlowOnSpark's InputMode.SPARK and Ray Data's ``streaming_split`` do. A resumed epoch
+  skips as many rows as it had trained (the same count, not necessarily the same rows).
+
+Example (on a rank)::
+
+    rows = FedRows(spec, rank=0, world_size=2, all_gather=ctx.all_gather)
+    for batch in rows.readers["train"].epoch(0):
+        batch["features"].shape      # (batch_size, 32)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+
+from sparktrain.data.batch import arrow_to_numpy
+from sparktrain.data.columns import ColumnSpec
+from sparktrain.data.rank_cache import RankCache, cache_root, cacheable, row_bytes
+from sparktrain.data.row_feed import Receiver, share
+from sparktrain.fs import filesystem
+from sparktrain.options.spec import LoopSpec
+
+log = logging.getLogger("sparktrain")
+
+Batch = Dict[str, np.ndarray]
+
+#: memory a rank's shuffle window of arrived rows may take
+WINDOW_BYTES = 64 << 20
+#: decoded chunks a re-read split's queue holds before the feeders wait
+QUEUE_CHUNKS = 64
+WAIT_SECONDS = 1.0  # how often a rank waiting for rows looks for a failed feed
+
+
+class FeedFailed(RuntimeError):
+    """The driver could not feed the rows (the DataFrame's computation failed)."""
+
+
+class FedRows:
+    """This rank's receiver and its readers (``readers[split]``, each a :class:`FedShard`)."""
+
+    def __init__(self, spec: LoopSpec, rank: int, world_size: int,
+                 all_gather: Callable[[str], List[str]]) -> None:
+        plan = spec.feed or {}
+        self.rank, self.world_size = rank, world_size
+        self.dir, self.storage_options = plan["dir"], spec.storage_options
+        self.fs = filesystem(self.dir, self.storage_options)[0]
+        columns = [ColumnSpec.from_json(c) for c in spec.columns]
+        self.error: Optional[BaseException] = None
+        options = {"train": (spec.batch_size, spec.shuffle), "val": (spec.val_batch_size, False)}
+        self.readers: Dict[str, FedShard] = {}
+        for split, counts in plan["counts"].items():
+            shares = [share(c, p, world_size, rank, plan["chunk"]) for p, c in enumerate(counts)]
+            most = max(sum(share(c, p, world_size, r, plan["chunk"]) for p, c in enumerate(counts))
+                       for r in range(world_size))
+            if not most:
+                continue
+            if not sum(shares):
+                raise ValueError(
+                    f"input_mode='stream': rank {rank} of {world_size} gets no "
+                    f"{'training' if split == 'train' else 'validation'} rows: the DataFrame "
+                    f"has too few rows for num_proc={world_size}; use fewer ranks or "
+                    f"input_mode='store'")
+            size, shuffle = options[split]
+            self.readers[split] = FedShard(self, split, columns, shares, most, size, shuffle,
+                                           spec.seed, plan.get("cache_limit"))
+        if "train" not in self.readers:
+            raise ValueError("input_mode='stream': the DataFrame reached the ranks without rows")
+        self.receiver = Receiver(self._on_batch, self._on_error)
+        mine = {"address": self.receiver.address, "token": uuid.uuid4().hex[:12],
+                "re_read": any(not r.cached for r in self.readers.values())}
+        everyone = [json.loads(text) for text in all_gather(json.dumps(mine))]
+        self.addresses = [e["address"] for e in everyone]
+        self.token = everyone[0]["token"]
+        self.re_read = any(e["re_read"] for e in everyone)
+        self.requested: set = set()
+
+    def _on_batch(self, header: Dict[str, Any], start: int, batch: Any) -> None:
+        reader = self.readers.get(header.get("split", "train"))
+        if reader is not None:
+            reader.put(int(header["epoch"]), int(header["partition"]), start, batch)
+
+    def _on_error(self, exc: BaseException) -> None:
+        self.error = exc
+
+    def request(self, epoch: int) -> None:
+        """Ask the driver to feed ``epoch`` (rank 0 asks for all; once per epoch, and only
+        the first unless a rank re-reads its rows every epoch)."""
+        if epoch in self.requested or (self.requested and not self.re_read):
+            return
+        self.requested.add(epoch)
+        if self.rank == 0:
+            self.fs.makedirs(self.dir, exist_ok=True)
+            self.fs.pipe_file(f"{self.dir}/{self.token}-e{epoch}.json",
+                              json.dumps({"epoch": epoch, "addresses": self.addresses}).encode())
+
+    def check(self) -> None:
+        """Raise what went wrong with the feed, if anything did."""
+        if self.error is not None:
+            raise self.error
+        try:
+            text = self.fs.cat_file(f"{self.dir}/failed").decode("utf-8", "replace")
+        except (FileNotFoundError, OSError):
+            return
+        raise FeedFailed(f"input_mode='stream': feeding the rows failed on the driver's side "
+                         f"(not retried):\n{text}")
+
+    def close(self) -> None:
+        self.receiver.close()
+        for reader in self.readers.values():
+            reader.drop()
+
+
+class FedShard:
+    """One split of one rank's fed rows; ``epoch(epoch, skip)`` yields ``len(self)`` batches
+    as :class:`~sparktrain.data.reader.ShardReader` does (see the module docstring)."""
+
+    def __init__(self, rows_of: FedRows, split: str, columns: Sequence[ColumnSpec],
+                 shares: List[int], most: int, batch_size: int, shuffle: bool,
+                 seed: Optional[int], cache_limit: Optional[float]) -> None:
+        self.parent, self.split, self.columns = rows_of, split, list(columns)
+        self.shares, self.bases = shares, np.concatenate([[0], np.cumsum(shares)[:-1]])
+        self.rows, self.most = int(sum(shares)), most
+        self.batch_size, self.shuffle = batch_size, shuffle
+        self.seed, self.rank = 0 if seed is None else seed, rows_of.rank
+        self.steps = max(1, math.ceil(most / batch_size))
+        self.window = max(4 * batch_size, WINDOW_BYTES // max(1, row_bytes(self.columns)))
+        self.cache = _cache(self.columns, self.rows, cache_limit, f"rank {self.rank}'s "
+                            f"{split} rows") if cacheable(self.columns) else None
+        self.cached = self.cache is not None
+        self.lock = threading.Condition()
+        self.received: Dict[Any, int] = {}  # (epoch or None when cached, partition) -> rows
+        self.arrived: List[np.ndarray] = []  # cached: shard rows not yet handed out
+        self.total: Dict[Any, int] = {}  # epoch or None -> rows received
+        self.chunks: Dict[int, "queue.Queue[Batch]"] = {}
+
+    def __len__(self) -> int:
+        return self.steps
+
+    # -- the receiving side (feed connection threads) ----------------------------------------
+    def put(self, epoch: int, partition: int, start: int, batch: Any) -> None:
+        key = None if self.cached else epoch
+        limit = self.shares[partition] if partition < len(self.shares) else 0
+        with self.lock:
+            have = self.received.get((key, partition), 0)
+        skip, stop = max(have - start, 0), min(batch.num_rows, limit - start)
+        if stop <= skip:  # sent before (a feeder's retry) or more than the plan counted
+            return
+        part = batch.slice(skip, stop - skip)
+        chunk = {c.name: arrow_to_numpy(part.column(c.name), c) for c in self.columns}
+        if self.cached:
+            first = int(self.bases[partition]) + start + skip
+            self.cache.write(first, chunk)
+        else:
+            self._queue(epoch).put(chunk)  # blocks while the window is full: flow control
+        with self.lock:
+            self.received[(key, partition)] = start + stop
+            self.total[key] = self.total.get(key, 0) + stop - skip
+            if self.cached:
+                self.arrived.append(np.arange(first, first + stop - skip))
+            self.lock.notify_all()
+
+    def _queue(self, epoch: int) -> "queue.Queue[Batch]":
+        with self.lock:
+            if epoch not in self.chunks:
+                self.chunks[epoch] = queue.Queue(QUEUE_CHUNKS)
+            return self.chunks[epoch]
+
+    # -- the training side ------------------------------------------------------------------
+    def complete(self, key: Any = None) -> bool:
+        with self.lock:
+            return self.total.get(key, 0) >= self.rows
+
+    def epoch(self, epoch: int = 0, skip: int = 0) -> Iterator[Batch]:
+        """The epoch's batches from step ``skip`` on (the first ``skip`` already trained)."""
+        if self.split == "train":
+            self.parent.request(epoch)
+        rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
+        if self.cached and (self.complete() or skip or self.split != "train"):
+            self._wait(lambda: self.complete())
+            return self._permuted(rng, skip)
+        return self._windowed(epoch, rng, skip)
+
+    def _permuted(self, rng: Optional[np.random.Generator], skip: int) -> Iterator[Batch]:
+        order = rng.permutation(self.rows) if rng is not None else np.arange(self.rows)
+        order = np.resize(order, self.most)  # a rank short of the most repeats from the start
+        for start in range(skip * self.batch_size, self.most, self.batch_size):
+            rows = order[start:start + self.batch_size]
+            if rng is not None:
+                rows = np.sort(rows)  # nearby rows together: fewer pages; a batch is a set
+            yield self.cache.batch(rows)
+
+    def _windowed(self, epoch: int, rng: Optional[np.random.Generator], skip: int
+                  ) -> Iterator[Batch]:
+        """Batches drawn from a window of arrived rows (shuffled) until this rank's rows are
+        all in and drawn; then, if it is short of the most, rows drawn again."""
+        window = _Window(self.columns, self.window + self.batch_size)
+        taken, last = 0, None
+        key = None if self.cached else epoch
+        for step in range(self.steps):
+            size = min(self.batch_size, self.most - step * self.batch_size)
+            while window.size < self.window and taken < self.rows:
+                got = self._next_arrivals(key)
+                if got is None:
+                    break
+                window.add(got)
+                taken += len(next(iter(got.values()))) if isinstance(got, dict) else len(got)
+            if window.size:
+                rows = window.draw(min(size, window.size), rng)
+                last = rows
+            elif last is not None:  # this rank's rows are all trained: repeat some
+                pick = (rng or np.random.default_rng(step)).integers(0, _length(last), size)
+                rows = {n: v[pick] for n, v in last.items()} if isinstance(last, dict) \
+                    else last[pick]
+            else:
+                raise RuntimeError(f"input_mode='stream': rank {self.rank} received no rows")
+            if step < skip:
+                continue
+            yield self.cache.batch(np.sort(rows)) if self.cached else rows
+
+    def _next_arrivals(self, key: Any) -> Any:
+        """The next arrived rows: shard positions (cached) or a decoded chunk; ``None`` once
+        every row of this epoch is in and handed out."""
+        deadline = time.monotonic() + WAIT_SECONDS
+        while True:
+            if self.cached:
+                with self.lock:
+                    if self.arrived:
+                        return self._pop_arrived()
+                    if self.total.get(None, 0) >= self.rows:
+                        return None
+                    self.lock.wait(WAIT_SECONDS)
+            else:
+                try:
+                    return self._queue(key).get(timeout=WAIT_SECONDS)
+                except queue.Empty:
+                    if self.complete(key) and self._queue(key).empty():
+                        return None
+            if time.monotonic() >= deadline:
+                self.parent.check()
+                deadline = time.monotonic() + WAIT_SECONDS
+
+    def _pop_arrived(self) -> np.ndarray:
+        rows = np.concatenate(self.arrived)
+        self.arrived.clear()
+        return rows
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            with self.lock:
+                self.lock.wait(WAIT_SECONDS)
+            self.parent.check()
+
+    def close(self) -> None:
+        """Let the rows go (the fit is over); the receiver closes with the train split's."""
+        if self.split == "train":
+            self.parent.close()
+        else:
+            self.drop()
+
+    def drop(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
+
+
+class _Window:
+    """Arrived rows awaiting their batch (shard positions, or decoded columns), drawn at
+    random; a drawn row's place is filled from the end, so a draw costs its batch, not the
+    window."""
+
+    def __init__(self, columns: Sequence[ColumnSpec], capacity: int) -> None:
+        self.columns, self.capacity = columns, capacity
+        self.data: Dict[str, np.ndarray] = {}
+        self.positions = False
+        self.size = 0
+
+    def add(self, rows: Any) -> None:
+        self.positions = not isinstance(rows, dict)
+        rows = {"": rows} if self.positions else rows
+        count = _length(rows)
+        if not self.data or self.size + count > len(next(iter(self.data.values()))):
+            room = max(self.capacity, 2 * (self.size + count))
+            self.data = {n: _grown(self.data.get(n), v, room, self.size) for n, v in rows.items()}
+        for name, values in rows.items():
+            self.data[name][self.size:self.size + count] = values
+        self.size += count
+
+    def draw(self, count: int, rng: Optional[np.random.Generator]) -> Any:
+        if rng is None:  # in arrival order (shuffle=False): what is left moves up
+            rows = {n: v[:count].copy() for n, v in self.data.items()}
+            for values in self.data.values():
+                values[:self.size - count] = values[count:self.size].copy()
+        else:
+            picked = np.sort(rng.choice(self.size, count, replace=False))
+            rows = {n: v[picked] for n, v in self.data.items()}
+            tail = np.arange(self.size - count, self.size)
+            holes = picked[picked < self.size - count]
+            movers = tail[~np.isin(tail, picked)]
+            for values in self.data.values():
+                values[holes] = values[movers]
+        self.size -= count
+        return rows[""] if self.positions else rows
+
+
+def _grown(old: Optional[np.ndarray], like: np.ndarray, room: int, keep: int) -> np.ndarray:
+    array = np.empty((room,) + like.shape[1:], dtype=like.dtype)
+    if old is not None:
+        array[:keep] = old[:keep]
+    return array
+
+
+def _length(rows: Any) -> int:
+    return len(next(iter(rows.values()))) if isinstance(rows, dict) else len(rows)
+
+
+def _cache(columns: Sequence[ColumnSpec], rows: int, limit: Optional[float], label: str
+           ) -> Optional[RankCache]:
+    """The rank cache for ``rows`` rows, within ``limit`` (bytes, or a fraction of the local
+    disk's free space); ``None`` (the split is read again every epoch) where it does not fit."""
+    need = rows * row_bytes(columns)
+    if limit is not None:
+        root = cache_root()
+        try:
+            os.makedirs(root, exist_ok=True)
+            allowed = limit * _free(root) if limit <= 1 else limit
+        except OSError:
+            allowed = 0
+        if need > allowed:
+            log.info("%s take %.1f MiB, over cache_limit (%.1f MiB): every epoch reads them "
+                     "again", label, need / 2**20, allowed / 2**20)
+            return None
+    return RankCache.create(columns, rows, label=label, quiet=True)
+
+
+def _free(root: str) -> int:
+    import shutil
+
+    return shutil.disk_usage(root).free

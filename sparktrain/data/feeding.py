@@ -1,0 +1,166 @@
+"""The driver's side of ``input_mode="stream"``: count each input partition's rows, then feed
+the ranks from ordinary Spark jobs that run beside the training stage.
+
+The barrier stage only starts the ranks (one task each, no input); each rank listens for rows
+(:mod:`.fed_rows`) and rank 0 asks for an epoch's rows by writing a small request file into
+the feed folder. :class:`Feeding` watches that folder and answers each request with a job over
+the DataFrame as it is partitioned (no shuffle: every task deals its partition's rows to all
+ranks, :mod:`.row_feed`), on the task slots the ranks leave free. A new attempt or elastic
+generation asks under a new token: the jobs feeding the old one are cancelled. A feeding job
+that fails (the DataFrame's own computation, after Spark's task retries) writes ``failed``,
+and the ranks stop with its message, not retried.
+
+Where the ranks take every slot there is none left to feed them: the estimator then uses the
+training stage's own input instead (:mod:`.stream`'s spooled shard, after a shuffle).
+
+Example (driver)::
+
+    plan = feed_plan(stream_df, folder)               # counts per partition and split
+    with Feeding(spark, stream_df, folder):           # while the barrier stage runs
+        run_barrier(...)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Dict, List, Optional
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from sparktrain.data.columns import SPLIT_COL
+from sparktrain.data.row_feed import CHUNK_ROWS, send_partition
+from sparktrain.fs import filesystem
+from sparktrain.session.spark_api import cancel_tag, job_tag
+
+log = logging.getLogger("sparktrain")
+
+POLL_SECONDS = 0.05  # how often the driver looks for a rank 0's request (local store)
+REMOTE_POLL_SECONDS = 0.5  # ... in an object store
+_GONE = ("Connection refused", "Connection reset", "Broken pipe", "ConnectionRefusedError",
+         "BrokenPipeError", "ConnectionResetError", "timed out")
+
+
+def feed_plan(df: DataFrame, folder: str, cache_limit: Optional[float] = None
+              ) -> Dict[str, Any]:
+    """Rows per input partition and split of ``df`` (its stored form with the split column),
+    counted by a job that reads no column it does not need; the plan the ranks get."""
+    counted = (df.select(F.spark_partition_id().alias("p"), F.col(SPLIT_COL))
+               .groupBy("p", SPLIT_COL).count().collect())
+    partitions = 1 + max((row["p"] for row in counted), default=0)
+    counts: Dict[str, List[int]] = {}
+    for row in counted:
+        counts.setdefault(row[SPLIT_COL], [0] * partitions)[row["p"]] = int(row["count"])
+    return {"dir": folder, "counts": counts, "chunk": CHUNK_ROWS, "cache_limit": cache_limit}
+
+
+class Feeding:
+    """Answers the ranks' requests for rows while the training stage runs (a context
+    manager; see the module docstring)."""
+
+    def __init__(self, spark: SparkSession, df: DataFrame, folder: str,
+                 storage_options: Optional[Dict[str, Any]] = None) -> None:
+        self.spark, self.df, self.folder = spark, df, folder
+        self.fs = filesystem(folder, storage_options or {})[0]
+        self.remote = "://" in folder and not folder.startswith("file://")
+        self.names = [c for c in df.columns if c != SPLIT_COL]
+        self.stop = threading.Event()
+        self.seen: set = set()
+        self.tags: Dict[str, List[str]] = {}  # token -> its jobs' tags
+        self.lock = threading.Lock()
+        self.jobs: List[threading.Thread] = []
+        self.thread = threading.Thread(target=self._watch, name="sparktrain-feeding",
+                                       daemon=True)
+
+    def __enter__(self) -> "Feeding":
+        self.fs.makedirs(self.folder, exist_ok=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+        with self.lock:
+            tags = [tag for tags in self.tags.values() for tag in tags]
+        for tag in tags:
+            cancel_tag(self.spark, tag)
+        for job in self.jobs:
+            job.join(timeout=30)
+        try:
+            self.fs.rm(self.folder, recursive=True)
+        except (FileNotFoundError, OSError):
+            pass
+
+    def _watch(self) -> None:
+        interval = REMOTE_POLL_SECONDS if self.remote else POLL_SECONDS
+        while not self.stop.wait(interval):
+            try:
+                self.fs.invalidate_cache(self.folder)
+                names = sorted(n for n in self.fs.ls(self.folder, detail=False)
+                               if n.endswith(".json"))
+            except (FileNotFoundError, OSError):
+                continue
+            for name in names:
+                if name in self.seen:
+                    continue
+                self.seen.add(name)
+                try:
+                    request = json.loads(self.fs.cat_file(name))
+                except (FileNotFoundError, OSError, ValueError):
+                    continue
+                token = name.rsplit("/", 1)[-1].split("-e", 1)[0]
+                self._feed(token, int(request["epoch"]), list(request["addresses"]))
+
+    def _feed(self, token: str, epoch: int, addresses: List[str]) -> None:
+        """Start the job feeding ``epoch`` to the ranks at ``addresses``; cancel the jobs of
+        earlier tokens (their ranks are gone)."""
+        tag = f"sparktrain-feed-{uuid.uuid4().hex[:10]}"
+        with self.lock:
+            old = [t for other, tags in self.tags.items() if other != token for t in tags]
+            self.tags = {token: self.tags.get(token, []) + [tag]}
+        for stale in old:
+            cancel_tag(self.spark, stale)
+        job = threading.Thread(target=self._run, args=(token, tag, epoch, addresses),
+                               name=f"sparktrain-feed-e{epoch}", daemon=True)
+        self.jobs.append(job)
+        job.start()
+
+    def _run(self, token: str, tag: str, epoch: int, addresses: List[str]) -> None:
+        started = time.perf_counter()
+        names, partition_fn = self.names, _feeder(self.names, epoch, addresses)
+        try:
+            with job_tag(self.spark, tag, f"sparktrain: rows for epoch {epoch + 1}"):
+                rows = self.df.mapInArrow(partition_fn, "rows long").collect()
+            log.info("fed epoch %d: %d rows of %d columns in %.1fs", epoch + 1,
+                     sum(r["rows"] for r in rows), len(names), time.perf_counter() - started)
+        except BaseException as exc:  # noqa: BLE001 - reported to the ranks through the store
+            with self.lock:
+                current = token in self.tags and tag in self.tags[token]
+            text = str(exc)
+            if self.stop.is_set() or not current or any(g in text for g in _GONE):
+                log.debug("feeding epoch %d ended: %s", epoch + 1, text[:300])
+                return
+            log.error("feeding epoch %d failed: %s", epoch + 1, text[:2000])
+            try:
+                self.fs.pipe_file(f"{self.folder}/failed", text[-20000:].encode())
+            except OSError:
+                pass
+
+
+def _feeder(names: List[str], epoch: int, addresses: List[str]) -> Any:
+    """The function each feeding task runs over its partition's Arrow batches."""
+
+    def feed(batches: Any) -> Any:
+        import pyarrow as pa
+        from pyspark import TaskContext
+
+        partition = TaskContext.get().partitionId()
+        sent = send_partition(batches, {"epoch": epoch, "partition": partition}, addresses,
+                              names, split_col=SPLIT_COL)
+        yield pa.RecordBatch.from_pydict({"rows": [sum(sent.values())]})
+
+    return feed
+

@@ -1,0 +1,187 @@
+"""Rows sent to the ranks over TCP while they train: how rows are dealt, the sending side (a
+feeding task) and the receiving side (a rank).
+
+Each feeding task sends its partition's rows to every rank, dealt in chunks of
+:data:`CHUNK_ROWS` rows in turn (row ``i`` of partition ``p`` goes to rank
+``(i // chunk + p) % world_size``): every running feeder feeds every rank, so ranks that train
+in step never wait on a feeder stuck behind another rank, and every rank's share of a
+partition is known from the partition's row count alone (:func:`share`). One connection per
+(rank, split) carries a JSON header line, then an Arrow IPC stream of the rank's rows in order.
+
+Example::
+
+    receiver = Receiver(on_batch)        # on a rank: on_batch(header, start, record_batch)
+    receiver.address                         # "host:port", published for the feeders
+    send_partition(batches, {"epoch": 0, "partition": 3}, ["h:1", "h:2"], ["x", "y"])
+"""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+
+import numpy as np
+
+log = logging.getLogger("sparktrain")
+
+#: rows dealt to one rank at a time
+CHUNK_ROWS = 1024
+CONNECT_SECONDS = 60.0  # a rank not accepting for this long is gone
+
+
+def share(rows: int, partition: int, world_size: int, rank: int,
+          chunk: int = CHUNK_ROWS) -> int:
+    """How many of a partition's ``rows`` rank ``rank`` gets.
+
+    >>> [share(2500, 0, 2, r, chunk=1000) for r in (0, 1)]
+    [1500, 1000]
+    """
+    full, rest = divmod(rows, chunk)
+    first = (rank - partition) % world_size  # the first chunk index that is this rank's
+    count = 0 if first >= full else ((full - 1 - first) // world_size + 1) * chunk
+    if rest and (full + partition) % world_size == rank:
+        count += rest
+    return count
+
+
+def dealt(start: int, rows: int, partition: int, world_size: int, chunk: int = CHUNK_ROWS
+          ) -> np.ndarray:
+    """The rank of each of ``rows`` rows that start at row ``start`` of ``partition``."""
+    return ((np.arange(start, start + rows) // chunk + partition) % world_size).astype(np.int32)
+
+
+class _Connection:
+    """One Arrow IPC stream to one rank (opened on the first rows it gets)."""
+
+    def __init__(self, address: str, header: Dict[str, Any]) -> None:
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS)
+        self.sock.settimeout(None)  # a full receiver holds us back: that is the flow control
+        self.file = self.sock.makefile("wb", buffering=1 << 20)
+        self.file.write(json.dumps(header).encode() + b"\n")
+        self.writer: Any = None
+
+    def write(self, batch: Any) -> None:
+        import pyarrow as pa
+
+        if self.writer is None:
+            self.writer = pa.ipc.new_stream(self.file, batch.schema)
+        self.writer.write_batch(batch)
+
+    def close(self) -> None:
+        try:
+            if self.writer is not None:
+                self.writer.close()
+            self.file.close()
+        finally:
+            self.sock.close()
+
+
+def send_partition(batches: Iterable[Any], header: Dict[str, Any], addresses: Sequence[str],
+                   names: Sequence[str], split_col: Optional[str] = None,
+                   chunk: int = CHUNK_ROWS) -> Dict[str, int]:
+    """Send the Arrow record ``batches`` of partition ``header["partition"]`` to the ranks at
+    ``addresses``, dealt as the module docstring says, per split when ``split_col`` names the
+    split of each row (else all rows are ``"train"``); rows sent per split."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    partition, world_size = int(header["partition"]), len(addresses)
+    connections: Dict[Tuple[str, int], _Connection] = {}
+    sent: Dict[str, int] = {}
+    try:
+        for batch in batches:
+            if not batch.num_rows:
+                continue
+            splits = pc.unique(batch.column(split_col)).to_pylist() if split_col else ["train"]
+            for split in splits:
+                part = batch if not split_col else batch.filter(
+                    pc.equal(batch.column(split_col), split))
+                part = pa.RecordBatch.from_arrays([part.column(n) for n in names], names=names)
+                ranks = dealt(sent.get(split, 0), part.num_rows, partition, world_size, chunk)
+                for rank in np.unique(ranks):
+                    key = (split, int(rank))
+                    if key not in connections:
+                        connections[key] = _Connection(addresses[rank],
+                                                       dict(header, split=split))
+                    connections[key].write(part.take(pa.array(np.flatnonzero(ranks == rank))))
+                sent[split] = sent.get(split, 0) + part.num_rows
+    finally:
+        for connection in connections.values():
+            connection.close()
+    return sent
+
+
+class Receiver:
+    """A rank's end: accepts feeders' connections and hands every record batch to
+    ``on_batch(header, start, batch)`` (``start``: the batch's first row among the rows this
+    connection carried; from the connection's thread, in the order it was sent; a slow
+    ``on_batch`` holds the feeder back). A broken connection (a feeder task that
+    failed: Spark runs it again) is dropped; ``on_error(exc)`` hears of other errors."""
+
+    def __init__(self, on_batch: Callable[[Dict[str, Any], int, Any], None],
+                 on_error: Optional[Callable[[BaseException], None]] = None,
+                 host: str = "") -> None:
+        self.on_batch, self.on_error = on_batch, on_error
+        self.sock = socket.create_server((host, 0), backlog=64)
+        port = self.sock.getsockname()[1]
+        self.address = f"{host or _host_address()}:{port}"
+        self.closed = False
+        threading.Thread(target=self._accept, name="sparktrain-feed", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="sparktrain-feed-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        import pyarrow as pa
+
+        try:
+            with conn, conn.makefile("rb", buffering=1 << 20) as stream:
+                line = stream.readline()
+                if not line:
+                    return
+                header = json.loads(line)
+                try:
+                    reader = pa.ipc.open_stream(stream)
+                except (pa.ArrowInvalid, OSError):  # closed before any row: nothing to read
+                    return
+                start = 0
+                for batch in reader:
+                    if self.closed:
+                        return
+                    self.on_batch(header, start, batch)
+                    start += batch.num_rows
+        except (OSError, pa.ArrowInvalid) as exc:  # the feeder went away: its retry resends
+            log.debug("feed connection dropped: %s", exc)
+        except BaseException as exc:  # noqa: BLE001 - reported to the rank, which raises it
+            if self.on_error is not None:
+                self.on_error(exc)
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _host_address() -> str:
+    """An address of this host the feeders can reach (Spark's own for this executor where
+    there is one)."""
+    import os
+
+    local = os.environ.get("SPARK_LOCAL_IP")
+    if local:
+        return local
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
