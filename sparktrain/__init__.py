@@ -30,6 +30,7 @@ _EXPORTS = {
     "RunInUseError": "sparktrain.errors",
     "CheckpointError": "sparktrain.errors",
     "StoreFullError": "sparktrain.errors",
+    "LocalDiskFullError": "sparktrain.errors",
     "PreflightError": "sparktrain.errors",
     "ExecutorEnvironmentError": "sparktrain.errors",
     "IgnoredParamWarning": "sparktrain.errors",

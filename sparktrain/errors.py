@@ -65,5 +65,20 @@ class StoreFullError(OSError):
         return self.strerror
 
 
+class LocalDiskFullError(OSError):
+    """A rank's local disk (Spark's local directory, where streamed rows are kept) ran out of
+    space: ``path`` (the folder), ``needed`` (bytes, where known). Not retried: the next
+    attempt would find the same disk. An ``OSError`` with ``errno.ENOSPC``."""
+
+    def __init__(self, message: str, path: str, needed: Optional[int] = None) -> None:
+        import errno
+
+        super().__init__(errno.ENOSPC, message)
+        self.path, self.needed = path, needed
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
 class RunInUseError(RuntimeError):
     """Another fit is training with the same ``run_id`` right now."""

@@ -50,7 +50,7 @@ log = logging.getLogger("sparktrain")
 Batch = Dict[str, np.ndarray]
 
 #: memory a rank's shuffle window of arrived rows may take
-WINDOW_BYTES = 64 << 20
+WINDOW_BYTES = 16 << 20
 #: decoded chunks a re-read split's queue holds before the feeders wait
 QUEUE_CHUNKS = 64
 WAIT_SECONDS = 1.0  # how often a rank waiting for rows looks for a failed feed
@@ -174,7 +174,7 @@ class FedShard:
         chunk = {c.name: arrow_to_numpy(part.column(c.name), c) for c in self.columns}
         if self.cached:
             first = int(self.bases[partition]) + start + skip
-            self.cache.write(first, chunk)
+            self._write(first, chunk)
         else:
             self._queue(epoch).put(chunk)  # blocks while the window is full: flow control
         with self.lock:
@@ -184,10 +184,20 @@ class FedShard:
                 self.arrived.append(np.arange(first, first + stop - skip))
             self.lock.notify_all()
 
+    def _write(self, first: int, chunk: Batch) -> None:
+        try:
+            for name, array in self.cache.arrays.items():
+                array[first:first + len(chunk[name])] = chunk[name]
+        except OSError as exc:  # the disk filled up after the cache was allocated
+            from sparktrain.data.stream import disk_full
+
+            self.parent.error = disk_full(self.cache.folder, "caching the rank's rows", exc)
+            raise self.parent.error from None
+
     def _queue(self, epoch: int) -> "queue.Queue[Batch]":
         with self.lock:
-            if epoch not in self.chunks:
-                self.chunks[epoch] = queue.Queue(QUEUE_CHUNKS)
+            if epoch not in self.chunks:  # validation rows wait for the epoch's end: unbounded
+                self.chunks[epoch] = queue.Queue(QUEUE_CHUNKS if self.split == "train" else 0)
             return self.chunks[epoch]
 
     # -- the training side ------------------------------------------------------------------
@@ -228,19 +238,22 @@ class FedShard:
                 if got is None:
                     break
                 window.add(got)
-                taken += len(next(iter(got.values()))) if isinstance(got, dict) else len(got)
-            if window.size:
-                rows = window.draw(min(size, window.size), rng)
-                last = rows
-            elif last is not None:  # this rank's rows are all trained: repeat some
-                pick = (rng or np.random.default_rng(step)).integers(0, _length(last), size)
-                rows = {n: v[pick] for n, v in last.items()} if isinstance(last, dict) \
-                    else last[pick]
-            else:
-                raise RuntimeError(f"input_mode='stream': rank {self.rank} received no rows")
+                taken += _length(got)
+            rows = window.draw(min(size, window.size), rng) if window.size else None
+            short = size - (_length(rows) if rows is not None else 0)
+            if short:  # this rank's rows are all drawn: repeat some (every rank steps alike)
+                pool = rows if last is None else last
+                if pool is None:
+                    raise RuntimeError(f"input_mode='stream': rank {self.rank} received no "
+                                       f"rows")
+                pick = (rng or np.random.default_rng(step)).integers(0, _length(pool), short)
+                rows = _joined(rows, _taken(pool, pick))
+            last = rows
             if step < skip:
                 continue
             yield self.cache.batch(np.sort(rows)) if self.cached else rows
+        with self.lock:
+            self.chunks.pop(epoch, None)
 
     def _next_arrivals(self, key: Any) -> Any:
         """The next arrived rows: shard positions (cached) or a decoded chunk; ``None`` once
@@ -332,6 +345,18 @@ def _grown(old: Optional[np.ndarray], like: np.ndarray, room: int, keep: int) ->
     if old is not None:
         array[:keep] = old[:keep]
     return array
+
+
+def _taken(rows: Any, index: np.ndarray) -> Any:
+    return {n: v[index] for n, v in rows.items()} if isinstance(rows, dict) else rows[index]
+
+
+def _joined(first: Any, second: Any) -> Any:
+    if first is None:
+        return second
+    if isinstance(first, dict):
+        return {n: np.concatenate([v, second[n]]) for n, v in first.items()}
+    return np.concatenate([first, second])
 
 
 def _length(rows: Any) -> int:

@@ -18,6 +18,7 @@ Example (on a rank)::
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -148,7 +149,13 @@ def spool_shard(spec: LoopSpec, world_size: int, rows: Iterable[Any],
     owner object does (keep it while the files are read)."""
     columns = [ColumnSpec.from_json(c) for c in spec.columns]
     spooled = _Spooled(owned_folder(cache_root()))
-    files = spool(rows, columns, spooled.folder)
+    try:
+        files = spool(rows, columns, spooled.folder)
+    except OSError as exc:
+        spooled.remove()
+        if exc.errno != errno.ENOSPC:
+            raise
+        raise disk_full(spooled.folder, "spooling the rank's streamed rows", exc) from None
     counts = [json.loads(text) for text in all_gather(json.dumps(
         {split: n for split, (_, n) in files.items()}))]
     most = {split: max(c.get(split, 0) for c in counts) for split in SPLITS}
@@ -165,6 +172,26 @@ def spool_shard(spec: LoopSpec, world_size: int, rows: Iterable[Any],
                 f"{[c.get(split, 0) for c in counts]}); the DataFrame has too few rows for "
                 f"num_proc={world_size}: use fewer ranks or input_mode='store'")
     return spooled, {split: [files[split][0], most[split]] for split in SPLITS if most[split]}
+
+
+def disk_full(folder: str, doing: str, exc: BaseException) -> BaseException:
+    """The named, not-retried error for a full local disk while ``doing``."""
+    from sparktrain.errors import LocalDiskFullError
+    from sparktrain.faults import mark_user_error
+
+    disk = os.path.dirname(os.path.dirname(folder))
+    try:
+        free = f"{shutil.disk_usage(disk).free / 2**20:.0f} MiB free now"
+    except OSError:
+        free = "its free space unknown"
+    return mark_user_error(LocalDiskFullError(
+        f"input_mode='stream': the local disk {disk} (Spark's local directory, "
+        f"SPARK_LOCAL_DIRS / spark.local.dir) ran out of space {doing} ({exc.strerror or exc}; "
+        f"{free}). Where every task slot trains a rank, each rank keeps its whole shard there "
+        f"before its first step. Leave task slots free beside the ranks (more executor cores "
+        f"than num_proc: later epochs then read the DataFrame again instead of keeping it), "
+        f"point SPARK_LOCAL_DIRS at a bigger disk, or use input_mode='store'.", disk),
+        "the local disk")
 
 
 def streamed_readers(spec: LoopSpec, files: Dict[str, List[Any]], rank: int,

@@ -1,0 +1,161 @@
+"""Streamed rows without Spark: how rows are dealt to ranks, the TCP feed (real sockets on
+loopback, real Arrow streams) and a rank's fed shard (its cache, its window, re-read epochs,
+mid-epoch skips, a failed feed)."""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from sparktrain.data.columns import SPLIT_COL, ColumnSpec
+from sparktrain.data.fed_rows import FedRows, FeedFailed
+from sparktrain.data.row_feed import Receiver, dealt, send_partition, share
+
+
+@pytest.mark.parametrize("rows,chunk,world", [(0, 4, 2), (10, 4, 2), (4097, 1024, 3),
+                                              (7, 1, 4), (100, 128, 2)])
+def test_each_ranks_share_is_what_the_dealing_gives_it(rows, chunk, world):
+    for partition in range(5):
+        ranks = dealt(0, rows, partition, world, chunk)
+        for rank in range(world):
+            assert share(rows, partition, world, rank, chunk) == int(np.sum(ranks == rank))
+        # dealing in pieces gives the same ranks as dealing at once
+        pieces = np.concatenate([dealt(s, min(3, rows - s), partition, world, chunk)
+                                 for s in range(0, rows, 3)]) if rows else ranks
+        assert pieces.tolist() == ranks.tolist()
+
+
+def _batches(partition, rows, per_batch=250, val_every=0):
+    """Record batches of ``rows`` rows: ``id`` (partition * 10**6 + row), ``x``, the split."""
+    out = []
+    for start in range(0, rows, per_batch):
+        ids = np.arange(start, min(rows, start + per_batch)) + partition * 10**6
+        split = ["val" if val_every and i % val_every == 0 else "train" for i in ids]
+        out.append(pa.RecordBatch.from_pydict(
+            {"id": ids.astype(np.int64), "x": ids.astype(np.float32), SPLIT_COL: split}))
+    return out
+
+
+def test_a_partition_reaches_each_rank_in_order_split_by_split():
+    got = collections.defaultdict(list)
+    lock = threading.Lock()
+
+    def receive(rank):
+        def on_batch(header, start, batch):
+            with lock:
+                got[(rank, header["split"], header["partition"])].append(
+                    (start, batch.column("id").to_pylist()))
+        return on_batch
+
+    receivers = [Receiver(receive(r), host="127.0.0.1") for r in range(2)]
+    try:
+        sent = send_partition(_batches(1, 3000, val_every=4), {"epoch": 0, "partition": 1},
+                              [r.address for r in receivers], ["id", "x"], SPLIT_COL, chunk=500)
+        deadline = time.monotonic() + 30  # the receivers' threads may still be reading
+        while sum(len(p) for parts in list(got.values()) for _, p in parts) < 3000:
+            assert time.monotonic() < deadline, "the receivers did not get every row"
+            time.sleep(0.01)
+    finally:
+        for r in receivers:
+            r.close()
+    assert sent == {"train": 2250, "val": 750}
+    for split, total in sent.items():
+        ids = [i for b in _batches(1, 3000, val_every=4) for i, s in zip(
+            b.column("id").to_pylist(), b.column(SPLIT_COL).to_pylist(), strict=True)
+            if s == split]
+        ranks = dealt(0, total, 1, 2, 500)
+        for rank in range(2):
+            parts = got[(rank, split, 1)]
+            assert [start for start, _ in parts] == list(np.cumsum([0] + [len(p) for _, p
+                                                                        in parts])[:-1])
+            mine = [i for i, r in zip(ids, ranks, strict=True) if r == rank]
+            assert [i for _, p in parts for i in p] == mine
+
+
+def _spec(tmp_path, counts, **extra):
+    columns = [ColumnSpec("id", "scalar", "int64").to_json(),
+               ColumnSpec("x", "scalar", "float32").to_json()]
+    feed = {"dir": str(tmp_path / "feed"), "counts": counts, "chunk": 100,
+            "cache_limit": extra.pop("cache_limit", None)}
+    return SimpleNamespace(feed=feed, storage_options={}, columns=columns, batch_size=64,
+                           val_batch_size=64, shuffle=True, seed=3, **extra)
+
+
+def _feed(rows, epoch, partitions):
+    for p, n in enumerate(partitions):
+        send_partition(_batches(p, n), {"epoch": epoch, "partition": p}, rows.addresses,
+                       ["id", "x"], SPLIT_COL, chunk=100)
+
+
+def _ids(batches):
+    return [int(i) for b in batches for i in b["id"]]
+
+
+@pytest.mark.parametrize("cache_limit", [None, 16.0], ids=["cached", "re_read"])
+def test_a_fed_shard_trains_every_row_once_an_epoch_and_skips_exactly(tmp_path, cache_limit):
+    partitions = [700, 0, 1234]
+    rows = FedRows(_spec(tmp_path, {"train": partitions}, cache_limit=cache_limit), 0, 1,
+                   lambda text: [text])
+    shard = rows.readers["train"]
+    assert shard.cached == (cache_limit is None) and len(shard) == -(-1934 // 64)
+    expected = sorted(p * 10**6 + i for p, n in enumerate(partitions) for i in range(n))
+    try:
+        feeder = threading.Thread(target=_feed, args=(rows, 0, partitions))
+        feeder.start()
+        first = list(shard.epoch(0))  # trained while the rows arrive
+        feeder.join()
+        assert sorted(_ids(first)) == expected and len(first) == len(shard)
+        assert json.loads((tmp_path / "feed" / f"{rows.token}-e0.json").read_text())[
+            "addresses"] == rows.addresses
+        if cache_limit is None:  # later epochs: a permutation of the cache, repeatable
+            second = list(shard.epoch(1))
+            assert sorted(_ids(second)) == expected and _ids(second) != _ids(first)
+            assert _ids(shard.epoch(1, skip=5)) == _ids(second[5:])
+            assert not (tmp_path / "feed" / f"{rows.token}-e1.json").exists()
+        else:  # no room: epoch 2 asks for the rows again and gets them
+            feeder = threading.Thread(target=_feed, args=(rows, 1, partitions))
+            feeder.start()
+            resumed = list(shard.epoch(1, skip=5))
+            feeder.join()
+            assert (tmp_path / "feed" / f"{rows.token}-e1.json").exists()
+            assert len(resumed) == len(shard) - 5 and len(set(_ids(resumed))) == 1934 - 5 * 64
+    finally:
+        shard.close()
+
+
+def test_a_rank_with_fewer_rows_repeats_some_so_that_every_rank_steps_alike(tmp_path):
+    # 2 ranks, chunk 100: rank 0 gets 300 of partition 0's 500 rows, rank 1 gets 200
+    rows = FedRows(_spec(tmp_path, {"train": [500]}), 1, 2, lambda text: [text, text])
+    shard = rows.readers["train"]
+    try:
+        assert shard.rows == 200 and shard.most == 300 and len(shard) == 5
+        rank0 = Receiver(lambda header, start, batch: None, host="127.0.0.1")
+        rows.addresses = [rank0.address, rows.addresses[1]]
+        feeder = threading.Thread(target=_feed, args=(rows, 0, [500]))
+        feeder.start()
+        batches = list(shard.epoch(0))
+        feeder.join()
+        ids = _ids(batches)
+        assert len(batches) == 5 and len(ids) == 300
+        assert set(ids) == set(range(100, 200)) | set(range(300, 400))
+    finally:
+        rank0.close()
+        shard.close()
+
+
+def test_a_failed_feed_stops_the_waiting_rank_with_its_message(tmp_path):
+    rows = FedRows(_spec(tmp_path, {"train": [300]}), 0, 1, lambda text: [text])
+    shard = rows.readers["train"]
+    (tmp_path / "feed").mkdir(exist_ok=True)
+    (tmp_path / "feed" / "failed").write_text("ZeroDivisionError: in the user's UDF")
+    try:
+        with pytest.raises(FeedFailed, match="ZeroDivisionError: in the user's UDF"):
+            list(shard.epoch(0))
+    finally:
+        shard.close()
