@@ -80,5 +80,27 @@ class LocalDiskFullError(OSError):
         return self.strerror
 
 
+def spark_disk_full(text: str, local_dirs: str = "spark.local.dir"
+                    ) -> Optional[LocalDiskFullError]:
+    """The :class:`LocalDiskFullError` for a Spark job that failed on a full local disk (its
+    shuffle or block files), from the failure's ``text`` (``local_dirs``: the session's local
+    directories, named where the text does not say which disk); ``None`` for any other."""
+    import re
+
+    if "No space left on device" not in text:
+        return None
+    found = re.search(r"(/\S+?)/(?:blockmgr|spark)-[0-9a-f-]+", text)
+    disk = found.group(1) if found else local_dirs
+    return LocalDiskFullError(
+        f"a Spark task ran out of local disk in {disk} (Spark's local directory: "
+        f"SPARK_LOCAL_DIRS / spark.local.dir, where its shuffle files go): No space left on "
+        f"device. With input_mode='stream' and num_proc taking every task slot, the rows go "
+        f"through a shuffle and each rank keeps its whole shard there; leave task slots free "
+        f"beside the ranks (more executor cores than num_proc: the rows are then dealt to "
+        f"the ranks with no shuffle and read again each epoch when they do not fit), point "
+        f"SPARK_LOCAL_DIRS at a bigger disk, or use input_mode='store'. Not retried: the "
+        f"next attempt would find the same disk.", disk)
+
+
 class RunInUseError(RuntimeError):
     """Another fit is training with the same ``run_id`` right now."""

@@ -45,7 +45,7 @@ import cloudpickle
 from pyspark import BarrierTaskContext
 from pyspark.sql import DataFrame, SparkSession
 
-from sparktrain.errors import TrainingError
+from sparktrain.errors import TrainingError, spark_disk_full
 from sparktrain.faults import lost_rank_text, user_error_source
 from sparktrain.fs import DEFAULT_LAUNCH_DIR, filesystem
 from sparktrain.launch.events import EventWatcher, RankEvents
@@ -57,6 +57,7 @@ from sparktrain.session.spark_api import (
     is_local_master,
     is_remote,
     job_tag,
+    local_dirs,
     master,
     num_partitions,
     task_slots,
@@ -232,6 +233,9 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
                     if isinstance(exc, KeyboardInterrupt):
                         raise
                     watcher.poll()
+                    full = spark_disk_full(str(exc), local_dirs(spark))
+                    if full is not None and watcher.first_error() is None:
+                        raise full from None
                     error = _training_error(_with_last_lines(watcher), exc,
                                             max(1, watcher.failed_attempts()))
                     error.user_error = watcher.user_error()

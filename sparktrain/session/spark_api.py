@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import re
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, Optional
@@ -214,6 +215,13 @@ def plan_fingerprint(df: DataFrame) -> str:
     match = re.search(r"== Analyzed Logical Plan ==\n(.*?)\n== ", text, re.S)
     analyzed = match.group(1) if match else text
     return f"{re.sub(r'#[0-9]+L?', '', analyzed)}|{df.semanticHash()}"
+
+
+def local_dirs(spark: SparkSession) -> str:
+    """Where the executors keep shuffle and block files, as this driver can tell:
+    ``SPARK_LOCAL_DIRS`` (which wins in Spark too), ``spark.local.dir``, else ``/tmp``."""
+    return os.environ.get("SPARK_LOCAL_DIRS") or conf_value(spark, "spark.local.dir", None) \
+        or "/tmp"
 
 
 def num_partitions(df: DataFrame) -> Optional[int]:
