@@ -34,12 +34,12 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import numpy as np
 
 from sparktrain.data.batch import arrow_to_numpy
-from sparktrain.data.columns import ColumnSpec
+from sparktrain.data.columns import SPLIT_COL, ColumnSpec
 from sparktrain.data.rank_cache import RankCache, cache_root, cacheable, row_bytes
 from sparktrain.data.row_feed import Receiver, share
 from sparktrain.fs import filesystem
@@ -64,19 +64,20 @@ class FedRows:
     """This rank's receiver and its readers (``readers[split]``, each a :class:`FedShard`)."""
 
     def __init__(self, spec: LoopSpec, rank: int, world_size: int,
-                 all_gather: Callable[[str], List[str]]) -> None:
+                 all_gather: Callable[[str], List[str]], rows: Optional[Iterable[Any]] = None
+                 ) -> None:
         plan = spec.feed or {}
         self.rank, self.world_size = rank, world_size
-        self.dir, self.storage_options = plan["dir"], spec.storage_options
-        self.fs = filesystem(self.dir, self.storage_options)[0]
+        self.own = bool(plan.get("own"))  # the training stage's own input: partition = rank
+        self.dir, self.storage_options = plan.get("dir"), spec.storage_options
+        self.fs = filesystem(self.dir, self.storage_options)[0] if self.dir else None
         columns = [ColumnSpec.from_json(c) for c in spec.columns]
         self.error: Optional[BaseException] = None
         options = {"train": (spec.batch_size, spec.shuffle), "val": (spec.val_batch_size, False)}
         self.readers: Dict[str, FedShard] = {}
         for split, counts in plan["counts"].items():
-            shares = [share(c, p, world_size, rank, plan["chunk"]) for p, c in enumerate(counts)]
-            most = max(sum(share(c, p, world_size, r, plan["chunk"]) for p, c in enumerate(counts))
-                       for r in range(world_size))
+            shares = self._shares(counts, rank, plan["chunk"])
+            most = max(sum(self._shares(counts, r, plan["chunk"])) for r in range(world_size))
             if not most:
                 continue
             if not sum(shares):
@@ -90,6 +91,11 @@ class FedRows:
                                            spec.seed, plan.get("cache_limit"))
         if "train" not in self.readers:
             raise ValueError("input_mode='stream': the DataFrame reached the ranks without rows")
+        self.requested: set = set()
+        self.taken = False  # own rows: the task's input is all read
+        if self.own:
+            self._take(rows)
+            return
         self.receiver = Receiver(self._on_batch, self._on_error)
         mine = {"address": self.receiver.address, "token": uuid.uuid4().hex[:12],
                 "re_read": any(not r.cached for r in self.readers.values())}
@@ -97,7 +103,48 @@ class FedRows:
         self.addresses = [e["address"] for e in everyone]
         self.token = everyone[0]["token"]
         self.re_read = any(e["re_read"] for e in everyone)
-        self.requested: set = set()
+
+    def _shares(self, counts: List[int], rank: int, chunk: int) -> List[int]:
+        """Rank ``rank``'s rows of each partition: dealt (:func:`.row_feed.share`), or the
+        whole partition ``rank`` when the ranks take their own partitions."""
+        if self.own:
+            return [c if p == rank else 0 for p, c in enumerate(counts)]
+        return [share(c, p, self.world_size, rank, chunk) for p, c in enumerate(counts)]
+
+    def _take(self, rows: Optional[Iterable[Any]]) -> None:
+        """Take this task's own partition (``rows``) into the cache on a thread; the rows
+        can be read once only, so every split must fit the cache."""
+        if rows is None:
+            raise RuntimeError("input_mode='stream' but this rank was given no rows")
+        for reader in self.readers.values():
+            if not reader.cached:
+                from sparktrain.data.stream import disk_full
+
+                need = reader.rows * row_bytes(reader.columns)
+                raise disk_full(cache_root() + "/x", f"making room for the rank's "
+                                f"{need / 2**20:.1f} MiB of {reader.split} rows", OSError(
+                                    28, "not enough free space (or over cache_limit)"))
+
+        def take() -> None:
+            import pyarrow.compute as pc
+
+            starts: Dict[str, int] = {}
+            try:
+                for batch in rows:
+                    for split, reader in self.readers.items():
+                        part = batch.filter(pc.equal(batch.column(SPLIT_COL), split))
+                        if part.num_rows:
+                            reader.put(0, self.rank, starts.get(split, 0), part)
+                            starts[split] = starts.get(split, 0) + part.num_rows
+            except BaseException as exc:  # noqa: BLE001 - the training thread raises it
+                self.error = exc
+            finally:
+                self.taken = True
+                for reader in self.readers.values():
+                    with reader.lock:
+                        reader.lock.notify_all()
+
+        threading.Thread(target=take, name="sparktrain-own-rows", daemon=True).start()
 
     def _on_batch(self, header: Dict[str, Any], start: int, batch: Any) -> None:
         reader = self.readers.get(header.get("split", "train"))
@@ -110,7 +157,7 @@ class FedRows:
     def request(self, epoch: int) -> None:
         """Ask the driver to feed ``epoch`` (rank 0 asks for all; once per epoch, and only
         the first unless a rank re-reads its rows every epoch)."""
-        if epoch in self.requested or (self.requested and not self.re_read):
+        if self.own or epoch in self.requested or (self.requested and not self.re_read):
             return
         self.requested.add(epoch)
         if self.rank == 0:
@@ -118,10 +165,22 @@ class FedRows:
             self.fs.pipe_file(f"{self.dir}/{self.token}-e{epoch}.json",
                               json.dumps({"epoch": epoch, "addresses": self.addresses}).encode())
 
+    def fed_all(self, epoch: int) -> bool:
+        """Whether every row of ``epoch`` was sent (the feeding job or this task's own input
+        ended)."""
+        if self.own:
+            return self.taken
+        try:
+            return self.fs.exists(f"{self.dir}/{self.token}-e{epoch}.done")
+        except OSError:
+            return False
+
     def check(self) -> None:
         """Raise what went wrong with the feed, if anything did."""
         if self.error is not None:
             raise self.error
+        if self.fs is None:
+            return
         try:
             text = self.fs.cat_file(f"{self.dir}/failed").decode("utf-8", "replace")
         except (FileNotFoundError, OSError):
@@ -130,7 +189,8 @@ class FedRows:
                          f"(not retried):\n{text}")
 
     def close(self) -> None:
-        self.receiver.close()
+        if not self.own:
+            self.receiver.close()
         for reader in self.readers.values():
             reader.drop()
 
@@ -157,6 +217,8 @@ class FedShard:
         self.arrived: List[np.ndarray] = []  # cached: shard rows not yet handed out
         self.total: Dict[Any, int] = {}  # epoch or None -> rows received
         self.chunks: Dict[int, "queue.Queue[Batch]"] = {}
+        self.valid: Optional[np.ndarray] = None  # the cached rows, where fewer came than counted
+        self.dropped = 0  # rows beyond the count of their partition (not trained)
 
     def __len__(self) -> int:
         return self.steps
@@ -168,6 +230,8 @@ class FedShard:
         with self.lock:
             have = self.received.get((key, partition), 0)
         skip, stop = max(have - start, 0), min(batch.num_rows, limit - start)
+        if batch.num_rows > max(stop, 0) and start + batch.num_rows > have:
+            self._overflow(batch.num_rows - max(stop, skip, 0))
         if stop <= skip:  # sent before (a feeder's retry) or more than the plan counted
             return
         part = batch.slice(skip, stop - skip)
@@ -183,6 +247,16 @@ class FedShard:
             if self.cached:
                 self.arrived.append(np.arange(first, first + stop - skip))
             self.lock.notify_all()
+
+    def _overflow(self, rows: int) -> None:
+        with self.lock:
+            if not self.dropped:
+                log.warning("input_mode='stream': rank %d got more %s rows from a partition "
+                            "than were counted before: the DataFrame's partitions hold other "
+                            "rows each time it is computed (e.g. a repartition(n) without "
+                            "columns); the extra rows are not trained. cache() the DataFrame "
+                            "or repartition it by a column", self.rank, self.split)
+            self.dropped += rows
 
     def _write(self, first: int, chunk: Batch) -> None:
         try:
@@ -211,12 +285,14 @@ class FedShard:
             self.parent.request(epoch)
         rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
         if self.cached and (self.complete() or skip or self.split != "train"):
-            self._wait(lambda: self.complete())
+            self._settle()
             return self._permuted(rng, skip)
         return self._windowed(epoch, rng, skip)
 
     def _permuted(self, rng: Optional[np.random.Generator], skip: int) -> Iterator[Batch]:
         order = rng.permutation(self.rows) if rng is not None else np.arange(self.rows)
+        if self.valid is not None:  # fewer rows came than counted: the ones that did
+            order = self.valid[order]
         order = np.resize(order, self.most)  # a rank short of the most repeats from the start
         for start in range(skip * self.batch_size, self.most, self.batch_size):
             rows = order[start:start + self.batch_size]
@@ -275,18 +351,48 @@ class FedShard:
                         return None
             if time.monotonic() >= deadline:
                 self.parent.check()
+                if self._short(key):
+                    return None
                 deadline = time.monotonic() + WAIT_SECONDS
+
+    def _short(self, key: Any) -> bool:
+        """Whether the epoch's rows all came and were fewer than the plan counted (a
+        DataFrame that gives other rows each time it is computed): the rank goes on with
+        what it has (a cache: those rows only)."""
+        epoch = 0 if key is None else key
+        if not self.parent.fed_all(epoch) or not self._queue_drained(key):
+            return False
+        with self.lock:
+            got = self.total.get(key, 0)
+            if key is None and got < self.rows:
+                log.warning("input_mode='stream': rank %d got %d %s rows of the %d counted "
+                            "before: the DataFrame's partitions hold other rows each time it "
+                            "is computed (e.g. a repartition(n) without columns, or a "
+                            "non-deterministic source); it trains on the rows that came. "
+                            "cache() the DataFrame or repartition it by a column", self.rank,
+                            got, self.split, self.rows)
+                self.valid = np.concatenate(
+                    [np.arange(base, base + self.received.get((None, p), 0))
+                     for p, base in enumerate(self.bases)] + [np.zeros(0, np.int64)])
+                self.rows = len(self.valid)
+            return True
+
+    def _queue_drained(self, key: Any) -> bool:
+        return self.cached or self._queue(key).empty()
 
     def _pop_arrived(self) -> np.ndarray:
         rows = np.concatenate(self.arrived)
         self.arrived.clear()
         return rows
 
-    def _wait(self, ready: Callable[[], bool]) -> None:
-        while not ready():
+    def _settle(self) -> None:
+        """Wait until the cache holds every row (or every row that came)."""
+        while not self.complete():
             with self.lock:
                 self.lock.wait(WAIT_SECONDS)
             self.parent.check()
+            if not self.complete() and self._short(None):
+                return
 
     def close(self) -> None:
         """Let the rows go (the fit is over); the receiver closes with the train split's."""

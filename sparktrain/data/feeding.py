@@ -44,7 +44,7 @@ _GONE = ("Connection refused", "Connection reset", "Broken pipe", "ConnectionRef
          "BrokenPipeError", "ConnectionResetError", "timed out")
 
 
-def feed_plan(df: DataFrame, folder: str, cache_limit: Optional[float] = None
+def feed_plan(df: DataFrame, folder: Optional[str], cache_limit: Optional[float] = None
               ) -> Dict[str, Any]:
     """Rows per input partition and split of ``df`` (its stored form with the split column),
     counted by a job that reads no column it does not need; the plan the ranks get."""
@@ -136,6 +136,7 @@ class Feeding:
                 rows = self.df.mapInArrow(partition_fn, "rows long").collect()
             log.info("fed epoch %d: %d rows of %d columns in %.1fs", epoch + 1,
                      sum(r["rows"] for r in rows), len(names), time.perf_counter() - started)
+            self.fs.pipe_file(f"{self.folder}/{token}-e{epoch}.done", b"")
         except BaseException as exc:  # noqa: BLE001 - reported to the ranks through the store
             with self.lock:
                 current = token in self.tags and tag in self.tags[token]

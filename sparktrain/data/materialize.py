@@ -42,9 +42,10 @@ from sparktrain.data.prepare import (
     ragged_array_message,
     sized_columns,
 )
+from sparktrain.data.rank_cache import cacheable
 from sparktrain.data.store import Store
 from sparktrain.fs import out_of_space, store_full
-from sparktrain.session.spark_api import conf_value, plan_fingerprint
+from sparktrain.session.spark_api import conf_value, num_partitions, plan_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -191,12 +192,15 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
 def streamed(df: DataFrame, columns: Sequence[ColumnSpec],
              validation: Union[None, float, str] = None, seed: Optional[int] = None,
              variable_length: bool = False, feed_dir: Optional[str] = None,
-             cache_limit: Optional[float] = None) -> MaterializedDataset:
+             cache_limit: Optional[float] = None, own_ranks: Optional[int] = None
+             ) -> MaterializedDataset:
     """``input_mode="stream"``: ``columns`` sized and checked as :func:`materialize` does, and
     nothing written: the ranks get the returned dataset's ``stream``, ``df``'s rows in their
     stored form with their split: fed by jobs beside them through ``feed_dir`` when given
     (:mod:`sparktrain.data.feeding`, the dataset's ``feed`` plan), else taken by the training
-    stage itself (:mod:`sparktrain.data.stream`)."""
+    stage itself: as they come when ``df`` has ``own_ranks`` partitions, one a rank, and
+    fixed-shape numeric columns (its ``feed`` plan says ``own``), else spooled after a shuffle
+    (:mod:`sparktrain.data.stream`)."""
     start = time.perf_counter()
     specs = sized_columns(df, columns, variable_length)
     nullable = {f.name: nullable_elements(f.dataType) for f in df.schema.fields}
@@ -204,10 +208,12 @@ def streamed(df: DataFrame, columns: Sequence[ColumnSpec],
     split = split_column(df, validation, seed) or [F.lit("train").alias(SPLIT_COL)]
     rows = df.select(*selected, *split)
     plan = None
-    if feed_dir is not None:
+    own = own_ranks is not None and num_partitions(df) == own_ranks and cacheable(specs)
+    if feed_dir is not None or own:
         from sparktrain.data.feeding import feed_plan
 
         plan = feed_plan(rows, feed_dir, cache_limit)
+        plan["own"] = own and feed_dir is None
         if not sum(plan["counts"].get("train", [])):
             raise ValueError("input_mode='stream': the DataFrame has no training rows")
     return MaterializedDataset("", specs, {}, "stream", seconds=time.perf_counter() - start,

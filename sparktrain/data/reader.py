@@ -120,6 +120,7 @@ class ShardReader:
         self._local_wanted = local_cache and not inmemory_cache_all
         self._cache_root = cache_root
         self._in_local: set = set()  # pieces written to the local cache
+        self.order: Optional[str] = None  # the last epoch's: "cache" or "files" (see epoch)
 
         total = sum(sum(groups) for _, groups in self.layout)
         if total == 0:
@@ -143,24 +144,53 @@ class ShardReader:
     def __len__(self) -> int:
         return self.steps
 
-    def epoch(self, epoch: int = 0) -> Iterator[Batch]:
+    def epoch(self, epoch: int = 0, skip: int = 0, order: Optional[str] = None
+              ) -> Iterator[Batch]:
         """The ``self.steps`` batches of ``epoch`` (shuffled per epoch when ``shuffle``):
-        ``steps - 1`` batches of ``batch_size`` rows, then the rest of the shard."""
+        ``steps - 1`` batches of ``batch_size`` rows, then the rest of the shard.
+
+        ``skip``: leave out the first ``skip`` batches (an epoch resumed after them); the
+        others are exactly those of the whole epoch. Row groups wholly inside the skipped
+        batches are not read. ``order``: how the epoch being resumed ordered its rows
+        (``ShardReader.order`` when it was written): ``"cache"`` (a shuffle over the whole
+        shard, once the local cache is complete) fills the local cache first when it is not
+        complete yet; ``"files"`` reads the files even when it is. Sets ``ShardReader.order``.
+
+        Example::
+
+            rest = list(reader.epoch(2, skip=40, order="files"))   # batches 40.. of epoch 2
+        """
         rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
-        if self.local_cache_complete:
-            yield from self._cached_epoch(rng)
+        if skip and order == "cache" and not self.local_cache_complete:
+            self._fill_local_cache()
+        if self.local_cache_complete and order != "files":
+            self.order = "cache"
+            yield from self._cached_epoch(rng, skip)
             return
+        self.order = "files"
         if self._local_wanted and self._local is None:
             self._local_wanted = False  # one try per reader
             self._local = RankCache.create(self.columns, self.shard_rows, self._cache_root,
                                            label=f"rank {self.rank}'s shard")
-        order = list(range(len(self.pieces)))
+        order_ = list(range(len(self.pieces)))
         if rng is not None:
-            order = [order[i] for i in rng.permutation(len(order))]
+            order_ = [order_[i] for i in rng.permutation(len(order_))]
         size = self.batch_size
+        # the skipped rows: whole pieces left unread (their permutations drawn all the same,
+        # so that the rest are shuffled as in the whole epoch), then `start` rows of the next
+        skipped, start = skip * size, 0
+        while skipped and order_:
+            rows = self.pieces[order_[0]].hi - self.pieces[order_[0]].lo
+            if rows > skipped:
+                start = skipped
+                break
+            if rng is not None:
+                rng.permutation(rows)
+            skipped -= rows
+            order_.pop(0)
         carry: List[Batch] = []  # rows left over from earlier chunks (fewer than a batch)
         carry_rows = 0
-        chunks = self._chunks(order)
+        chunks = self._chunks(order_)
         while True:
             chunk = None  # let the previous row group go before waiting for the next one
             chunk = next(chunks, None)
@@ -168,7 +198,7 @@ class ShardReader:
                 break
             rows = _rows(chunk)
             index = rng.permutation(rows) if rng is not None else None
-            offset = 0
+            offset, start = start, 0
             if carry_rows:
                 offset = min(size - carry_rows, rows)
                 carry.append(_part(chunk, index, 0, offset))
@@ -193,17 +223,18 @@ class ShardReader:
         if carry_rows:  # the last, short batch
             yield _concat(carry)
 
-    def _cached_epoch(self, rng: Optional[np.random.Generator]) -> Iterator[Batch]:
+    def _cached_epoch(self, rng: Optional[np.random.Generator], skip: int = 0
+                      ) -> Iterator[Batch]:
         """An epoch from the local cache: batches of rows drawn over the whole shard, gathered
         ``GATHER_BATCHES`` at a time in a background thread (``np.take`` and copies release the
-        GIL), so that the gathers overlap the caller's steps."""
+        GIL), so that the gathers overlap the caller's steps; the first ``skip`` left out."""
         self._close_files()  # no file is read again
         size, rows = self.batch_size, self.shard_rows
         order = rng.permutation(rows) if rng is not None else None
         group = size * GATHER_BATCHES
 
         def groups() -> Iterator[List[Batch]]:
-            for start in range(0, rows, group):
+            for start in range(min(skip * size, rows), rows, group):
                 stop = min(start + group, rows)
                 if order is None:
                     batch = self._local.slice(start, stop)
@@ -216,6 +247,20 @@ class ShardReader:
 
         for batches in in_background(groups(), self.prefetch):
             yield from batches
+
+    def _fill_local_cache(self) -> None:
+        """Read every piece not yet in the local cache into it (made here if need be): a
+        resumed epoch that shuffled over the cached shard shuffles alike. Without room for the
+        cache, the epoch reads the files (in their order: not the same rows)."""
+        if self._local is None and self._local_wanted:
+            self._local_wanted = False
+            self._local = RankCache.create(self.columns, self.shard_rows, self._cache_root,
+                                           label=f"rank {self.rank}'s shard")
+        if self._local is None:
+            return
+        missing = [i for i in range(len(self.pieces)) if i not in self._in_local]
+        for _ in in_background((self._load(i) for i in missing), self.prefetch):
+            pass
 
     def _chunks(self, order: List[int]) -> Iterator[Batch]:
         if self.inmemory_cache_all and len(self._cache) == len(self.pieces):
@@ -407,16 +452,36 @@ def in_background(items: Iterator[Any], depth: int) -> Iterator[Any]:
                 thread.join(0.01)
 
 
-def take_steps(reader: "ShardReader", epoch: int, steps: Optional[int]) -> Iterator[Batch]:
+def take_steps(reader: "ShardReader", epoch: int, steps: Optional[int], skip: int = 0,
+               order: Optional[str] = None) -> Iterator[Batch]:
     """``steps`` batches of ``reader`` for ``epoch`` (one whole pass when ``None``); more steps
     than a pass has continue into further passes, each shuffled afresh (Horovod's
-    ``train_steps_per_epoch``)."""
+    ``train_steps_per_epoch``). ``skip``: the first ``skip`` of them left out (an epoch
+    resumed inside), the rest as they would have been; ``order``: the resumed epoch's
+    ``reader.order`` (see :meth:`ShardReader.epoch`).
+
+    Example::
+
+        for batch in take_steps(reader, epoch=2, steps=None, skip=40):   # batches 40.. of 2
+            ...
+    """
+    def epoch_of(number: int, skipped: int) -> Iterator[Batch]:
+        if not skipped:  # readers without `skip` keep working for whole epochs
+            return reader.epoch(number)
+        extra = {"order": order} if order is not None else {}
+        return reader.epoch(number, skip=skipped, **extra)
+
     if steps is None:
-        yield from reader.epoch(epoch)
+        yield from epoch_of(epoch, skip)
         return
-    done, extra = 0, 0
+    per_pass = len(reader)
+    done, extra = skip, skip // per_pass
+    if done >= steps:
+        return
+    first = skip - extra * per_pass
     while True:
-        batches = reader.epoch(epoch + extra * 1_000_003)
+        batches = epoch_of(epoch + extra * 1_000_003, first)
+        first = 0
         try:
             for batch in batches:
                 yield batch

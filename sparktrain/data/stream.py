@@ -105,13 +105,14 @@ class StreamShard:
     def __len__(self) -> int:
         return self.steps
 
-    def epoch(self, epoch: int = 0) -> Iterator[Batch]:
+    def epoch(self, epoch: int = 0, skip: int = 0) -> Iterator[Batch]:
         """Every row of the shard once (shuffled when ``shuffle``), then as many of them again
-        as this rank is short of the most rows a rank has."""
+        as this rank is short of the most rows a rank has; from batch ``skip`` on (the ones
+        before it trained before a mid-epoch checkpoint: the same order, so exactly)."""
         rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
         order = rng.permutation(self.rows) if rng is not None else np.arange(self.rows)
         order = np.resize(order, self.rows_per_epoch)  # repeats from the start when short
-        for start in range(0, self.rows_per_epoch, self.batch_size):
+        for start in range(skip * self.batch_size, self.rows_per_epoch, self.batch_size):
             rows = order[start:start + self.batch_size]
             if rng is not None:
                 rows = np.sort(rows)  # nearby rows together: fewer pages; a batch is a set
@@ -217,10 +218,10 @@ def rank_readers(spec: LoopSpec, rank: int, world_size: int, rows: Optional[Iter
     streams to it (``rows``, agreeing on the steps through ``all_gather``)."""
     if spec.input_mode != "stream":
         return shard_readers(spec, rank, world_size)
-    if spec.feed and all_gather is not None:  # fed by jobs beside the ranks
+    if spec.feed and all_gather is not None:  # fed beside the ranks, or their own partitions
         from sparktrain.data.fed_rows import FedRows
 
-        return dict(FedRows(spec, rank, world_size, all_gather).readers)
+        return dict(FedRows(spec, rank, world_size, all_gather, rows).readers)
     if spec.streamed:
         return streamed_readers(spec, spec.streamed, rank)
     if rows is None or all_gather is None:

@@ -174,10 +174,12 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         if self.fed_streams and not fed:
             log.info("input_mode='stream': num_proc=%d takes every task slot (%s), none is left "
                      "to feed the ranks while they train: each rank takes its rows from the "
-                     "training stage (after a shuffle) before its first step", elastic.num_proc,
-                     slots)
+                     "training stage (one partition a rank where the DataFrame has num_proc "
+                     "partitions, else after a shuffle)", elastic.num_proc, slots)
+        own = None if fed or elastic.elastic or not self.fed_streams else elastic.num_proc
         return streamed(df, specs, validation, self.getRandomSeed(), variable_length=variable,
-                        feed_dir=feed_dir if fed else None, cache_limit=self.getCacheLimit())
+                        feed_dir=feed_dir if fed else None, cache_limit=self.getCacheLimit(),
+                        own_ranks=own)
 
     def _check_params(self, df: DataFrame) -> List[ColumnSpec]:
         """What spans several options, the estimator or the DataFrame (each option's own range

@@ -45,7 +45,7 @@ class FitRun:
     def launch(self, task: Callable[[Any], Any], **options: Any) -> List[Any]:
         """Run ``task`` on the fit's ranks, in generations when the fit is elastic; results in
         rank order (``options``: :func:`~sparktrain.launch.barrier.run_barrier`'s)."""
-        if self.data.feed is not None:  # input_mode="stream", fed by jobs beside the ranks
+        if self.data.feed is not None and self.data.feed["dir"]:  # fed by jobs beside the ranks
             with Feeding(self.spark, self.data.stream, self.data.feed["dir"],
                          self.store.storage_options):
                 return run_elastic(self.spark, self.elastic, task,

@@ -10,7 +10,10 @@ driver owns the rest, identical for every framework and strategy:
 * progress: the ``start`` event, ``step`` events at most 4 a second, the ``epoch`` event and
   the epoch's log line (rank 0 with ``verbose >= 1``);
 * the history, the TensorBoard writer (rank 0 of a run with a run directory);
-* checkpoints after every epoch, with the metadata a resumed attempt and the driver read;
+* checkpoints after every epoch, with the metadata a resumed attempt and the driver read, and
+  inside epochs (``checkpoint_steps``, ``checkpoint_seconds``: :class:`CheckpointTrigger`); a
+  resumed attempt continues inside the epoch, after the batches already trained
+  (:class:`InEpoch`: the rank loop asks its reader for the epoch without them);
 * stopping early: a callback's request or the ``max_time`` deadline, voted over the ranks so
   that all stop after the same epoch. The stop is written into that epoch's checkpoint, so a
   retried attempt of the same fit (``fit_id``) stops there too instead of training on; a new
@@ -27,6 +30,11 @@ Example (rank side)::
     driver.agree(training.all_reduce_sum)
     driver.start(steps=100, description="2 rank(s) ...")
     stop_reason = driver.run(training)        # driver.history, driver.attempts
+
+    # inside training.train_epoch(epoch, reporter): where the epoch starts, and after each
+    # optimizer step the hook that writes a checkpoint when one is due
+    within = driver.within                    # InEpoch: within.skip batches already trained
+    within.after_steps(batches_done, 1, lambda: local_sums)
 """
 from __future__ import annotations
 
@@ -43,6 +51,109 @@ from sparktrain.loop.checkpoint import Checkpoint, Checkpoints
 from sparktrain.options.spec import LoopSpec
 
 Logs = Dict[str, float]
+
+#: optimizer steps timed before ``checkpoint_seconds`` becomes a step interval (the first step
+#: of an attempt, which compiles and warms up, is not timed)
+PROBE_STEPS = 10
+
+
+class CheckpointTrigger:
+    """When the ranks write a checkpoint inside an epoch: every ``steps`` optimizer steps, and
+    every ``seconds`` of training, counted since the last checkpoint of either kind.
+
+    Every rank must decide alike (FSDP and Keras multi-worker write collectively), without a
+    collective per step. Steps are the same on every rank; seconds are not, so they become a
+    step interval: after :data:`PROBE_STEPS` timed steps the ranks agree on the slowest rank's
+    seconds per step (one :meth:`agree` all-reduce, a vector with each rank's time at its
+    index) and write every ``seconds / that`` steps; each checkpoint inside an epoch agrees
+    again from the steps since the last one (the collective the checkpoint makes anyway).
+
+    Example::
+
+        trigger = CheckpointTrigger(steps=500, seconds=1800.0, rank=0, world_size=2)
+        if trigger.advance(1, all_reduce_sum):      # after each optimizer step, every rank
+            ...                                     # write the checkpoint (every rank)
+            trigger.saved(trigger.agree_values(all_reduce_sum([...] + trigger.timing())))
+    """
+
+    def __init__(self, steps: Optional[int], seconds: Optional[float], rank: int,
+                 world_size: int, clock: Callable[[], float] = time.monotonic,
+                 probe: int = PROBE_STEPS) -> None:
+        self.steps, self.seconds, self.rank, self.world_size = steps, seconds, rank, world_size
+        self.clock, self.probe = clock, max(1, probe)
+        self.every: Optional[int] = None  # checkpoint_seconds as optimizer steps, once agreed
+        self.since = 0  # optimizer steps since the last checkpoint
+        self.timed_from: Optional[Tuple[float, int]] = None  # (clock, since) where timing began
+
+    @property
+    def active(self) -> bool:
+        return bool(self.steps or self.seconds)
+
+    def advance(self, steps: int, all_reduce_sum: Callable[[Sequence[float]], List[float]]
+                ) -> bool:
+        """Count ``steps`` optimizer steps just done; ``True`` when a checkpoint is due now.
+        Every rank calls it at the same steps (it may make the probe's collective)."""
+        if not self.active:
+            return False
+        self.since += steps
+        if self.timed_from is None:  # the first step since a (re)start is not timed
+            self.timed_from = (self.clock(), self.since)
+        if self.seconds and self.every is None and self.since - self.timed_from[1] >= self.probe:
+            self.every = self._interval(self.agree_values(all_reduce_sum(self.timing())))
+        due = bool(self.steps and self.since >= self.steps)
+        return due or bool(self.every is not None and self.since >= self.every)
+
+    def timing(self) -> List[float]:
+        """This rank's seconds per step since timing began, at its index of a vector of
+        ``world_size`` (summed over ranks: every rank's time)."""
+        values = [0.0] * self.world_size
+        if self.timed_from is not None:
+            started, at = self.timed_from
+            values[self.rank] = (self.clock() - started) / max(self.since - at, 1)
+        return values
+
+    def agree_values(self, summed: Sequence[float]) -> float:
+        """The slowest rank's seconds per step from the summed :meth:`timing` vector (the last
+        ``world_size`` values of ``summed``)."""
+        return max(summed[-self.world_size:])
+
+    def _interval(self, per_step: float) -> Optional[int]:
+        if not self.seconds:
+            return None
+        return max(1, round(self.seconds / per_step)) if per_step > 0 else None
+
+    def saved(self, per_step: Optional[float] = None) -> None:
+        """A checkpoint was written (``per_step``: the agreed seconds per step since the last
+        one, inside an epoch): count again from here."""
+        if per_step is not None and self.timed_from is not None and self.since > self.timed_from[1]:
+            self.every = self._interval(per_step)
+        self.since = 0
+        self.timed_from = (self.clock(), 0) if per_step is not None else None
+
+
+class InEpoch:
+    """The epoch being trained, as the rank loop sees it (``EpochDriver.within``):
+
+    * ``skip``: batches of it trained before the checkpoint this attempt resumed from (read
+      the epoch without them: ``take_steps(reader, epoch, steps, skip=within.skip)``) and
+      ``partial``: the statistics' sums over all ranks of those batches (rank 0 starts from
+      them, the others from zeros) or ``None``;
+    * :meth:`after_steps`: call it on every rank after each optimizer step inside the epoch
+      (not after the last batch: the epoch's end checkpoints anyway); it writes a checkpoint
+      when one is due."""
+
+    def __init__(self, driver: "EpochDriver", training: "EpochTraining", epoch: int, skip: int,
+                 partial: Optional[List[float]], order: Optional[str] = None) -> None:
+        self.driver, self.training, self.epoch = driver, training, epoch
+        self.skip, self.partial, self.order = skip, partial, order
+
+    def after_steps(self, batches_done: int, steps: int, sums: Callable[[], Sequence[float]],
+                    order: Optional[str] = None) -> None:
+        """``batches_done``: the epoch's batches trained so far (the skipped ones included);
+        ``steps``: optimizer steps since the last call; ``sums``: this rank's statistics sums
+        of the epoch so far (called only when a checkpoint is written); ``order``: how the
+        reader ordered the epoch's rows (``ShardReader.order``), kept for the resume."""
+        self.driver._after_steps(self, batches_done, steps, sums, order)
 
 
 class StepReporter:
@@ -119,7 +230,8 @@ class EpochTraining(Protocol):
 
     def checkpoint(self, epoch: int, logs: Logs) -> Optional[Tuple[bytes, Dict[str, Any]]]:
         """Called on every rank (it may be a collective): rank 0's checkpoint bytes and extra
-        metadata, ``None`` on the other ranks."""
+        metadata, ``None`` on the other ranks. Inside an epoch it is called as
+        ``checkpoint(epoch, {}, mid_epoch=True)`` (the model as it is; no epoch-end work)."""
 
 
 class EpochDriver:
@@ -132,11 +244,14 @@ class EpochDriver:
                  progress: Callable[..., None] = lambda **event: None,
                  board: Optional[Callable[[], Any]] = None, require_finite: bool = False,
                  meta: Optional[Dict[str, Any]] = None,
-                 generation: Optional[Generation] = None) -> None:
+                 generation: Optional[Generation] = None,
+                 checkpoint_steps: Optional[int] = None,
+                 checkpoint_seconds: Optional[float] = None) -> None:
         """``board`` makes rank 0's TensorBoard writer (``write(epoch, logs)``, ``close()``);
         ``require_finite`` fails the fit on a non-finite metric (the user's bug, not retried);
         ``meta`` goes into every checkpoint's metadata (e.g. the framework's name);
-        ``generation``: an elastic fit's."""
+        ``generation``: an elastic fit's; ``checkpoint_steps``/``checkpoint_seconds``: the
+        checkpoints inside epochs (:class:`CheckpointTrigger`)."""
         self.rank, self.world_size, self.epochs, self.verbose = rank, world_size, epochs, verbose
         self.deadline, self.log, self.progress = deadline, log, progress
         self.require_finite, self.extra_meta = require_finite, dict(meta or {})
@@ -144,10 +259,15 @@ class EpochDriver:
         self.resume, self._resume_bytes = self._intact_checkpoint(rank, log)
         self.meta: Dict[str, Any] = self.resume.meta if self.resume is not None else {}
         self.first: int = self.meta.get("epochs_done", 0)
+        # resumed inside epoch `first`: the batches of it trained before the checkpoint
+        self.resume_step: int = self.resume.step if self.resume is not None else 0
+        self.skip = self.resume_step  # in this attempt's batches (start() may rescale it)
         self.history: Dict[str, List[float]] = {
             k: list(v) for k, v in self.meta.get("history", {}).items()}
         self.generation = generation
         started = {"attempt": attempt, "start_epoch": self.first}
+        if self.resume_step:
+            started["start_step"] = self.resume_step
         if generation is not None:
             started.update(generation=generation.index, ranks=world_size)
         self.attempts = self.meta.get("attempts", []) + [started]
@@ -160,6 +280,9 @@ class EpochDriver:
         self.steps = 0  # training steps per epoch, set by start()
         self.stop_reason: Optional[str] = None
         self._make_board = board if rank == 0 and run_path else None
+        self.trigger = CheckpointTrigger(checkpoint_steps, checkpoint_seconds, rank, world_size) \
+            if self.checkpoints is not None else None
+        self.within: Optional[InEpoch] = None  # the epoch being trained
 
     @classmethod
     def for_spec(cls, spec: LoopSpec, *, rank: int, world_size: int, attempt: int = 0,
@@ -169,7 +292,9 @@ class EpochDriver:
         return cls(rank=rank, world_size=world_size, epochs=spec.epochs, verbose=spec.verbose,
                    run_path=spec.run_path, storage_options=spec.storage_options,
                    deadline=spec.deadline, attempt=attempt, fit_id=spec.fit_id,
-                   generation=Generation.from_json(spec.generation), **hooks)
+                   generation=Generation.from_json(spec.generation),
+                   checkpoint_steps=getattr(spec, "checkpoint_steps", None),
+                   checkpoint_seconds=getattr(spec, "checkpoint_seconds", None), **hooks)
 
     def _intact_checkpoint(self, rank: int, log: Callable[[str], None]
                            ) -> Tuple[Optional[Checkpoint], Optional[bytes]]:
@@ -194,8 +319,8 @@ class EpochDriver:
     def agree(self, all_reduce_sum: Callable[[Sequence[float]], List[float]]) -> None:
         """Fail the attempt (Spark retries it) unless every rank found the same latest
         checkpoint. One small all-reduce, not a Spark ``allGather`` (about 0.5 s each here)."""
-        total = all_reduce_sum([float(self.first)])[0]
-        if total != self.first * self.world_size:
+        total = all_reduce_sum([float(self.first), float(self.resume_step)])
+        if total != [self.first * self.world_size, self.resume_step * self.world_size]:
             raise RuntimeError("ranks found different latest checkpoints of the run; the "
                                "attempt is retried")
 
@@ -203,12 +328,29 @@ class EpochDriver:
         """Log what trains (rank 0, or every rank with ``verbose >= 2``) and send ``start``."""
         if self.lead or self.verbose >= 2:
             self.log(description)
+        self.steps = steps
+        if self.resume_step:
+            self.skip = self._rescaled_skip(steps)
         if self.rank == 0 and self.resume is not None:
-            self.log(f"resuming from the checkpoint after epoch {self.first} (attempt "
+            within = f" and step {self.skip} of epoch {self.first + 1}" if self.skip else ""
+            self.log(f"resuming from the checkpoint after epoch {self.first}{within} (attempt "
                      f"{self.attempt + 1})")
         if self.rank == 0:  # whatever the verbosity: driver listeners (MLflow) follow epochs
             self.progress(event="start", epochs=self.epochs, steps=steps, first=self.first)
-        self.steps = steps
+
+    def _rescaled_skip(self, steps: int) -> int:
+        """The batches to skip in this attempt: the checkpoint's step when the epoch has as
+        many steps on as many ranks as when it was written; else (an elastic generation of
+        another size) the same share of the epoch, which then holds other rows."""
+        written, ranks = self.meta.get("steps"), self.meta.get("world_size")
+        if written == steps and ranks == self.world_size:
+            return min(self.resume_step, steps)
+        share = self.resume_step / max(int(written or steps), 1)
+        if self.rank == 0:
+            self.log(f"the checkpoint inside epoch {self.first + 1} was written by "
+                     f"{ranks} rank(s) at {written} steps/epoch: resuming after the same share "
+                     f"of the epoch ({share:.0%}), not exactly after its rows")
+        return min(int(share * steps), steps)
 
     def run(self, training: EpochTraining) -> Optional[str]:
         """Train the remaining epochs; returns why training stopped early (``"callback"``,
@@ -231,6 +373,10 @@ class EpochDriver:
     def _epoch(self, training: EpochTraining, epoch: int, board: Any) -> bool:
         started = time.perf_counter()
         reporter = StepReporter(self.progress, epoch, self.steps) if self.lead else None
+        resumed = epoch == self.first and self.skip > 0
+        partial = self.meta.get("partial") if resumed and self.rank == 0 else None
+        self.within = InEpoch(self, training, epoch, self.skip if resumed else 0, partial,
+                              self.meta.get("order") if resumed else None)
         logs = dict(training.train_epoch(epoch, reporter))
         logs.update(training.evaluate(epoch))
         if self.generation is not None:
@@ -271,6 +417,8 @@ class EpochDriver:
                     "history": self.history, "attempts": self.attempts, **self.extra_meta,
                     **stopped, **meta})
             del saved
+            if self.trigger is not None:
+                self.trigger.saved()
         if stop is None:
             return False
         if stop == "regroup":
@@ -282,3 +430,28 @@ class EpochDriver:
             self.log(f"training stopped after epoch {epoch + 1}: "
                      + ("a callback asked to stop" if stop == "callback" else "max_time reached"))
         return True
+
+    def _after_steps(self, within: InEpoch, batches_done: int, steps: int,
+                     sums: Callable[[], Sequence[float]], order: Optional[str]) -> None:
+        """:meth:`InEpoch.after_steps`: a checkpoint inside the epoch when one is due. One
+        all-reduce (the epoch's statistics so far and the step times), then the framework's
+        checkpoint (a collective under FSDP); rank 0 writes it."""
+        trigger = self.trigger
+        if trigger is None or not trigger.advance(steps, within.training.all_reduce_sum):
+            return
+        started = time.perf_counter()
+        local = [float(v) for v in sums()]
+        summed = within.training.all_reduce_sum(local + trigger.timing())
+        saved = within.training.checkpoint(within.epoch, {}, mid_epoch=True)
+        if self.rank == 0 and saved is not None:
+            payload, meta = saved
+            self.checkpoints.write(within.epoch, payload, {
+                "history": self.history, "attempts": self.attempts, **self.extra_meta, **meta,
+                "partial": summed[:len(local)], "steps": self.steps,
+                "world_size": self.world_size, "order": order}, step=batches_done)
+            if self.verbose >= 2 or self.lead:
+                self.log(f"checkpoint at step {batches_done}/{self.steps} of epoch "
+                         f"{within.epoch + 1} ({len(payload) / 2**20:.1f} MiB, "
+                         f"{time.perf_counter() - started:.2f}s)")
+        del saved
+        trigger.saved(trigger.agree_values(summed))

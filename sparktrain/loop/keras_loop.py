@@ -244,17 +244,25 @@ class _KerasEpochs:
                   steps: Any) -> Any:
         """``step_fn`` over ``source``'s batches, up to ``steps_per_execution`` of them stacked
         per call (batches of one shape: every worker stacks alike, so their traced collectives
-        match); the statistics summed over workers."""
+        match); the statistics summed over workers. Training resumes inside the epoch after
+        the batches already trained (the driver's ``within``) and checkpoints between calls
+        when one is due."""
         from sparktrain.data.reader import take_steps
 
         tf = self.tf
-        total = tf.zeros([2 + len(self.names)], tf.float32)
-        on_step = self.step_reporter(epoch, report, steps or len(source))
         split = "train" if source is self.train_reader else "val"
+        within = self.driver.within if split == "train" else None
+        skip, order = (within.skip, within.order) if within is not None else (0, None)
+        width = 2 + len(self.names)
+        total = tf.constant(within.partial, tf.float32) \
+            if within is not None and within.partial and len(within.partial) == width \
+            else tf.zeros([width], tf.float32)
+        last = steps or len(source)
+        on_step = self.step_reporter(epoch, report, last)
         per_call = self.spec.steps_per_execution  # None: from the first batch's bytes
         group: List[Tuple[List[Any], List[Any], Any]] = []
         group_shapes: List[Any] = []
-        done = 0
+        done = skip
 
         def call() -> None:
             nonlocal total, done
@@ -262,11 +270,15 @@ class _KerasEpochs:
             # tf.function: a worker lost underneath surfaces as a TF status error (a fault)
             with user_code("the training step (the model, the loss or the metrics)"):
                 total = step_fn(*stack_batches(tf, group), total)
-            done += len(group)
+            ran = len(group)
+            done += ran
             group.clear()
             on_step(done - 1, total)  # the epoch's running sums: their mean loss is shown
+            if within is not None and done < last:  # every worker calls alike: same steps
+                within.after_steps(done, ran, lambda: np.asarray(total).tolist(),
+                                   getattr(source, "order", None))
 
-        for batch in self.feed(take_steps(source, epoch, steps), split, epoch):
+        for batch in self.feed(take_steps(source, epoch, steps, skip, order), split, epoch):
             tensors = self.tensors(batch)
             if per_call is None:
                 per_call = auto_steps_per_execution(tensors)
@@ -319,11 +331,13 @@ class _KerasEpochs:
                 callback.on_epoch_end(epoch, dict(logs))
         return bool(getattr(self.model, "stop_training", False))
 
-    def checkpoint(self, epoch: int, logs: Dict[str, float]) -> Optional[Tuple[bytes, Dict]]:
+    def checkpoint(self, epoch: int, logs: Dict[str, float], mid_epoch: bool = False
+                   ) -> Optional[Tuple[bytes, Dict]]:
         if self.spec.rank != 0:
             return None
         self.model.save(self.checkpoint_file)
-        if self.best is not None:  # before the checkpoint: a resumed run then finds it
+        if self.best is not None and not mid_epoch:  # before the checkpoint: a resumed run
+            # then finds it
             self.best.epoch_end(epoch, logs, self.checkpoint_file)
         return _checkpoint_bytes(self.checkpoint_file, self.optimizer), {}
 

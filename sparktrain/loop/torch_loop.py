@@ -35,7 +35,7 @@ from sparktrain.faults import mark_user_error, user_code
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.elastic import for_rank, scaling_ranks
-from sparktrain.loop.epochs import EpochBoard, EpochDriver, Logs, StepReporter
+from sparktrain.loop.epochs import EpochBoard, EpochDriver, InEpoch, Logs, StepReporter
 from sparktrain.loop.torch_batch import (
     Batches,
     LossComputer,
@@ -119,21 +119,28 @@ def _run_epoch(model: torch.nn.Module, forward: ForwardRule, batches: Iterator[D
                to_tensors: Batches, compute_loss: LossComputer,
                metrics: List[Tuple[str, Callable]], label_cols: List[str],
                step_rule: Optional[_Step] = None, autocast: Optional[torch.dtype] = None,
-               reporter: Optional[StepReporter] = None
+               reporter: Optional[StepReporter] = None, within: Optional[InEpoch] = None,
+               order: Callable[[], Optional[str]] = lambda: None
                ) -> Tuple[torch.Tensor, List[str], List]:
     """One pass over ``steps`` batches (training when ``step_rule`` is given); returns summed
-    ``[rows, loss*rows, metric*rows...]`` and the output shapes."""
+    ``[rows, loss*rows, metric*rows...]`` and the output shapes. ``within``: the epoch's
+    position (``batches`` then start after ``within.skip`` of them) and its checkpoint hook,
+    called after every optimizer step; ``order``: how the reader orders the epoch's rows."""
     training = step_rule is not None
     model.train(training)
     names = [f"{name}" if len(label_cols) == 1 else f"{label}_{name}"
              for label in label_cols for name, _ in metrics]
     sums = torch.zeros(2 + len(names), dtype=torch.float64, device=to_tensors.device)
+    skip = within.skip if within is not None else 0
+    if within is not None and within.partial and len(within.partial) == len(sums):
+        sums += torch.tensor(within.partial, dtype=sums.dtype, device=sums.device)
+    passes = step_rule.passes if step_rule is not None else 1
     shapes: List = []
     device = to_tensors.device
     casting = contextlib.nullcontext() if autocast is None \
         else torch.autocast(device_type=device.type, dtype=autocast)
     with torch.set_grad_enabled(training):
-        for step, batch in enumerate(batches):
+        for step, batch in enumerate(batches, start=skip):
             features, labels, weights = to_tensors(batch)
             loss = None
             with casting:
@@ -172,6 +179,9 @@ def _run_epoch(model: torch.nn.Module, forward: ForwardRule, batches: Iterator[D
             shapes = [list(o.shape[1:]) for o in outputs]
             if reporter is not None and reporter.due(step):
                 reporter.send(step, float(loss.detach()))
+            if training and within is not None and (step + 1) % passes == 0 \
+                    and step + 1 < steps:
+                within.after_steps(step + 1, 1, lambda: sums.cpu().tolist(), order())
     if training:
         with user_code("the optimizer step"):
             step_rule.end_epoch()
@@ -217,7 +227,8 @@ class _TorchEpochs:
                  strategy: TorchStrategy, model: torch.nn.Module, trained: torch.nn.Module,
                  forward: ForwardRule, step_rule: _Step, compute_loss: LossComputer,
                  metrics: List[Tuple[str, Callable]], callbacks: List[Any], feed: BatchFeed,
-                 readers: Dict[str, ShardReader], shapes: List) -> None:
+                 readers: Dict[str, ShardReader], shapes: List,
+                 driver: Optional[EpochDriver] = None) -> None:
         self.spec, self.ctx, self.dist, self.device = spec, ctx, dist, device
         self.strategy, self.model, self.trained = strategy, model, trained
         self.step_rule = step_rule
@@ -226,10 +237,13 @@ class _TorchEpochs:
         self.feed, self.readers, self.shapes = feed, readers, shapes
         self.to_tensors = Batches(spec, device)
         self.autocast = _autocast_dtype(spec)
+        self.driver = driver
 
-    def batches(self, split: str, epoch: int, steps: Optional[int]) -> Iterator[Dict]:
-        """The epoch's batches of ``split`` (``steps`` of them when given), transformed."""
-        return self.feed(take_steps(self.readers[split], epoch, steps), split, epoch)
+    def batches(self, split: str, epoch: int, steps: Optional[int], skip: int = 0,
+                order: Optional[str] = None) -> Iterator[Dict]:
+        """The epoch's batches of ``split`` (``steps`` of them when given; the first ``skip``
+        left out, in the reader's ``order``), transformed."""
+        return self.feed(take_steps(self.readers[split], epoch, steps, skip, order), split, epoch)
 
     def train_begin(self, history: Dict[str, List[float]]) -> None:
         """The callbacks' ``on_train_begin`` (a resumed run's history so far)."""
@@ -251,10 +265,14 @@ class _TorchEpochs:
     def train_epoch(self, epoch: int, reporter: Optional[StepReporter]) -> Logs:
         reader = self.readers["train"]
         steps = self.spec.train_steps or len(reader)
+        within = self.driver.within if self.driver is not None else None
+        skip, order = (within.skip, within.order) if within is not None else (0, None)
         sums, names, self.shapes = _run_epoch(
-            self.trained, self.forward, self.batches("train", epoch, self.spec.train_steps),
+            self.trained, self.forward,
+            self.batches("train", epoch, self.spec.train_steps, skip, order),
             steps, self.to_tensors, self.compute_loss, self.metrics, self.spec.label_cols,
-            self.step_rule, self.autocast, reporter)
+            self.step_rule, self.autocast, reporter, within,
+            lambda: getattr(reader, "order", None))
         if self.step_rule.schedule is not None:
             with user_code("lr_scheduler's step"):
                 self.step_rule.schedule.after_epoch()
@@ -279,7 +297,8 @@ class _TorchEpochs:
                     asked.append(bool(callback.on_epoch_end(epoch, dict(logs))))
         return any(asked)
 
-    def checkpoint(self, epoch: int, logs: Logs) -> Optional[Tuple[bytes, Dict[str, Any]]]:
+    def checkpoint(self, epoch: int, logs: Logs, mid_epoch: bool = False
+                   ) -> Optional[Tuple[bytes, Dict[str, Any]]]:
         # a collective under a sharding strategy: the full copy is rank 0's only until written
         weights, optimizer_state = self.strategy.full_state(self.model, self.step_rule.optimizer)
         if self.ctx.rank != 0:
@@ -381,7 +400,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         epochs = _TorchEpochs(spec, ctx, dist, device, strategy, shipped.model, trained, forward,
                               step_rule, compute_loss, named_metrics(shipped.payload.metrics),
                               list(shipped.payload.callbacks or []), feed, readers,
-                              driver.meta.get("output_shapes", []))
+                              driver.meta.get("output_shapes", []), driver)
         driver.start(train_steps, f"{ctx.world_size} rank(s), backend {spec.backend!r}, "
                                   f"strategy {spec.strategy!r}, this rank on "
                                   f"{ctx.hosts[ctx.rank]} {device}: {train_steps} steps/epoch "
