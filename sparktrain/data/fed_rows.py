@@ -64,8 +64,8 @@ class FedRows:
     """This rank's receiver and its readers (``readers[split]``, each a :class:`FedShard`)."""
 
     def __init__(self, spec: LoopSpec, rank: int, world_size: int,
-                 all_gather: Callable[[str], List[str]], rows: Optional[Iterable[Any]] = None
-                 ) -> None:
+                 all_gather: Callable[[str], List[str]], rows: Optional[Iterable[Any]] = None,
+                 say: Optional[Callable[[str], None]] = None) -> None:
         plan = spec.feed or {}
         self.rank, self.world_size = rank, world_size
         self.own = bool(plan.get("own"))  # the training stage's own input: partition = rank
@@ -91,6 +91,13 @@ class FedRows:
                                            spec.seed, plan.get("cache_limit"))
         if "train" not in self.readers:
             raise ValueError("input_mode='stream': the DataFrame reached the ranks without rows")
+        for reader in self.readers.values():
+            if say is not None and (rank == 0 or not reader.cached):
+                held = "kept in the local cache" if reader.cached else (
+                    "no room in the local cache (or over cache_limit): read again from the "
+                    "DataFrame every epoch")
+                say(f"{reader.split} rows: {reader.rows} on this rank "
+                    f"({reader.rows * row_bytes(columns) / 2**20:.1f} MiB decoded), {held}")
         self.requested: set = set()
         self.taken = False  # own rows: the task's input is all read
         if self.own:

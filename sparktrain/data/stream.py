@@ -211,7 +211,8 @@ def streamed_readers(spec: LoopSpec, files: Dict[str, List[Any]], rank: int,
 
 
 def rank_readers(spec: LoopSpec, rank: int, world_size: int, rows: Optional[Iterable[Any]] = None,
-                 all_gather: Optional[Callable[[str], List[str]]] = None) -> Dict[str, Any]:
+                 all_gather: Optional[Callable[[str], List[str]]] = None,
+                 say: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
     """This rank's readers of the fit's data, whatever its ``input_mode``: shards of the
     materialized dataset (:func:`~sparktrain.data.reader.shard_readers`), the files its Spark
     task spooled (``spec.streamed``: a Keras child process), or the rows the training stage
@@ -221,7 +222,7 @@ def rank_readers(spec: LoopSpec, rank: int, world_size: int, rows: Optional[Iter
     if spec.feed and all_gather is not None:  # fed beside the ranks, or their own partitions
         from sparktrain.data.fed_rows import FedRows
 
-        return dict(FedRows(spec, rank, world_size, all_gather, rows).readers)
+        return dict(FedRows(spec, rank, world_size, all_gather, rows, say).readers)
     if spec.streamed:
         return streamed_readers(spec, spec.streamed, rank)
     if rows is None or all_gather is None:

@@ -386,7 +386,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         require_finite=True, meta={"framework": "torch", "strategy": spec.strategy})
     device = select_device(ctx, spec.use_gpu)
 
-    readers = rank_readers(spec, ctx.rank, ctx.world_size, ctx.rows, ctx.all_gather)
+    readers = rank_readers(spec, ctx.rank, ctx.world_size, ctx.rows, ctx.all_gather, ctx.log)
     train_steps = spec.train_steps or len(readers["train"])
     feed = BatchFeed.for_spec(spec, shipped.payload.transformation_fn)
     # the engine the estimator resolved (so one registered only on the driver works)
