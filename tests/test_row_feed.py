@@ -159,3 +159,20 @@ def test_a_failed_feed_stops_the_waiting_rank_with_its_message(tmp_path):
             list(shard.epoch(0))
     finally:
         shard.close()
+
+
+@pytest.mark.parametrize("as_columns", [False, True], ids=["positions", "columns"])
+def test_a_shuffle_window_gives_every_row_once_in_a_new_order(as_columns):
+    from sparktrain.data.shuffle_window import ShuffleWindow
+
+    window, rng, drawn = ShuffleWindow(capacity=300), np.random.default_rng(0), []
+    for start in range(0, 1000, 100):  # rows arrive in chunks; batches of 64 leave
+        rows = np.arange(start, start + 100)
+        window.add({"id": rows, "x": rows * 2.0} if as_columns else rows)
+        while window.size >= 200 or (start == 900 and window.size):
+            batch = window.draw(min(64, window.size), rng)
+            if as_columns:
+                assert (batch["x"] == batch["id"] * 2.0).all()
+                batch = batch["id"]
+            drawn.extend(batch.tolist())
+    assert sorted(drawn) == list(range(1000)) and drawn != sorted(drawn)

@@ -40,8 +40,9 @@ import numpy as np
 
 from sparktrain.data.batch import arrow_to_numpy
 from sparktrain.data.columns import SPLIT_COL, ColumnSpec
-from sparktrain.data.rank_cache import RankCache, cache_root, cacheable, row_bytes
+from sparktrain.data.rank_cache import RankCache, cache_root, cacheable, disk_full, row_bytes
 from sparktrain.data.row_feed import Receiver, share
+from sparktrain.data.shuffle_window import ShuffleWindow, joined_rows, row_count, taken_rows
 from sparktrain.fs import filesystem
 from sparktrain.options.spec import LoopSpec
 
@@ -125,8 +126,6 @@ class FedRows:
             raise RuntimeError("input_mode='stream' but this rank was given no rows")
         for reader in self.readers.values():
             if not reader.cached:
-                from sparktrain.data.stream import disk_full
-
                 need = reader.rows * row_bytes(reader.columns)
                 raise disk_full(cache_root() + "/x", f"making room for the rank's "
                                 f"{need / 2**20:.1f} MiB of {reader.split} rows", OSError(
@@ -270,8 +269,6 @@ class FedShard:
             for name, array in self.cache.arrays.items():
                 array[first:first + len(chunk[name])] = chunk[name]
         except OSError as exc:  # the disk filled up after the cache was allocated
-            from sparktrain.data.stream import disk_full
-
             self.parent.error = disk_full(self.cache.folder, "caching the rank's rows", exc)
             raise self.parent.error from None
 
@@ -311,7 +308,7 @@ class FedShard:
                   ) -> Iterator[Batch]:
         """Batches drawn from a window of arrived rows (shuffled) until this rank's rows are
         all in and drawn; then, if it is short of the most, rows drawn again."""
-        window = _Window(self.columns, self.window + self.batch_size)
+        window = ShuffleWindow(self.window + self.batch_size)
         taken, last = 0, None
         key = None if self.cached else epoch
         for step in range(self.steps):
@@ -321,16 +318,16 @@ class FedShard:
                 if got is None:
                     break
                 window.add(got)
-                taken += _length(got)
+                taken += row_count(got)
             rows = window.draw(min(size, window.size), rng) if window.size else None
-            short = size - (_length(rows) if rows is not None else 0)
+            short = size - (row_count(rows) if rows is not None else 0)
             if short:  # this rank's rows are all drawn: repeat some (every rank steps alike)
                 pool = rows if last is None else last
                 if pool is None:
                     raise RuntimeError(f"input_mode='stream': rank {self.rank} received no "
                                        f"rows")
-                pick = (rng or np.random.default_rng(step)).integers(0, _length(pool), short)
-                rows = _joined(rows, _taken(pool, pick))
+                pick = (rng or np.random.default_rng(step)).integers(0, row_count(pool), short)
+                rows = joined_rows(rows, taken_rows(pool, pick))
             last = rows
             if step < skip:
                 continue
@@ -412,68 +409,6 @@ class FedShard:
         if self.cache is not None:
             self.cache.close()
             self.cache = None
-
-
-class _Window:
-    """Arrived rows awaiting their batch (shard positions, or decoded columns), drawn at
-    random; a drawn row's place is filled from the end, so a draw costs its batch, not the
-    window."""
-
-    def __init__(self, columns: Sequence[ColumnSpec], capacity: int) -> None:
-        self.columns, self.capacity = columns, capacity
-        self.data: Dict[str, np.ndarray] = {}
-        self.positions = False
-        self.size = 0
-
-    def add(self, rows: Any) -> None:
-        self.positions = not isinstance(rows, dict)
-        rows = {"": rows} if self.positions else rows
-        count = _length(rows)
-        if not self.data or self.size + count > len(next(iter(self.data.values()))):
-            room = max(self.capacity, 2 * (self.size + count))
-            self.data = {n: _grown(self.data.get(n), v, room, self.size) for n, v in rows.items()}
-        for name, values in rows.items():
-            self.data[name][self.size:self.size + count] = values
-        self.size += count
-
-    def draw(self, count: int, rng: Optional[np.random.Generator]) -> Any:
-        if rng is None:  # in arrival order (shuffle=False): what is left moves up
-            rows = {n: v[:count].copy() for n, v in self.data.items()}
-            for values in self.data.values():
-                values[:self.size - count] = values[count:self.size].copy()
-        else:
-            picked = np.sort(rng.choice(self.size, count, replace=False))
-            rows = {n: v[picked] for n, v in self.data.items()}
-            tail = np.arange(self.size - count, self.size)
-            holes = picked[picked < self.size - count]
-            movers = tail[~np.isin(tail, picked)]
-            for values in self.data.values():
-                values[holes] = values[movers]
-        self.size -= count
-        return rows[""] if self.positions else rows
-
-
-def _grown(old: Optional[np.ndarray], like: np.ndarray, room: int, keep: int) -> np.ndarray:
-    array = np.empty((room,) + like.shape[1:], dtype=like.dtype)
-    if old is not None:
-        array[:keep] = old[:keep]
-    return array
-
-
-def _taken(rows: Any, index: np.ndarray) -> Any:
-    return {n: v[index] for n, v in rows.items()} if isinstance(rows, dict) else rows[index]
-
-
-def _joined(first: Any, second: Any) -> Any:
-    if first is None:
-        return second
-    if isinstance(first, dict):
-        return {n: np.concatenate([v, second[n]]) for n, v in first.items()}
-    return np.concatenate([first, second])
-
-
-def _length(rows: Any) -> int:
-    return len(next(iter(rows.values()))) if isinstance(rows, dict) else len(rows)
 
 
 def _cache(columns: Sequence[ColumnSpec], rows: int, limit: Optional[float], label: str

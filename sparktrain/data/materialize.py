@@ -19,8 +19,9 @@ import hashlib
 import json
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 from pyspark.sql import Column, DataFrame
@@ -45,7 +46,7 @@ from sparktrain.data.prepare import (
 from sparktrain.data.rank_cache import cacheable
 from sparktrain.data.store import Store
 from sparktrain.fs import out_of_space, store_full
-from sparktrain.session.spark_api import conf_value, num_partitions, plan_fingerprint
+from sparktrain.session.spark_api import conf_value, num_partitions, plan_fingerprint, task_slots
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,21 @@ class MaterializedDataset:
 
     def path(self, split: str) -> str:
         return f"{self.root}/{SPLIT_COL}={split}"
+
+    @contextmanager
+    def reaching_ranks(self, spark: Any, storage_options: Dict[str, Any]
+                       ) -> Iterator[Dict[str, Any]]:
+        """The options the training stage needs to get these rows to its ranks
+        (:func:`~sparktrain.launch.barrier.run_barrier`'s ``rows``: the stage takes them
+        itself), with the jobs that feed them running for the block's duration
+        (:class:`~sparktrain.data.feeding.Feeding`); nothing for a dataset in the store."""
+        if self.feed is not None and self.feed.get("dir"):
+            from sparktrain.data.feeding import Feeding
+
+            with Feeding(spark, self.stream, self.feed["dir"], storage_options):
+                yield {}
+        else:
+            yield {} if self.stream is None else {"rows": self.stream}
 
 
 def plan_key(df: DataFrame, columns: Sequence[ColumnSpec], validation: Union[None, float, str],
@@ -218,6 +234,34 @@ def streamed(df: DataFrame, columns: Sequence[ColumnSpec],
             raise ValueError("input_mode='stream': the DataFrame has no training rows")
     return MaterializedDataset("", specs, {}, "stream", seconds=time.perf_counter() - start,
                                stream=rows, feed=plan)
+
+
+def rows_to_ranks(df: DataFrame, store: Store, columns: Sequence[ColumnSpec], input_mode: str,
+                  validation: Union[None, float, str], seed: Optional[int], *,
+                  variable_length: bool, num_proc: int, min_num_proc: int,
+                  fed: bool, feed_dir: str, cache_limit: Optional[float] = None
+                  ) -> MaterializedDataset:
+    """The dataset the ranks read, by ``input_mode``: materialized in the store (``"store"``:
+    :func:`materialize`), or streamed (``"stream"``, nothing written: :func:`streamed`), fed
+    by jobs beside the ranks through ``feed_dir`` where the ranks can take them (``fed``) and
+    the cluster has task slots left, else taken by the training stage itself."""
+    if input_mode == "store":
+        return materialize(df, store, columns, validation, seed, variable_length=variable_length)
+    if df.limit(min_num_proc).count() < min_num_proc:
+        raise ValueError(f"input_mode='stream' gives each of the {min_num_proc} ranks its own "
+                         f"rows, and the DataFrame has fewer rows than that; use fewer ranks "
+                         f"(num_proc) or more rows")
+    slots = task_slots(df.sparkSession)
+    beside = fed and (slots is None or slots > num_proc)
+    if fed and not beside:
+        log.info("input_mode='stream': num_proc=%d takes every task slot (%s), none is left to "
+                 "feed the ranks while they train: each rank takes its rows from the training "
+                 "stage (one partition a rank where the DataFrame has num_proc partitions, "
+                 "else after a shuffle)", num_proc, slots)
+    own = num_proc if fed and not beside and min_num_proc == num_proc else None
+    return streamed(df, columns, validation, seed, variable_length=variable_length,
+                    feed_dir=feed_dir if beside else None, cache_limit=cache_limit,
+                    own_ranks=own)
 
 
 def _reused(store: Store, key: str, found: Commit, start: float) -> MaterializedDataset:

@@ -216,3 +216,23 @@ class RankCache:
         """Remove the cache's files."""
         self.arrays = {}
         self._finalizer()
+
+
+def disk_full(folder: str, doing: str, exc: BaseException) -> BaseException:
+    """The named, not-retried error for a full local disk while ``doing``."""
+    from sparktrain.errors import LocalDiskFullError
+    from sparktrain.faults import mark_user_error
+
+    disk = os.path.dirname(os.path.dirname(folder))
+    try:
+        free = f"{shutil.disk_usage(disk).free / 2**20:.0f} MiB free now"
+    except OSError:
+        free = "its free space unknown"
+    return mark_user_error(LocalDiskFullError(
+        f"input_mode='stream': the local disk {disk} (Spark's local directory, "
+        f"SPARK_LOCAL_DIRS / spark.local.dir) ran out of space {doing} ({exc.strerror or exc}; "
+        f"{free}). Where every task slot trains a rank, each rank keeps its whole shard there "
+        f"before its first step. Leave task slots free beside the ranks (more executor cores "
+        f"than num_proc: later epochs then read the DataFrame again instead of keeping it), "
+        f"point SPARK_LOCAL_DIRS at a bigger disk, or use input_mode='store'.", disk),
+        "the local disk")

@@ -30,7 +30,7 @@ import numpy as np
 
 from sparktrain.data.batch import arrow_to_numpy
 from sparktrain.data.columns import SPLIT_COL, ColumnSpec
-from sparktrain.data.rank_cache import RankCache, cache_root, owned_folder
+from sparktrain.data.rank_cache import RankCache, cache_root, disk_full, owned_folder
 from sparktrain.data.reader import shard_readers
 from sparktrain.options.spec import LoopSpec
 
@@ -175,26 +175,6 @@ def spool_shard(spec: LoopSpec, world_size: int, rows: Iterable[Any],
     return spooled, {split: [files[split][0], most[split]] for split in SPLITS if most[split]}
 
 
-def disk_full(folder: str, doing: str, exc: BaseException) -> BaseException:
-    """The named, not-retried error for a full local disk while ``doing``."""
-    from sparktrain.errors import LocalDiskFullError
-    from sparktrain.faults import mark_user_error
-
-    disk = os.path.dirname(os.path.dirname(folder))
-    try:
-        free = f"{shutil.disk_usage(disk).free / 2**20:.0f} MiB free now"
-    except OSError:
-        free = "its free space unknown"
-    return mark_user_error(LocalDiskFullError(
-        f"input_mode='stream': the local disk {disk} (Spark's local directory, "
-        f"SPARK_LOCAL_DIRS / spark.local.dir) ran out of space {doing} ({exc.strerror or exc}; "
-        f"{free}). Where every task slot trains a rank, each rank keeps its whole shard there "
-        f"before its first step. Leave task slots free beside the ranks (more executor cores "
-        f"than num_proc: later epochs then read the DataFrame again instead of keeping it), "
-        f"point SPARK_LOCAL_DIRS at a bigger disk, or use input_mode='store'.", disk),
-        "the local disk")
-
-
 def streamed_readers(spec: LoopSpec, files: Dict[str, List[Any]], rank: int,
                      spooled: Any = None) -> Dict[str, StreamShard]:
     """The readers of spooled ``files`` (:func:`spool_shard`'s); ``spooled`` stays alive with
@@ -208,6 +188,27 @@ def streamed_readers(spec: LoopSpec, files: Dict[str, List[Any]], rank: int,
                                      rank)
         readers[split].spooled = spooled
     return readers
+
+
+def spooled_for_child(spec: LoopSpec, world_size: int, rows: Optional[Iterable[Any]],
+                      all_gather: Callable[[str], List[str]]) -> Tuple[Any, LoopSpec]:
+    """A task whose rank trains in a child process (Keras): the ``rows`` the training stage
+    gave it spooled, and the spec that tells the child where (:func:`rank_readers`); keep the
+    first value alive while the child reads. ``(None, spec)`` when the stage took no rows."""
+    if rows is None:
+        return None, spec
+    from dataclasses import replace
+
+    spooled, files = spool_shard(spec, world_size, rows, all_gather)
+    return spooled, replace(spec, streamed=files)
+
+
+def check_streamable(input_mode: str, own_rows: bool, what: str) -> None:
+    """Refuse ``input_mode='stream'`` before any job where the tasks of ``what`` (a backend and
+    strategy) do not all train on the rows they are given (``own_rows``)."""
+    if input_mode == "stream" and not own_rows:
+        raise ValueError(f"input_mode='stream' is not available with {what} (their tasks do "
+                         f"not all train on their own rows); use input_mode='store'")
 
 
 def rank_readers(spec: LoopSpec, rank: int, world_size: int, rows: Optional[Iterable[Any]] = None,

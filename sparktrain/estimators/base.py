@@ -24,7 +24,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from sparktrain.data.batch import heavy_decoding
 from sparktrain.data.columns import BINARY, IMAGE, RAW_KINDS, STRING, VARLEN, ColumnSpec
-from sparktrain.data.materialize import MaterializedDataset, lease_seconds, materialize, streamed
+from sparktrain.data.materialize import MaterializedDataset, lease_seconds, rows_to_ranks
 from sparktrain.data.run_lock import run_lock
 from sparktrain.data.schema import check_validation_column, training_columns
 from sparktrain.data.store import Store
@@ -44,13 +44,7 @@ from sparktrain.options import horovod as horovod_params
 from sparktrain.options.declarations import COMMON, Option
 from sparktrain.options.params import EstimatorParams, camel
 from sparktrain.session.interrupts import interruptible, raise_if_interrupted
-from sparktrain.session.spark_api import (
-    all_conf,
-    check_store_shared,
-    job_tag,
-    master,
-    task_slots,
-)
+from sparktrain.session.spark_api import all_conf, check_store_shared, job_tag, master
 
 log = logging.getLogger("sparktrain")
 
@@ -156,30 +150,13 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
     def _rows_to_ranks(self, df: DataFrame, store: Store, specs: List[ColumnSpec],
                        validation: Any, elastic: ElasticPlan, feed_dir: str
                        ) -> MaterializedDataset:
-        """The dataset the ranks read: materialized in the store (``input_mode="store"``), or
-        streamed (``"stream"``: nothing written), fed by jobs beside the ranks where task slots
-        are left for them (:mod:`sparktrain.data.feeding`), else taken by the training stage
-        itself."""
-        variable = self.getTransformationFn() is not None
-        if self.getInputMode() == "store":
-            return materialize(df, store, specs, validation, self.getRandomSeed(),
-                               variable_length=variable)
-        ranks = elastic.min_num_proc
-        if df.limit(ranks).count() < ranks:
-            raise ValueError(f"input_mode='stream' gives each of the {ranks} ranks its own "
-                             f"rows, and the DataFrame has fewer rows than that; use fewer "
-                             f"ranks (num_proc) or more rows")
-        slots = task_slots(df.sparkSession)
-        fed = self.fed_streams and (slots is None or slots > elastic.num_proc)
-        if self.fed_streams and not fed:
-            log.info("input_mode='stream': num_proc=%d takes every task slot (%s), none is left "
-                     "to feed the ranks while they train: each rank takes its rows from the "
-                     "training stage (one partition a rank where the DataFrame has num_proc "
-                     "partitions, else after a shuffle)", elastic.num_proc, slots)
-        own = None if fed or elastic.elastic or not self.fed_streams else elastic.num_proc
-        return streamed(df, specs, validation, self.getRandomSeed(), variable_length=variable,
-                        feed_dir=feed_dir if fed else None, cache_limit=self.getCacheLimit(),
-                        own_ranks=own)
+        """The dataset the ranks read (:func:`~sparktrain.data.materialize.rows_to_ranks`)."""
+        return rows_to_ranks(df, store, specs, self.getInputMode(), validation,
+                             self.getRandomSeed(),
+                             variable_length=self.getTransformationFn() is not None,
+                             num_proc=elastic.num_proc, min_num_proc=elastic.min_num_proc,
+                             fed=self.fed_streams, feed_dir=feed_dir,
+                             cache_limit=self.getCacheLimit())
 
     def _check_params(self, df: DataFrame) -> List[ColumnSpec]:
         """What spans several options, the estimator or the DataFrame (each option's own range

@@ -15,7 +15,6 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 from pyspark.sql import SparkSession
 
-from sparktrain.data.feeding import Feeding
 from sparktrain.data.materialize import MaterializedDataset
 from sparktrain.data.store import Store, StoredBytes
 from sparktrain.estimators.progress import FitProgress
@@ -45,15 +44,9 @@ class FitRun:
     def launch(self, task: Callable[[Any], Any], **options: Any) -> List[Any]:
         """Run ``task`` on the fit's ranks, in generations when the fit is elastic; results in
         rank order (``options``: :func:`~sparktrain.launch.barrier.run_barrier`'s)."""
-        if self.data.feed is not None and self.data.feed["dir"]:  # fed by jobs beside the ranks
-            with Feeding(self.spark, self.data.stream, self.data.feed["dir"],
-                         self.store.storage_options):
-                return run_elastic(self.spark, self.elastic, task,
-                                   on_progress=self.progress.update, **options)
-        if self.data.stream is not None:  # input_mode="stream": the stage takes the rows
-            options = dict(options, rows=self.data.stream)
-        return run_elastic(self.spark, self.elastic, task, on_progress=self.progress.update,
-                           **options)
+        with self.data.reaching_ranks(self.spark, self.store.storage_options) as rows:
+            return run_elastic(self.spark, self.elastic, task, on_progress=self.progress.update,
+                               **options, **rows)
 
     @contextmanager
     def shipped(self, payload: bytes) -> Iterator[Tuple[StoredBytes, Dict[str, Any]]]:

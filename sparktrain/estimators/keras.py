@@ -27,6 +27,7 @@ from pyspark.sql import SparkSession
 
 from sparktrain.data.feed import BatchFeed
 from sparktrain.data.materialize import MaterializedDataset
+from sparktrain.data.stream import check_streamable
 from sparktrain.estimators.base import EstimatorBase
 from sparktrain.estimators.fit_run import FitRun
 from sparktrain.estimators.model import ModelBase
@@ -137,12 +138,9 @@ class KerasEstimator(EstimatorBase, KerasParams):
             raise TypeError(f"model must be a keras.Model (Keras {keras.__version__}), got "
                             f"{type(self.getModel()).__name__}")
         horovod_params.check_common(self)
-        if self.getInputMode() == "stream" and not (self._engine().streams_rows and
-                                                    self._strategy_class().trains_on_own_rows):
-            raise ValueError(f"input_mode='stream' is not available with backend="
-                             f"{self.getBackend()!r} and strategy={self.getStrategy()!r} (their "
-                             f"tasks do not all train on their own rows); use "
-                             f"input_mode='store'")
+        check_streamable(self.getInputMode(), self._engine().streams_rows and
+                         self._strategy_class().trains_on_own_rows,
+                         f"backend={self.getBackend()!r} and strategy={self.getStrategy()!r}")
         from sparktrain.loop.keras_checkpoint import checkpoint_settings
 
         checkpoint_settings(self.getCheckpointCallback(), self.getValidation())

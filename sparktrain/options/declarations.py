@@ -111,8 +111,9 @@ COMMON = (
     Option("validation", "fraction of rows held out for validation, or a boolean column "
            "marking them", None, to_validation),
     Option("input_mode", "how the rows reach the ranks: 'store' (written to the store as "
-           "Parquet once, reused by later fits of the same DataFrame) or 'stream' (the training "
-           "stage reads the DataFrame's partitions itself, nothing written to the store)",
+           "Parquet once, reused by later fits of the same DataFrame) or 'stream' (the ranks "
+           "train while the DataFrame's rows arrive, nothing written to the store; "
+           "docs/data.md)",
            "store", to_choice("input_mode", INPUT_MODES), Optional[str], rank=True),
     Option("cache_limit", "input_mode='stream': the most local disk each rank's cache of its "
            "rows may take, as a fraction of the free space (0.5) or bytes (2e9, '20g'); rows "
