@@ -26,6 +26,7 @@ Example (on a rank)::
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -34,7 +35,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import numpy as np
 
@@ -54,6 +55,7 @@ Batch = Dict[str, np.ndarray]
 WINDOW_BYTES = 16 << 20
 #: decoded chunks a re-read split's queue holds before the feeders wait
 QUEUE_CHUNKS = 64
+_NOTHING_YET = object()  # no row has arrived yet (a reader that does not wait)
 WAIT_SECONDS = 1.0  # how often a rank waiting for rows looks for a failed feed
 
 
@@ -220,7 +222,8 @@ class FedShard:
         self.cached = self.cache is not None
         self.lock = threading.Condition()
         self.received: Dict[Any, int] = {}  # (epoch or None when cached, partition) -> rows
-        self.arrived: List[np.ndarray] = []  # cached: shard rows not yet handed out
+        # cached: [first, stop) ranges of shard rows arrived and not yet handed out
+        self.arrived: Deque[List[int]] = collections.deque()
         self.total: Dict[Any, int] = {}  # epoch or None -> rows received
         self.chunks: Dict[int, "queue.Queue[Batch]"] = {}
         self.valid: Optional[np.ndarray] = None  # the cached rows, where fewer came than counted
@@ -251,7 +254,7 @@ class FedShard:
             self.received[(key, partition)] = start + stop
             self.total[key] = self.total.get(key, 0) + stop - skip
             if self.cached:
-                self.arrived.append(np.arange(first, first + stop - skip))
+                self.arrived.append([first, first + stop - skip])
             self.lock.notify_all()
 
     def _overflow(self, rows: int) -> None:
@@ -311,11 +314,12 @@ class FedShard:
         window = ShuffleWindow(self.window + self.batch_size)
         taken, last = 0, None
         key = None if self.cached else epoch
+        minimum = min(self.window, 4 * self.batch_size)  # waited for; more only if already in
         for step in range(self.steps):
             size = min(self.batch_size, self.most - step * self.batch_size)
             while window.size < self.window and taken < self.rows:
-                got = self._next_arrivals(key)
-                if got is None:
+                got = self._next_arrivals(key, self.window - window.size, window.size < minimum)
+                if got is None or got is _NOTHING_YET:
                     break
                 window.add(got)
                 taken += row_count(got)
@@ -335,24 +339,30 @@ class FedShard:
         with self.lock:
             self.chunks.pop(epoch, None)
 
-    def _next_arrivals(self, key: Any) -> Any:
-        """The next arrived rows: shard positions (cached) or a decoded chunk; ``None`` once
-        every row of this epoch is in and handed out."""
+    def _next_arrivals(self, key: Any, most: int, block: bool) -> Any:
+        """The next arrived rows (at most ``most``): shard positions (cached) or a decoded
+        chunk; ``None`` once every row of this epoch is in and handed out; without ``block``,
+        :data:`_NOTHING_YET` where none is in yet."""
         deadline = time.monotonic() + WAIT_SECONDS
         while True:
             if self.cached:
                 with self.lock:
                     if self.arrived:
-                        return self._pop_arrived()
+                        return self._pop_arrived(most)
                     if self.total.get(None, 0) >= self.rows:
                         return None
+                    if not block:
+                        return _NOTHING_YET
                     self.lock.wait(WAIT_SECONDS)
             else:
                 try:
-                    return self._queue(key).get(timeout=WAIT_SECONDS)
+                    return self._queue(key).get(timeout=WAIT_SECONDS) if block \
+                        else self._queue(key).get_nowait()
                 except queue.Empty:
                     if self.complete(key) and self._queue(key).empty():
                         return None
+                    if not block:
+                        return _NOTHING_YET
             if time.monotonic() >= deadline:
                 self.parent.check()
                 if self._short(key):
@@ -384,10 +394,20 @@ class FedShard:
     def _queue_drained(self, key: Any) -> bool:
         return self.cached or self._queue(key).empty()
 
-    def _pop_arrived(self) -> np.ndarray:
-        rows = np.concatenate(self.arrived)
-        self.arrived.clear()
-        return rows
+    def _pop_arrived(self, most: int) -> np.ndarray:
+        """Up to ``most`` arrived shard rows (the caller holds the lock): a window's worth,
+        however far the feed has run ahead of training."""
+        parts: List[np.ndarray] = []
+        while self.arrived and most > 0:
+            first, stop = self.arrived[0]
+            take = min(most, stop - first)
+            parts.append(np.arange(first, first + take))
+            most -= take
+            if first + take == stop:
+                self.arrived.popleft()
+            else:
+                self.arrived[0][0] = first + take
+        return np.concatenate(parts)
 
     def _settle(self) -> None:
         """Wait until the cache holds every row (or every row that came)."""

@@ -208,8 +208,8 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
 def streamed(df: DataFrame, columns: Sequence[ColumnSpec],
              validation: Union[None, float, str] = None, seed: Optional[int] = None,
              variable_length: bool = False, feed_dir: Optional[str] = None,
-             cache_limit: Optional[float] = None, own_ranks: Optional[int] = None
-             ) -> MaterializedDataset:
+             cache_limit: Optional[float] = None, own_ranks: Optional[int] = None,
+             min_ranks: int = 1) -> MaterializedDataset:
     """``input_mode="stream"``: ``columns`` sized and checked as :func:`materialize` does, and
     nothing written: the ranks get the returned dataset's ``stream``, ``df``'s rows in their
     stored form with their split: fed by jobs beside them through ``feed_dir`` when given
@@ -230,8 +230,12 @@ def streamed(df: DataFrame, columns: Sequence[ColumnSpec],
 
         plan = feed_plan(rows, feed_dir, cache_limit)
         plan["own"] = own and feed_dir is None
-        if not sum(plan["counts"].get("train", [])):
-            raise ValueError("input_mode='stream': the DataFrame has no training rows")
+    rows_there = sum(plan["counts"].get("train", [])) if plan else \
+        rows.limit(min_ranks).count()  # the plan counted them; else this cheap check
+    if rows_there < min_ranks:
+        raise ValueError(f"input_mode='stream' gives each of the {min_ranks} ranks its own "
+                         f"rows, and the DataFrame has fewer rows than that; use fewer ranks "
+                         f"(num_proc) or more rows")
     return MaterializedDataset("", specs, {}, "stream", seconds=time.perf_counter() - start,
                                stream=rows, feed=plan)
 
@@ -247,10 +251,6 @@ def rows_to_ranks(df: DataFrame, store: Store, columns: Sequence[ColumnSpec], in
     the cluster has task slots left, else taken by the training stage itself."""
     if input_mode == "store":
         return materialize(df, store, columns, validation, seed, variable_length=variable_length)
-    if df.limit(min_num_proc).count() < min_num_proc:
-        raise ValueError(f"input_mode='stream' gives each of the {min_num_proc} ranks its own "
-                         f"rows, and the DataFrame has fewer rows than that; use fewer ranks "
-                         f"(num_proc) or more rows")
     slots = task_slots(df.sparkSession)
     beside = fed and (slots is None or slots > num_proc)
     if fed and not beside:
@@ -261,7 +261,7 @@ def rows_to_ranks(df: DataFrame, store: Store, columns: Sequence[ColumnSpec], in
     own = num_proc if fed and not beside and min_num_proc == num_proc else None
     return streamed(df, columns, validation, seed, variable_length=variable_length,
                     feed_dir=feed_dir if beside else None, cache_limit=cache_limit,
-                    own_ranks=own)
+                    own_ranks=own, min_ranks=min_num_proc)
 
 
 def _reused(store: Store, key: str, found: Commit, start: float) -> MaterializedDataset:
