@@ -297,10 +297,14 @@ class FedShard:
         return self._windowed(epoch, rng, skip)
 
     def _permuted(self, rng: Optional[np.random.Generator], skip: int) -> Iterator[Batch]:
-        order = rng.permutation(self.rows) if rng is not None else np.arange(self.rows)
+        kind = np.int32 if self.rows < 2**31 else np.int64  # 4 bytes a row: big shards
+        order = np.arange(self.rows, dtype=kind)
+        if rng is not None:
+            rng.shuffle(order)
         if self.valid is not None:  # fewer rows came than counted: the ones that did
             order = self.valid[order]
-        order = np.resize(order, self.most)  # a rank short of the most repeats from the start
+        if self.most != len(order):  # a rank short of the most repeats from the start
+            order = np.resize(order, self.most)
         for start in range(skip * self.batch_size, self.most, self.batch_size):
             rows = order[start:start + self.batch_size]
             if rng is not None:
