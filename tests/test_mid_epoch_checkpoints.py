@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from test_reader import COLUMNS, write_dataset
 
-from sparktrain.data.reader import ShardReader, take_steps
+from sparktrain.data.epoch_steps import take_steps
+from sparktrain.data.reader import ShardReader
 from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.loop.epochs import CheckpointTrigger
 

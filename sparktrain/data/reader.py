@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import math
 import mmap
-import queue
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from sparktrain.data.background import in_background
 from sparktrain.data.batch import arrow_to_numpy
 from sparktrain.data.columns import ColumnSpec
 from sparktrain.data.rank_cache import RankCache
@@ -403,94 +402,6 @@ def _close(handle: Any, source: Any) -> None:
     handle.close(force=True)
     if not isinstance(source, str):
         source.close()
-
-
-def in_background(items: Iterator[Any], depth: int) -> Iterator[Any]:
-    """``items``, produced by a background thread up to ``depth`` ahead (``depth <= 0``: in the
-    caller's thread). An exception in the producer is raised in the caller; a caller that
-    stops early stops the producer.
-
-    Example::
-
-        for chunk in in_background((read(piece) for piece in pieces), 2):
-            train_on(chunk)
-    """
-    if depth <= 0:
-        yield from items
-        return
-    slots: "queue.Queue" = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    done = object()
-
-    def produce() -> None:
-        try:
-            for item in items:
-                if stop.is_set():
-                    return
-                slots.put(item)
-            slots.put(done)
-        except BaseException as exc:  # handed to the consumer, raised there
-            slots.put(exc)
-
-    thread = threading.Thread(target=produce, name="sparktrain-reader", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = slots.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            del item  # do not hold a chunk while waiting for the next one
-    finally:
-        stop.set()
-        while thread.is_alive():  # unblock a producer waiting on a full queue
-            try:
-                slots.get_nowait()
-            except queue.Empty:
-                thread.join(0.01)
-
-
-def take_steps(reader: "ShardReader", epoch: int, steps: Optional[int], skip: int = 0,
-               order: Optional[str] = None) -> Iterator[Batch]:
-    """``steps`` batches of ``reader`` for ``epoch`` (one whole pass when ``None``); more steps
-    than a pass has continue into further passes, each shuffled afresh (Horovod's
-    ``train_steps_per_epoch``). ``skip``: the first ``skip`` of them left out (an epoch
-    resumed inside), the rest as they would have been; ``order``: the resumed epoch's
-    ``reader.order`` (see :meth:`ShardReader.epoch`).
-
-    Example::
-
-        for batch in take_steps(reader, epoch=2, steps=None, skip=40):   # batches 40.. of 2
-            ...
-    """
-    def epoch_of(number: int, skipped: int) -> Iterator[Batch]:
-        if not skipped:  # readers without `skip` keep working for whole epochs
-            return reader.epoch(number)
-        extra = {"order": order} if order is not None else {}
-        return reader.epoch(number, skip=skipped, **extra)
-
-    if steps is None:
-        yield from epoch_of(epoch, skip)
-        return
-    per_pass = len(reader)
-    done, extra = skip, skip // per_pass
-    if done >= steps:
-        return
-    first = skip - extra * per_pass
-    while True:
-        batches = epoch_of(epoch + extra * 1_000_003, first)
-        first = 0
-        try:
-            for batch in batches:
-                yield batch
-                done += 1
-                if done == steps:
-                    return
-        finally:
-            batches.close()
-        extra += 1
 
 
 def shard_readers(spec: LoopSpec, rank: int, world_size: int) -> Dict[str, ShardReader]:

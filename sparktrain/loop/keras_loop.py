@@ -247,7 +247,7 @@ class _KerasEpochs:
         match); the statistics summed over workers. Training resumes inside the epoch after
         the batches already trained (the driver's ``within``) and checkpoints between calls
         when one is due."""
-        from sparktrain.data.reader import take_steps
+        from sparktrain.data.epoch_steps import take_steps
 
         tf = self.tf
         split = "train" if source is self.train_reader else "val"

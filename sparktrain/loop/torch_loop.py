@@ -28,14 +28,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
+from sparktrain.data.epoch_steps import take_steps
 from sparktrain.data.feed import BatchFeed
-from sparktrain.data.reader import ShardReader, take_steps
+from sparktrain.data.reader import ShardReader
 from sparktrain.data.stream import rank_readers
 from sparktrain.faults import mark_user_error, user_code
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.elastic import for_rank, scaling_ranks
-from sparktrain.loop.epochs import EpochBoard, EpochDriver, InEpoch, Logs, StepReporter
+from sparktrain.loop.epochs import EpochDriver, InEpoch, Logs, StepReporter
 from sparktrain.loop.torch_batch import (
     Batches,
     LossComputer,
@@ -43,6 +44,7 @@ from sparktrain.loop.torch_batch import (
     match_label,
     select_device,
 )
+from sparktrain.loop.torch_board import TorchBoard
 from sparktrain.loop.torch_checkpoint import checkpoint_bytes, restore
 from sparktrain.loop.torch_files import BuiltModule, dumps_without_weights, save_weights
 from sparktrain.loop.torch_forward import ForwardRule
@@ -195,25 +197,6 @@ def _averaged(dist: Any, sums: torch.Tensor, names: List[str], prefix: str) -> D
     result.update({f"{prefix}{name}": value / rows
                    for name, value in zip(names, total[2:], strict=True)})
     return result
-
-
-class _TensorBoard(EpochBoard):
-    """:class:`~sparktrain.loop.epochs.EpochBoard` written by torch's ``SummaryWriter``."""
-
-    def _open(self, directory: str) -> Any:
-        import sys
-        import types
-
-        # tensorboard.compat imports all of TensorFlow when it is installed (8 s here) unless
-        # the module tensorboard.compat.notf exists: its own switch to the TF-free stub.
-        stub = "tensorboard.compat.notf"
-        sys.modules.setdefault(stub, types.ModuleType(stub))
-        from torch.utils.tensorboard import SummaryWriter
-
-        return SummaryWriter(directory)
-
-    def _scalar(self, writer: Any, tag: str, value: float, step: int) -> None:
-        writer.add_scalar(tag, value, step)
 
 
 def _autocast_dtype(spec: TorchTrainSpec) -> Optional[torch.dtype]:
@@ -382,7 +365,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         if ctx.rank == 0 and shipped.built_here else None
     driver = EpochDriver.for_spec(
         spec, rank=ctx.rank, world_size=ctx.world_size, attempt=ctx.attempt, log=ctx.log,
-        progress=ctx.progress, board=lambda: _TensorBoard(spec.run_path, spec.storage_options),
+        progress=ctx.progress, board=lambda: TorchBoard(spec.run_path, spec.storage_options),
         require_finite=True, meta={"framework": "torch", "strategy": spec.strategy})
     device = select_device(ctx, spec.use_gpu)
 

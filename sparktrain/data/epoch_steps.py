@@ -1,0 +1,56 @@
+"""An epoch's batches from any rank reader (a store shard or streamed rows): ``steps`` of them
+across passes, from batch ``skip`` on (a resumed epoch).
+
+Example::
+
+    for batch in take_steps(reader, epoch=2, steps=None, skip=40):   # batches 40.. of epoch 3
+        ...
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, Optional
+
+import numpy as np
+
+Batch = Dict[str, np.ndarray]
+
+
+def take_steps(reader: Any, epoch: int, steps: Optional[int], skip: int = 0,
+               order: Optional[str] = None) -> Iterator[Batch]:
+    """``steps`` batches of ``reader`` for ``epoch`` (one whole pass when ``None``); more steps
+    than a pass has continue into further passes, each shuffled afresh (Horovod's
+    ``train_steps_per_epoch``). ``skip``: the first ``skip`` of them left out (an epoch
+    resumed inside), the rest as they would have been; ``order``: the resumed epoch's
+    ``reader.order`` (see :meth:`sparktrain.data.reader.ShardReader.epoch`).
+
+    Example::
+
+        for batch in take_steps(reader, epoch=2, steps=None, skip=40):   # batches 40.. of 2
+            ...
+    """
+    def epoch_of(number: int, skipped: int) -> Iterator[Batch]:
+        if not skipped:  # readers without `skip` keep working for whole epochs
+            return reader.epoch(number)
+        extra = {"order": order} if order is not None else {}
+        return reader.epoch(number, skip=skipped, **extra)
+
+    if steps is None:
+        yield from epoch_of(epoch, skip)
+        return
+    per_pass = len(reader)
+    done, extra = skip, skip // per_pass
+    if done >= steps:
+        return
+    first = skip - extra * per_pass
+    while True:
+        batches = epoch_of(epoch + extra * 1_000_003, first)
+        first = 0
+        try:
+            for batch in batches:
+                yield batch
+                done += 1
+                if done == steps:
+                    return
+        finally:
+            batches.close()
+        extra += 1
