@@ -6,49 +6,134 @@ import textwrap
 
 import pytest
 
-from sparktrain.launch.gpus import check_gpu_conf, gpu_environment, rank_gpu
+from sparktrain.launch.gpus import (
+    GpuPlan,
+    cuda_ordinal,
+    gpu_environment,
+    plan_gpus,
+    rank_gpu,
+    stage_scheduling_gap,
+    worker_gpus,
+)
 from support.helpers import run_on_fake_gpus
 
 GPU_CONF = {"spark.task.resource.gpu.amount": "1", "spark.executor.resource.gpu.amount": "2"}
+STANDALONE = "spark://10.0.0.1:7077"
+WORKER = {"spark.worker.resource.gpu.amount": "4"}
 
 
-@pytest.mark.parametrize("master,extra,expected", [
-    ("yarn", {}, True),
-    ("k8s://https://api:6443", {"spark.executor.resource.gpu.vendor": "nvidia.com"}, True),
-    ("spark://10.0.0.1:7077", {"spark.worker.resource.gpu.amount": "2"}, True),
+def plan(conf, master="yarn", version="4.0.1", use_gpu=None, **more):
+    return plan_gpus(conf, master, version, use_gpu, **more)
+
+
+@pytest.mark.parametrize("master,extra", [
+    ("yarn", {}),
+    ("k8s://https://api:6443", {"spark.executor.resource.gpu.vendor": "nvidia.com"}),
+    (STANDALONE, WORKER),
 ])
-def test_complete_gpu_conf_turns_gpus_on(master, extra, expected):
-    assert check_gpu_conf({**GPU_CONF, **extra}, master, None) is expected
-    assert check_gpu_conf({**GPU_CONF, **extra}, master, False) is False
+def test_a_gpu_per_task_trains_a_rank_per_task(master, extra):
+    assert plan({**GPU_CONF, **extra}, master) == GpuPlan(True, 1, 1)
+    assert plan({**GPU_CONF, **extra}, master, use_gpu=False) == GpuPlan(False)
+
+
+def test_several_gpus_per_task_run_a_rank_each_or_one_worker():
+    conf = {**GPU_CONF, "spark.task.resource.gpu.amount": "4",
+            "spark.executor.resource.gpu.amount": "4"}
+    torch_plan = plan(conf)
+    assert (torch_plan.gpus_per_task, torch_plan.ranks_per_task) == (4, 4)
+    assert torch_plan.tasks(8) == 2 and not torch_plan.needs_profile
+    with pytest.raises(ValueError, match=r"num_proc=6 counts training processes, one per GPU; "
+                                         r".* must be a multiple of 4: 4 or 8"):
+        torch_plan.tasks(6)
+    keras_plan = plan(conf, ranks_per_gpu=False)  # one worker using its 4 GPUs
+    assert (keras_plan.gpus_per_task, keras_plan.ranks_per_task) == (4, 1)
+    assert keras_plan.tasks(3) == 3
+
+
+@pytest.mark.parametrize("amount", ["0.25", None])
+def test_shared_or_unset_task_gpus_get_a_stage_profile(amount):
+    conf = {"spark.executor.resource.gpu.amount": "4", "spark.executor.cores": "8", **WORKER,
+            **({"spark.task.resource.gpu.amount": amount} if amount else {})}
+    staged = plan(conf, STANDALONE, "3.4.0")
+    assert staged == GpuPlan(True, 1, 1, profile_cpus=2, source="stage")
+    assert staged.needs_profile and staged.tasks(3) == 3
+
+
+@pytest.mark.parametrize("master,version,conf,message", [
+    ("yarn", "3.5.0", {}, r"Spark 3.5.0 cannot give one stage its own task resources on YARN "
+                          r"and Kubernetes \(that needs Spark >= 3.5.1\)"),
+    (STANDALONE, "3.3.2", WORKER, r"needs Spark >= 3.4"),
+    ("yarn", "4.0.1", {"spark.dynamicAllocation.enabled": "true"},
+     "spark.dynamicAllocation.enabled=true"),
+    ("mesos://m:5050", "4.0.1", {}, "no stage-level scheduling"),
+])
+def test_no_stage_scheduling_names_what_to_set(master, version, conf, message):
+    conf = {"spark.task.resource.gpu.amount": "0.25",
+            "spark.executor.resource.gpu.amount": "2", **conf}
+    with pytest.raises(ValueError, match=message) as error:
+        plan(conf, master, version)
+    assert "shares a GPU among 4 tasks" in str(error.value)
+    assert "Set spark.task.resource.gpu.amount=1 for the application" in str(error.value)
+
+
+def test_old_pyspark_clients_cannot_attach_a_profile():
+    assert "pyspark >= 4.0" in stage_scheduling_gap("yarn", "3.5.1", {}, False)
+    assert stage_scheduling_gap("yarn", "3.5.1", {}, True) is None
 
 
 @pytest.mark.parametrize("master,conf,use_gpu,message", [
     ("yarn", {}, True,
-     "use_gpu=True but Spark gives tasks no GPUs: set spark.task.resource.gpu.amount=1"),
+     "use_gpu=True but the executors have no GPUs: set spark.executor.resource.gpu.amount"),
     ("yarn", {"spark.task.resource.gpu.amount": "1"}, None,
      "spark.executor.resource.gpu.amount is not set"),
     ("k8s://https://api:6443", GPU_CONF, None, "spark.executor.resource.gpu.vendor is not set"),
-    ("spark://10.0.0.1:7077", GPU_CONF, None, "spark.worker.resource.gpu.amount is not set"),
-    ("yarn", {**GPU_CONF, "spark.task.resource.gpu.amount": "0.5"}, None,
-     r"=0.5 would run 2 ranks on one GPU, and NCCL needs a GPU per rank"),
-    ("yarn", {**GPU_CONF, "spark.task.resource.gpu.amount": "1.5"}, None, "whole number"),
+    ("local-cluster[2,1,1024]", GPU_CONF, None, "spark.worker.resource.gpu.amount is not set"),
+    ("yarn", {**GPU_CONF, "spark.task.resource.gpu.amount": "1.5"}, None,
+     "spark.task.resource.gpu.amount=1.5: training needs a whole number of GPUs per task"),
     ("local[4]", GPU_CONF, None, "does not schedule GPUs"),
 ])
 def test_bad_gpu_conf_names_the_key(master, conf, use_gpu, message):
     with pytest.raises(ValueError, match=message):
-        check_gpu_conf(conf, master, use_gpu)
+        plan(conf, master, use_gpu=use_gpu)
 
 
 def test_no_gpu_conf_means_cpu():
-    assert check_gpu_conf({}, "yarn", None) is False
+    assert plan({}) == GpuPlan(False)
+    assert plan({"spark.executor.resource.gpu.amount": "1"}, "local[2]") == GpuPlan(False)
 
 
-def test_rank_gpu_takes_the_first_assigned():
+def test_resource_profile_decides_the_task_gpus(spark):
+    from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+
+    def profile(gpus):
+        requests = TaskResourceRequests().cpus(1)
+        return ResourceProfileBuilder().require(
+            requests.resource("gpu", gpus) if gpus else requests).build
+
+    assert plan({}, profile=profile(2)) == GpuPlan(True, 2, 2, source="resource_profile")
+    assert plan({}, profile=profile(0)) == GpuPlan(False, source="resource_profile")
+    with pytest.raises(ValueError, match="resource_profile asks no GPU"):
+        plan({}, use_gpu=True, profile=profile(0))
+    with pytest.raises(ValueError, match="task GPU amount=0.5: training needs a whole number"):
+        plan({}, profile=profile(0.5))
+
+
+def test_rank_and_worker_gpus():
     assert rank_gpu({"gpu": ["3", "4"]}, True) == "3"
     assert rank_gpu({"gpu": ["3"]}, False) is None
+    assert worker_gpus({"gpu": ["3", "4"]}, None) == "3,4"
+    assert worker_gpus({}, None) is None
     assert gpu_environment("3") == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert gpu_environment(["3", "4"]) == {"CUDA_VISIBLE_DEVICES": "3,4"}
     with pytest.raises(RuntimeError, match="assigned no GPU"):
         rank_gpu({}, True)
+
+
+def test_a_local_rank_finds_its_gpu_among_the_visible(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6")
+    assert cuda_ordinal("6", 1, "torch") == 0  # a local rank sees only its own GPU
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert cuda_ordinal("1", 2, "torch") == 1
 
 
 SCRIPT = textwrap.dedent('''
@@ -56,12 +141,12 @@ SCRIPT = textwrap.dedent('''
     sys.path.insert(0, {root!r})
     from sparktrain import local_spark
     from sparktrain.launch.barrier import run_barrier
-    from sparktrain.launch.gpus import check_gpu_conf, gpu_environment, rank_gpu
+    from sparktrain.launch.gpus import gpu_environment, plan_gpus, rank_gpu
 
     spark = local_spark("local-cluster[1,2,1024]",
                         conf={{**{gpu_conf}, "spark.sparktrain.slotWaitSeconds": "60"}})
     sc = spark.sparkContext
-    use_gpu = check_gpu_conf(dict(sc.getConf().getAll()), sc.master, None)
+    use_gpu = plan_gpus(dict(sc.getConf().getAll()), sc.master, spark.version, None).use_gpu
 
     def task(ctx):
         address = rank_gpu(ctx.resources, use_gpu)

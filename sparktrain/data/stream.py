@@ -42,31 +42,49 @@ def spool(batches: Iterable[Any], columns: Sequence[ColumnSpec], folder: str
           ) -> Dict[str, Tuple[str, int]]:
     """Write the Arrow record ``batches`` into ``folder``, one IPC file per split:
     ``{split: (path, rows)}`` for the splits that got rows."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    names = [c.name for c in columns]
-    writers: Dict[str, Any] = {}
-    counts = {split: 0 for split in SPLITS}
+    writer = _SpoolWriter(folder, [c.name for c in columns])
     try:
         for batch in batches:
-            if not batch.num_rows:
-                continue
-            split_of = batch.column(SPLIT_COL)
-            for split in SPLITS:
-                part = batch.filter(pc.equal(split_of, split))
-                if not part.num_rows:
-                    continue
-                part = pa.RecordBatch.from_arrays([part.column(n) for n in names], names=names)
-                if split not in writers:
-                    writers[split] = pa.ipc.new_file(os.path.join(folder, f"{split}.arrow"),
-                                                     part.schema)
-                writers[split].write_batch(part)
-                counts[split] += part.num_rows
+            writer.write(batch)
     finally:
-        for writer in writers.values():
+        files = writer.close()
+    return files
+
+
+class _SpoolWriter:
+    """Record batches in (with their split column), one Arrow IPC file per split out."""
+
+    def __init__(self, folder: str, names: Optional[Sequence[str]] = None) -> None:
+        os.makedirs(folder, exist_ok=True)
+        self.folder, self.names = folder, names  # None: every column but the split
+        self.counts = {split: 0 for split in SPLITS}
+        self.writers: Dict[str, Any] = {}
+
+    def write(self, batch: Any) -> None:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if not batch.num_rows:
+            return
+        split_of = batch.column(SPLIT_COL)
+        names = self.names or [n for n in batch.schema.names if n != SPLIT_COL]
+        for split in SPLITS:
+            part = batch.filter(pc.equal(split_of, split))
+            if not part.num_rows:
+                continue
+            part = pa.RecordBatch.from_arrays([part.column(n) for n in names], names=names)
+            if split not in self.writers:
+                self.writers[split] = pa.ipc.new_file(
+                    os.path.join(self.folder, f"{split}.arrow"), part.schema)
+            self.writers[split].write_batch(part)
+            self.counts[split] += part.num_rows
+
+    def close(self) -> Dict[str, Tuple[str, int]]:
+        """Close the files: ``{split: (path, rows)}`` for the splits that got rows."""
+        for writer in self.writers.values():
             writer.close()
-    return {split: (os.path.join(folder, f"{split}.arrow"), counts[split]) for split in writers}
+        return {split: (os.path.join(self.folder, f"{split}.arrow"), self.counts[split])
+                for split in self.writers}
 
 
 class StreamShard:
@@ -159,20 +177,67 @@ def spool_shard(spec: LoopSpec, world_size: int, rows: Iterable[Any],
         raise disk_full(spooled.folder, "spooling the rank's streamed rows", exc) from None
     counts = [json.loads(text) for text in all_gather(json.dumps(
         {split: n for split, (_, n) in files.items()}))]
+    try:
+        most = _agreed_rows(counts)
+    except ValueError:
+        spooled.remove()
+        raise
+    return spooled, {split: [files[split][0], most[split]] for split in SPLITS if most[split]}
+
+
+def _agreed_rows(counts: List[Dict[str, int]]) -> Dict[str, int]:
+    """The rows an epoch of each split has on every rank (the most any rank got), from every
+    rank's ``{split: rows}`` in rank order; ``ValueError`` when a rank got none."""
     most = {split: max(c.get(split, 0) for c in counts) for split in SPLITS}
     if not most["train"]:
-        spooled.remove()
         raise ValueError("input_mode='stream': the DataFrame reached the ranks without rows")
     for split in (s for s in SPLITS if most[s]):
         empty = [r for r, c in enumerate(counts) if not c.get(split)]
         if empty:
-            spooled.remove()
             raise ValueError(
-                f"input_mode='stream': rank(s) {empty} of {world_size} received no "
+                f"input_mode='stream': rank(s) {empty} of {len(counts)} received no "
                 f"{'training' if split == 'train' else 'validation'} rows (rows per rank: "
                 f"{[c.get(split, 0) for c in counts]}); the DataFrame has too few rows for "
-                f"num_proc={world_size}: use fewer ranks or input_mode='store'")
-    return spooled, {split: [files[split][0], most[split]] for split in SPLITS if most[split]}
+                f"num_proc={len(counts)}: use fewer ranks or input_mode='store'")
+    return most
+
+
+def spool_for_local_ranks(task: Callable[[Any], Any], rows: Iterable[Any], folder: str,
+                          ranks: int, all_gather: Callable[[str], List[str]]
+                          ) -> Callable[[Any], Any]:
+    """A task holding several local ranks (:mod:`sparktrain.launch.local_ranks`): its
+    streamed ``rows`` spooled into ``folder``, each record batch dealt in equal slices to its
+    ``ranks`` ranks; the tasks agree on the rows per epoch through ``all_gather`` (Spark's,
+    between the tasks). Returns ``task`` wrapped to give each rank its files as
+    ``RankContext.rows`` (read by :func:`rank_readers`)."""
+    import functools
+
+    writers = [_SpoolWriter(os.path.join(folder, f"rows-{local}")) for local in range(ranks)]
+    try:
+        try:
+            for batch in rows:  # equal slices, zero copy, each to its rank's files
+                for local, writer in enumerate(writers):
+                    start = local * batch.num_rows // ranks
+                    end = (local + 1) * batch.num_rows // ranks
+                    writer.write(batch.slice(start, end - start))
+        finally:
+            files = [writer.close() for writer in writers]
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        raise disk_full(folder, "spooling the task's streamed rows", exc) from None
+    counts = [c for text in all_gather(json.dumps(
+        [{split: n for split, (_, n) in f.items()} for f in files])) for c in json.loads(text)]
+    most = _agreed_rows(counts)
+    mine = [{split: [f[split][0], most[split]] for split in SPLITS if most[split]}
+            for f in files]
+    return functools.partial(_with_spooled_rows, task, mine)
+
+
+def _with_spooled_rows(task: Callable[[Any], Any], files: List[Dict[str, List[Any]]],
+                       ctx: Any) -> Any:
+    ctx.rows = files[ctx.local_rank]
+    return task(ctx)
 
 
 def streamed_readers(spec: LoopSpec, files: Dict[str, List[Any]], rank: int,
@@ -224,8 +289,8 @@ def rank_readers(spec: LoopSpec, rank: int, world_size: int, rows: Optional[Iter
         from sparktrain.data.fed_rows import FedRows
 
         return dict(FedRows(spec, rank, world_size, all_gather, rows, say).readers)
-    if spec.streamed:
-        return streamed_readers(spec, spec.streamed, rank)
+    if spec.streamed or isinstance(rows, dict):  # files spooled for this rank by its task
+        return streamed_readers(spec, spec.streamed or rows, rank)
     if rows is None or all_gather is None:
         raise RuntimeError("input_mode='stream' but this rank was given no rows")
     spooled, files = spool_shard(spec, world_size, rows, all_gather)

@@ -38,7 +38,7 @@ from sparktrain.launch import check_backend
 from sparktrain.launch.barrier import check_slots
 from sparktrain.launch.elastic import ElasticPlan
 from sparktrain.launch.executor_env import RANK_MODULES, check_executors
-from sparktrain.launch.gpus import check_gpu_conf
+from sparktrain.launch.gpus import GpuPlan, plan_gpus
 from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.options import horovod as horovod_params
 from sparktrain.options.declarations import COMMON, Option
@@ -146,9 +146,12 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
     #: whether the ranks can take rows fed by jobs beside them (their readers run where the
     #: Spark task's ``all_gather`` is; Keras's run in a child process and read a spooled shard)
     fed_streams = False
+    # a task holding N GPUs runs N ranks, one process each (torch); else one worker using
+    # all N (Keras: MultiWorkerMirroredStrategy spans a worker's GPUs)
+    ranks_per_gpu = False
 
     def _rows_to_ranks(self, df: DataFrame, store: Store, specs: List[ColumnSpec],
-                       validation: Any, elastic: ElasticPlan, feed_dir: str
+                       validation: Any, elastic: ElasticPlan, feed_dir: str, gpus: GpuPlan
                        ) -> MaterializedDataset:
         """The dataset the ranks read (:func:`~sparktrain.data.materialize.rows_to_ranks`)."""
         return rows_to_ranks(df, store, specs, self.getInputMode(), validation,
@@ -156,7 +159,8 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                              variable_length=self.getTransformationFn() is not None,
                              num_proc=elastic.num_proc, min_num_proc=elastic.min_num_proc,
                              fed=self.fed_streams, feed_dir=feed_dir,
-                             cache_limit=self.getCacheLimit())
+                             cache_limit=self.getCacheLimit(),
+                             ranks_per_task=gpus.ranks_per_task, gpus=gpus.use_gpu)
 
     def _check_params(self, df: DataFrame) -> List[ColumnSpec]:
         """What spans several options, the estimator or the DataFrame (each option's own range
@@ -216,13 +220,15 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
             specs = self._check_params(dataset)
         spark = dataset.sparkSession
         self._check_session(spark)
-        use_gpu = check_gpu_conf(all_conf(spark), master(spark), self.getUseGpu())
-        if self.getMixedPrecision() == "fp16" and not use_gpu:
+        gpus, profile = self._gpu_plan(spark)
+        if self.getMixedPrecision() == "fp16" and not gpus.use_gpu:
             raise ValueError("mixed_precision='fp16' needs GPU ranks (CPU autocast supports "
                              "bfloat16 only); use mixed_precision='bf16' or train on GPUs")
         elastic = self.elastic_plan()
+        gpus.tasks(elastic.num_proc)  # whole tasks of ranks (one per GPU)
         check_slots(spark, elastic.min_num_proc,
-                    name="min_num_proc" if elastic.elastic else "num_proc")
+                    name="min_num_proc" if elastic.elastic else "num_proc", profile=profile,
+                    ranks_per_task=gpus.ranks_per_task)
         with _FitLogging(self.getVerbose()):
             run_preflight(self, dataset, specs)
         raise_if_interrupted()
@@ -250,10 +256,12 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                          latest.epochs_done)
             raise_if_interrupted()
             data = self._rows_to_ranks(dataset, store, specs, validation, elastic,
-                                       f"{store.run_path(run_id)}/_feed/{uuid.uuid4().hex[:8]}")
+                                       f"{store.run_path(run_id)}/_feed/{uuid.uuid4().hex[:8]}",
+                                       gpus)
             raise_if_interrupted()
-            result = self._train(FitRun(dataset.sparkSession, data, store, use_gpu, run_id,
-                                        progress, time.time(), elastic))
+            result = self._train(FitRun(dataset.sparkSession, data, store, gpus.use_gpu,
+                                        run_id, progress, time.time(), elastic, profile,
+                                        gpus.ranks_per_task))
             listener.trained(result)
             progress.close()
             log.info("fit done in %.1fs (materialize %.1fs%s); run %s",
@@ -271,6 +279,30 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                    predict_transformation_fn=self._prediction_transform(data))
         listener.fitted(model, dataset)
         return model
+
+    def _gpu_plan(self, spark: SparkSession) -> Tuple[GpuPlan, Any]:
+        """How the training stage gets its GPUs (:func:`~sparktrain.launch.gpus.plan_gpus`)
+        and the ResourceProfile it runs with (``None``: the application's defaults)."""
+        import pyspark
+
+        profile = self.getResourceProfile()
+        with_profiles = int(pyspark.__version__.split(".")[0]) >= 4
+        if profile is not None and not with_profiles:
+            raise ValueError("resource_profile needs pyspark >= 4.0 (DataFrame.mapInArrow(..., "
+                             "profile=)); with older Spark set the GPUs for the whole session "
+                             "(spark.task.resource.gpu.amount) and leave resource_profile unset")
+        plan = plan_gpus(all_conf(spark), master(spark), spark.version, self.getUseGpu(),
+                         profile, self.ranks_per_gpu, with_profiles)
+        if plan.needs_profile:
+            profile = plan.build_profile()
+            log.info("the training stage asks for 1 GPU and %d CPU(s) per rank (stage-level "
+                     "scheduling); the application's other stages keep "
+                     "spark.task.resource.gpu.amount=%s", plan.profile_cpus,
+                     all_conf(spark).get("spark.task.resource.gpu.amount", "unset"))
+        if plan.ranks_per_task > 1:
+            log.info("each task holds %d GPUs and runs %d ranks, one process per GPU",
+                     plan.gpus_per_task, plan.ranks_per_task)
+        return plan, profile
 
     def _prediction_transform(self, data: MaterializedDataset) -> Optional[Callable]:
         """What the model applies before predicting: ``predict_transformation_fn``, else

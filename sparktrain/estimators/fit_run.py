@@ -33,6 +33,10 @@ class FitRun:
     progress: FitProgress
     started: float  # time.time() when fit began: max_time counts from here, across retries
     elastic: ElasticPlan  # how many ranks (num_proc, min_num_proc: launch.elastic)
+    # the training stage's ResourceProfile (stage-level scheduling) and ranks per task (one
+    # per GPU: launch.local_ranks), from launch.gpus.plan_gpus
+    profile: Any = None
+    ranks_per_task: int = 1
     # one fit, whatever its attempts: an early stop it checkpointed holds for its retries only
     fit_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -46,7 +50,13 @@ class FitRun:
         rank order (``options``: :func:`~sparktrain.launch.barrier.run_barrier`'s)."""
         with self.data.reaching_ranks(self.spark, self.store.storage_options) as rows:
             return run_elastic(self.spark, self.elastic, task, on_progress=self.progress.update,
-                               **options, **rows)
+                               **options, **rows, **self.stage())
+
+    def stage(self) -> Dict[str, Any]:
+        """The barrier stage's resources as :func:`~sparktrain.launch.barrier.run_barrier`
+        options (none where the application's defaults hold)."""
+        return {**({"profile": self.profile} if self.profile is not None else {}),
+                **({"ranks_per_task": self.ranks_per_task} if self.ranks_per_task > 1 else {})}
 
     @contextmanager
     def shipped(self, payload: bytes) -> Iterator[Tuple[StoredBytes, Dict[str, Any]]]:

@@ -236,7 +236,8 @@ class KerasEstimator(EstimatorBase, KerasParams):
         with run.shipped(self._payload()) as (payload, where):
             if engine.launches_itself:  # starts its own cluster around the Spark job
                 return engine.launch(run.spark, self.getNumProc(), spec, payload, run.use_gpu,
-                                     on_progress=run.progress.update, **launch, **where)
+                                     on_progress=run.progress.update, **launch, **where,
+                                     **run.stage())
             # the classes travel pickled: an engine or strategy registered only here works
             task = functools.partial(_keras_rank, spec, dumps((engine, self._strategy_class())),
                                      payload, run.use_gpu)

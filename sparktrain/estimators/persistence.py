@@ -150,6 +150,7 @@ class EstimatorWriter(_Writer):
                                    extraMetadata={"backend_env_keys": env_keys} if env_keys
                                    else None)
         objects = _without_credentials(object_params(self.instance), self.instance)
+        objects.pop("resource_profile", None)  # a session's object (the JVM's, on classic)
         write_file(root, "objects.pkl", dumps(objects))
 
 

@@ -120,6 +120,7 @@ class TorchEstimator(EstimatorBase, TorchParams):
     backends = TORCH_BACKENDS
     framework = "torch"
     fed_streams = True  # the torch rank loop reads its rows in the barrier task itself
+    ranks_per_gpu = True  # a task with N GPUs runs N ranks (launch.local_ranks)
     options = COMMON + TORCH
 
     @keyword_params(options)

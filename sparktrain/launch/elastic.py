@@ -142,10 +142,12 @@ class ElasticPlan:
     def elastic(self) -> bool:
         return self.min_num_proc < self.num_proc
 
-    def ranks(self, slots: Optional[int]) -> int:
-        """The ranks of the next generation when ``slots`` task slots exist (``None``: the
-        cluster cannot say, so ``num_proc``); fewer than ``min_num_proc`` fail now."""
-        ranks = self.num_proc if slots is None else min(self.num_proc, slots)
+    def ranks(self, slots: Optional[int], per_task: int = 1) -> int:
+        """The ranks of the next generation when ``slots`` ranks can run (``None``: the
+        cluster cannot say, so ``num_proc``), whole tasks of ``per_task`` ranks (one per GPU);
+        fewer than ``min_num_proc`` fail now."""
+        ranks = self.num_proc if slots is None else \
+            min(self.num_proc, slots - slots % per_task)
         if ranks < self.min_num_proc:
             raise RuntimeError(
                 f"min_num_proc={self.min_num_proc} needs {self.min_num_proc} task slots running "
@@ -169,16 +171,21 @@ class _SlotCount:
     Spark Connect (no live count) what the cluster's settings promise, less one rank for each
     failed generation, since the client cannot see whether the lost slot came back."""
 
-    def __init__(self, spark: Any, plan: ElasticPlan) -> None:
+    def __init__(self, spark: Any, plan: ElasticPlan, profile: Any = None,
+                 per_task: int = 1) -> None:
         from sparktrain.session.spark_api import is_remote
 
         self.spark, self.plan, self.remote = spark, plan, is_remote(spark)
+        self.profile, self.per_task = profile, per_task
         self.most = plan.num_proc
 
     def now(self) -> Optional[int]:
+        """The ranks the cluster can run at once: its task slots (of the training stage's
+        profile) times the ranks each task runs."""
         from sparktrain.session.spark_api import task_slots
 
-        slots = task_slots(self.spark)
+        slots = task_slots(self.spark, self.profile)
+        slots = None if slots is None else slots * self.per_task
         if not self.remote:
             return slots
         return min(self.plan.num_proc if slots is None else slots, self.most)
@@ -189,7 +196,7 @@ class _SlotCount:
 
     def failed(self, ranks: int) -> None:
         if self.remote:
-            self.most = max(self.plan.min_num_proc, ranks - 1)
+            self.most = max(self.plan.min_num_proc, ranks - self.per_task)
 
 
 class _SlotWatch:
@@ -199,9 +206,9 @@ class _SlotWatch:
     than ranks stay free for ``grow_after`` seconds."""
 
     def __init__(self, spark: Any, plan: ElasticPlan, generation: Generation, tag: str,
-                 slots: Callable[[], Optional[int]]) -> None:
+                 slots: Callable[[], Optional[int]], per_task: int = 1) -> None:
         self.spark, self.plan, self.generation, self.tag = spark, plan, generation, tag
-        self.slots = slots
+        self.slots, self.per_task = slots, per_task
         self.lost: Optional[str] = None  # why the generation was cancelled
         self.grow_to: Optional[int] = None
         self._stop = threading.Event()
@@ -232,10 +239,11 @@ class _SlotWatch:
                              f"machine was lost)")
                 cancel_tag(self.spark, self.tag)
                 return
-            if slots > ranks and ranks < self.plan.num_proc and self.grow_to is None:
+            if slots >= ranks + self.per_task and ranks < self.plan.num_proc \
+                    and self.grow_to is None:
                 free_since = free_since or time.monotonic()
                 if time.monotonic() - free_since >= self.plan.grow_after:
-                    self.grow_to = min(slots, self.plan.num_proc)
+                    self.grow_to = min(slots - slots % self.per_task, self.plan.num_proc)
                     fs, path = filesystem(self.generation.flag, self.generation.storage_options)
                     fs.pipe_file(path, b"regroup")
                     log.info("%d task slot(s) free for %gs: the ranks regroup at the next "
@@ -271,15 +279,16 @@ def run_elastic(spark: Any, plan: ElasticPlan, task: Callable[[Any], Any],
     fs.makedirs(local_root, exist_ok=True)
     max_failures = max_attempts or plan.max_failures
     failures, before, why, index = 0, 0, "start", 0
-    slots = _SlotCount(spark, plan)
+    per_task = options.get("ranks_per_task", 1)
+    slots = _SlotCount(spark, plan, options.get("profile"), per_task)
     try:
         while True:
-            ranks = plan.ranks(slots.now())
+            ranks = plan.ranks(slots.now(), per_task)
             generation = Generation(index, plan.num_proc, ranks, plan.batch,
                                     f"{root}/regroup-{index}", storage_options)
             _announce(generation, before, why, on_progress)
             tag = f"sparktrain-{uuid.uuid4().hex[:12]}"
-            watch = _SlotWatch(spark, plan, generation, tag, slots.live)
+            watch = _SlotWatch(spark, plan, generation, tag, slots.live, per_task)
             try:
                 with watch:
                     results = launch(ranks, functools.partial(_in_generation, task, generation),

@@ -1,28 +1,109 @@
-"""GPUs as Spark schedules them: check the cluster's conf before launch, pick a rank's device.
+"""GPUs as Spark schedules them: the training stage's plan on the driver, a rank's device.
 
-Spark assigns GPUs to tasks (``spark.task.resource.gpu.amount``) out of the executors' GPUs
-(``spark.executor.resource.gpu.amount``, found by a discovery script); a barrier task sees its
-addresses in ``TaskContext.resources()["gpu"]``. sparktrain trains one rank per task on the
-first GPU Spark gave it:
+Spark gives tasks GPUs (``spark.task.resource.gpu.amount``) out of the executors' GPUs
+(``spark.executor.resource.gpu.amount``, found by a discovery script); a task sees its
+addresses in ``TaskContext.resources()["gpu"]``. Before any job, :func:`plan_gpus` decides how
+the training stage gets its GPUs (docs/clusters-and-gpus.md):
 
-* ``use_gpu=None`` (default): GPUs when tasks are given GPUs, else CPU; ``True``: require them;
-  ``False``: CPU even if Spark assigned GPUs.
-* ``spark.task.resource.gpu.amount`` must be a whole number >= 1. A fraction would put several
-  ranks on one GPU, which NCCL refuses; more than 1 gives the rank several GPUs, of which it
-  uses the first (the others stay idle: use more ranks instead).
+* ``use_gpu=None`` (default): GPUs when the executors or tasks have them, else CPU; ``True``:
+  require them; ``False``: CPU even if Spark assigned GPUs.
+* **A whole number N >= 1 of GPUs per task** (the application's amount, or the estimator's
+  ``resource_profile``): each task runs N ranks, one process per GPU (torch), or one Keras
+  worker that uses its N GPUs. ``num_proc`` counts training processes: torch ranks (one per
+  GPU, as Horovod's ``num_proc``), Keras workers (one per task).
+* **A fractional or unset task amount** (GPUs shared with ETL): the training stage asks for
+  one whole GPU per rank itself, through a task resource profile (stage-level scheduling, as
+  XGBoost's Spark estimators do, dmlc/xgboost#9519); the application's other stages keep the
+  application's amounts. Spark supports this from 3.4 on standalone and local-cluster, from
+  3.5.1 on YARN and Kubernetes, with dynamic allocation off; elsewhere a clear error says
+  what to set.
 * Prediction (``TorchModel``/``KerasModel.transform``) asks each task: :func:`task_gpu`, with
   the model's ``use_gpu``; any task GPU amount works there (fractions share a GPU).
 
+``SPARKTRAIN_FAKE_GPUS`` in a rank's environment (tests: the discovery script announces those
+addresses) makes a rank given GPUs train on the CPU, ``CUDA_VISIBLE_DEVICES`` still holding its
+addresses.
+
 Example::
 
-    use_gpu = check_gpu_conf(all_conf(spark), master(spark), use_gpu=None)
+    plan = plan_gpus(all_conf(spark), master(spark), spark.version, use_gpu=None)
+    plan.ranks_per_task, plan.needs_profile      # (1, True) with gpu.amount=0.25
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 TASK_GPUS = "spark.task.resource.gpu.amount"
 EXECUTOR_GPUS = "spark.executor.resource.gpu.amount"
+FAKE_GPUS = "SPARKTRAIN_FAKE_GPUS"
+DYNAMIC_ALLOCATION = "spark.dynamicAllocation.enabled"
+
+
+class GpuUnavailableError(RuntimeError):
+    """A rank was given a GPU that its framework cannot use (no CUDA build, no driver): the
+    executors' environment, which a retry does not change. Not retried."""
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """How the training stage gets its GPUs (:func:`plan_gpus`).
+
+    ``gpus_per_task``: GPUs each barrier task holds (0: CPU ranks); ``ranks_per_task``: the
+    training processes each task runs (torch: one per GPU; Keras: 1, a worker using all its
+    GPUs); ``profile_cpus``: when sparktrain builds the stage's task profile (stage-level
+    scheduling), the CPUs each task asks for, else ``None``; ``source``: where the amount came
+    from, for messages."""
+
+    use_gpu: bool
+    gpus_per_task: int = 0
+    ranks_per_task: int = 1
+    profile_cpus: Optional[int] = None
+    source: str = "application"
+
+    @property
+    def needs_profile(self) -> bool:
+        """Whether sparktrain gives the training stage its own task resource profile."""
+        return self.profile_cpus is not None
+
+    def tasks(self, num_proc: int, name: str = "num_proc") -> int:
+        """Barrier tasks for ``num_proc`` training processes; ``ValueError`` when they do not
+        divide evenly among the tasks' GPUs."""
+        if num_proc % self.ranks_per_task:
+            lower = num_proc - num_proc % self.ranks_per_task
+            choices = f"{lower} or {lower + self.ranks_per_task}" if lower else \
+                str(self.ranks_per_task)
+            raise ValueError(
+                f"{name}={num_proc} counts training processes, one per GPU; each task holds "
+                f"{self.gpus_per_task} GPUs ({self.describe()}) and runs "
+                f"{self.ranks_per_task} of them, so {name} must be a multiple of "
+                f"{self.ranks_per_task}: {choices}")
+        return num_proc // self.ranks_per_task
+
+    def build_profile(self) -> Any:
+        """The training stage's task resource profile (``None`` when it needs none)."""
+        if not self.needs_profile:
+            return None
+        from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+
+        requests = TaskResourceRequests().cpus(self.profile_cpus).resource("gpu", 1)
+        return ResourceProfileBuilder().require(requests).build
+
+    def describe(self) -> str:
+        return {"application": f"{TASK_GPUS}={self.gpus_per_task}",
+                "resource_profile": "the estimator's resource_profile",
+                "stage": "a task profile sparktrain gives the training stage"}[self.source]
+
+
+def profile_requests(profile: Any) -> Tuple[Optional[float], Optional[int]]:
+    """A ``pyspark.resource.ResourceProfile``'s task GPU amount and CPUs (``None``: unset)."""
+    tasks = profile.taskResources if profile is not None else {}
+    gpu = tasks.get("gpu")
+    cpus = tasks.get("cpus")
+    return (None if gpu is None else float(gpu.amount),
+            None if cpus is None else int(cpus.amount))
 
 
 def _required_keys(master: str) -> Dict[str, str]:
@@ -30,47 +111,117 @@ def _required_keys(master: str) -> Dict[str, str]:
     keys = {EXECUTOR_GPUS: "the number of GPUs of each executor"}
     if master.startswith("k8s://"):
         keys["spark.executor.resource.gpu.vendor"] = "the device plugin's vendor, e.g. nvidia.com"
-    if master.startswith(("spark://", "local-cluster")):
-        keys["spark.worker.resource.gpu.amount"] = "the GPUs of each worker (in the worker's conf)"
+    if master.startswith("local-cluster"):  # its Workers take the application's conf (a real
+        # standalone Worker reads its own: the application cannot see it)
+        keys["spark.worker.resource.gpu.amount"] = "the GPUs of each worker"
     return keys
 
 
-def check_gpu_conf(conf: Dict[str, str], master: str, use_gpu: Optional[bool]) -> bool:
-    """Whether ranks train on GPUs; ``ValueError`` naming the conf key when the cluster's
-    GPU configuration cannot give each rank its own GPU."""
+def _version(text: str) -> Tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+def stage_scheduling_gap(master: str, spark_version: str, conf: Dict[str, str],
+                         client_mapinarrow_profile: bool = True) -> Optional[str]:
+    """Why this cluster cannot give the training stage a task profile of its own, or ``None``
+    when it can (Spark's stage-level scheduling: TaskResourceProfile, SPARK-39853 for
+    standalone in 3.4, SPARK-45495 for YARN and Kubernetes in 3.5.1)."""
+    version = _version(spark_version)
+    if master.startswith(("spark://", "local-cluster")):
+        needed, manager = (3, 4), "standalone"
+    elif master.startswith(("yarn", "k8s://")):
+        needed, manager = (3, 5, 1), "YARN and Kubernetes"
+    else:
+        return f"master {master or '(unknown)'} has no stage-level scheduling of GPUs"
+    if version < needed:
+        return (f"Spark {spark_version} cannot give one stage its own task resources on "
+                f"{manager} (that needs Spark >= {'.'.join(map(str, needed))})")
+    if str(conf.get(DYNAMIC_ALLOCATION, "false")).lower() == "true":
+        return (f"with {DYNAMIC_ALLOCATION}=true a stage's own task resources need a whole "
+                f"ResourceProfile with executor requests (pass resource_profile=)")
+    if not client_mapinarrow_profile:
+        return ("this pyspark cannot attach a resource profile to a DataFrame stage "
+                "(DataFrame.mapInArrow(..., profile=) needs pyspark >= 4.0)")
+    return None
+
+
+def plan_gpus(conf: Dict[str, str], master: str, spark_version: str,
+              use_gpu: Optional[bool], profile: Any = None, ranks_per_gpu: bool = True,
+              client_mapinarrow_profile: bool = True) -> GpuPlan:
+    """The training stage's :class:`GpuPlan`, or a ``ValueError`` naming the key to set.
+
+    ``profile``: the estimator's ``resource_profile`` (its task GPUs then decide);
+    ``ranks_per_gpu``: one rank per GPU (torch) or one worker per task using all its GPUs
+    (Keras); ``client_mapinarrow_profile``: whether this pyspark can attach a profile."""
     if use_gpu is False:
-        return False
-    task_amount = conf.get(TASK_GPUS)
-    if task_amount is None:
+        return GpuPlan(False)
+    if profile is not None:
+        gpus, _ = profile_requests(profile)
+        if not gpus:
+            if use_gpu:
+                raise ValueError("use_gpu=True but resource_profile asks no GPU for its tasks; "
+                                 "add .resource('gpu', 1) to its TaskResourceRequests")
+            return GpuPlan(False, source="resource_profile")
+        return _whole(gpus, "resource_profile's task GPU amount", ranks_per_gpu,
+                      "resource_profile")
+    task_amount, executor_amount = conf.get(TASK_GPUS), conf.get(EXECUTOR_GPUS)
+    if task_amount is None and executor_amount is None:
         if use_gpu:
             raise ValueError(
-                f"use_gpu=True but Spark gives tasks no GPUs: set {TASK_GPUS}=1 and "
-                f"{EXECUTOR_GPUS}=<GPUs per executor> with a discovery script "
-                f"(spark.executor.resource.gpu.discoveryScript; see conf/), or use_gpu=False")
-        return False
-    amount = float(task_amount)
-    if amount < 1:
-        raise ValueError(
-            f"{TASK_GPUS}={task_amount} would run {int(1 / amount)} ranks on one GPU, and NCCL "
-            f"needs a GPU per rank; set {TASK_GPUS}=1 (or use_gpu=False to train on CPUs)")
-    if amount != int(amount):
-        raise ValueError(f"{TASK_GPUS}={task_amount}: expected a whole number of GPUs per task")
+                f"use_gpu=True but the executors have no GPUs: set {EXECUTOR_GPUS}=<GPUs per "
+                f"executor> with spark.executor.resource.gpu.discoveryScript (see conf/ and "
+                f"docs/clusters-and-gpus.md), or use_gpu=False")
+        return GpuPlan(False)
+    configured = f"{TASK_GPUS}={task_amount}" if task_amount is not None else \
+        f"{EXECUTOR_GPUS}={executor_amount}"
     if master.startswith("local") and not master.startswith("local-cluster"):
-        raise ValueError(f"{TASK_GPUS} is set but master {master} does not schedule GPUs; use "
-                         f"a cluster (or local-cluster[...] with worker GPU resources)")
+        if task_amount is None and not use_gpu:
+            return GpuPlan(False)  # executors' GPUs that a local master cannot hand out
+        raise ValueError(f"{configured} is set but master {master} does not schedule GPUs; "
+                         f"use a cluster (or local-cluster[...] with worker GPU resources)")
     for key, meaning in _required_keys(master).items():
         if key not in conf:
-            raise ValueError(f"{TASK_GPUS}={task_amount} but {key} is not set; set it to "
-                             f"{meaning}")
-    return True
+            raise ValueError(f"{configured} but {key} is not set; set it to {meaning}")
+    amount = None if task_amount is None else float(task_amount)
+    if amount is not None and amount >= 1:
+        return _whole(amount, TASK_GPUS, ranks_per_gpu, "application")
+    gap = stage_scheduling_gap(master, spark_version, conf, client_mapinarrow_profile)
+    shared = f"{TASK_GPUS}={task_amount} shares a GPU among {int(1 / amount)} tasks" \
+        if amount else f"{TASK_GPUS} is unset"
+    if gap is not None:
+        raise ValueError(
+            f"{shared}, but training needs a whole GPU per rank, which sparktrain asks for in "
+            f"the training stage only (stage-level scheduling); here it cannot: {gap}. Set "
+            f"{TASK_GPUS}=1 for the application, pass resource_profile= (a ResourceProfile "
+            f"with a GPU per task), or use_gpu=False to train on CPUs")
+    executor_gpus = float(executor_amount)
+    if executor_gpus < 1:
+        raise ValueError(f"{EXECUTOR_GPUS}={executor_amount}: expected the whole number of "
+                         f"GPUs each executor has")
+    cores = conf.get("spark.executor.cores")
+    cpus = int(cores) // int(executor_gpus) if cores else int(conf.get("spark.task.cpus", 1))
+    return GpuPlan(True, 1, 1, max(1, cpus), "stage")
 
+
+def _whole(amount: float, what: str, ranks_per_gpu: bool, source: str) -> GpuPlan:
+    if amount < 1 or amount != int(amount):
+        raise ValueError(f"{what}={amount:g}: training needs a whole number of GPUs per task "
+                         f"(one process per GPU); set it to 1 or more")
+    return GpuPlan(True, int(amount), int(amount) if ranks_per_gpu else 1, source=source)
+
+
+# ---------------------------------------------------------------------------------------------
+# On the executors
+# ---------------------------------------------------------------------------------------------
 
 def rank_gpu(resources: Dict[str, List[str]], use_gpu: Optional[bool]) -> Optional[str]:
-    """The GPU address this task runs on (the first Spark assigned), or ``None`` for CPU.
+    """The GPU address this task (or local rank) runs on (the first Spark assigned), or
+    ``None`` for CPU.
 
     ``use_gpu``: ``True`` requires a GPU (``RuntimeError`` without one), ``False`` means CPU,
     ``None`` (inference: the task decides) the task's GPU when it has one. Training passes
-    the bool :func:`check_gpu_conf` resolved on the driver.
+    the bool :func:`plan_gpus` resolved on the driver; a local rank's ``resources`` hold its
+    own GPU only.
 
     Example: ``rank_gpu({"gpu": ["1"]}, None) == "1"``; ``rank_gpu({}, None) is None``.
     """
@@ -83,6 +234,21 @@ def rank_gpu(resources: Dict[str, List[str]], use_gpu: Optional[bool]) -> Option
                            f"spark.executor.resource.gpu.discoveryScript), give the stage a "
                            f"ResourceProfile with GPUs, or use_gpu=False for the CPU")
     return gpus[0]
+
+
+def worker_gpus(resources: Dict[str, List[str]], use_gpu: Optional[bool]) -> Optional[str]:
+    """Every GPU address of the task, comma-separated (``CUDA_VISIBLE_DEVICES`` of a worker
+    that uses them all: Keras), or ``None`` for CPU (:func:`rank_gpu`'s rules).
+
+    Example: ``worker_gpus({"gpu": ["2", "3"]}, True) == "2,3"``."""
+    first = rank_gpu(resources, use_gpu)
+    return None if first is None else ",".join(resources["gpu"])
+
+
+def fake_gpus() -> bool:
+    """Whether this process's GPUs are announced by tests (``SPARKTRAIN_FAKE_GPUS``): ranks
+    given GPUs then train on the CPU."""
+    return bool(os.environ.get(FAKE_GPUS))
 
 
 def task_gpu(use_gpu: Optional[bool]) -> Optional[str]:
@@ -103,11 +269,16 @@ def cuda_ordinal(address: str, visible: int, framework: str) -> int:
     """Spark's GPU ``address`` as a CUDA device ordinal among ``visible`` GPUs, or a
     ``RuntimeError`` saying why it cannot be one.
 
-    Spark's discovery script reports ``nvidia-smi`` indices (PCI bus order); CUDA numbers
-    devices fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (CUDA programming guide,
-    environment variables); on hosts with identical GPUs the two orders usually agree, set
+    In a process whose ``CUDA_VISIBLE_DEVICES`` lists the address (a local rank sees only its
+    own GPU), the ordinal is its position there. Otherwise Spark's discovery script reports
+    ``nvidia-smi`` indices (PCI bus order); CUDA numbers devices fastest first unless
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (CUDA programming guide, environment variables); on hosts
+    with identical GPUs the two orders usually agree, set
     ``spark.executorEnv.CUDA_DEVICE_ORDER=PCI_BUS_ID`` to be sure.
     """
+    listed = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    if address in listed:
+        return listed.index(address)
     if not address.isdigit():
         raise RuntimeError(f"Spark assigned GPU {address!r} to this task; sparktrain expects "
                            f"the discovery script to report CUDA device ordinals (0, 1, ...)")
@@ -119,7 +290,10 @@ def cuda_ordinal(address: str, visible: int, framework: str) -> int:
     return int(address)
 
 
-def gpu_environment(address: Optional[str]) -> Dict[str, str]:
-    """Environment for a process that must see only this rank's GPU (e.g. TensorFlow in a
-    child process); in-process torch uses the device ordinal instead (``cuda:<address>``)."""
-    return {} if address is None else {"CUDA_VISIBLE_DEVICES": address}
+def gpu_environment(addresses: Any) -> Dict[str, str]:
+    """Environment for a process that must see only these GPUs (a local rank, a TensorFlow
+    worker): ``CUDA_VISIBLE_DEVICES``; ``addresses``: one address, a list, or ``None``."""
+    if addresses is None:
+        return {}
+    listed = [addresses] if isinstance(addresses, str) else list(addresses)
+    return {"CUDA_VISIBLE_DEVICES": ",".join(listed)} if listed else {}

@@ -36,7 +36,7 @@ from sparktrain.faults import killed_text, mark_user_error
 from sparktrain.launch import zygote
 from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.engine import KerasEngine
-from sparktrain.launch.gpus import gpu_environment, rank_gpu
+from sparktrain.launch.gpus import gpu_environment, worker_gpus
 from sparktrain.launch.tf_protocol import (
     ERROR_FILE,
     PROGRESS_PREFIX,
@@ -122,8 +122,9 @@ class TFTask:
     use_gpu: bool = False
 
     def gpu(self) -> Optional[str]:
-        """The GPU Spark gave this task (when ``use_gpu``), else ``None``."""
-        return rank_gpu(self.ctx.resources, self.use_gpu)
+        """The GPUs Spark gave this task (when ``use_gpu``; ``"0,1"``: the worker uses them
+        all), else ``None``."""
+        return worker_gpus(self.ctx.resources, self.use_gpu)
 
     def train(self, rank: Optional[int] = None, world_size: Optional[int] = None,
               gpu: Any = "task", **spec_changes: Any) -> Any:

@@ -48,7 +48,7 @@ from sparktrain.launch import import_quietly
 from sparktrain.launch.barrier import RankContext, run_barrier, stage_attempts
 from sparktrain.launch.engine import KerasEngine
 from sparktrain.launch.environment import rank_environment
-from sparktrain.launch.gpus import rank_gpu
+from sparktrain.launch.gpus import worker_gpus
 from sparktrain.launch.tf_multiworker import spawn_keras_worker
 from sparktrain.options.spec import KerasTrainSpec
 from sparktrain.session.spark_jvm import hadoop_conf
@@ -193,10 +193,10 @@ def run_node(ctx: RankContext, spec: KerasTrainSpec, payload: bytes, use_gpu: bo
                                f"{node.task_index}) is not barrier task {ctx.rank}")
         if rank == 0 and args.verbose >= 1:
             print(f"TensorFlowOnSpark cluster: {json.dumps(node.cluster_spec)}", flush=True)
-        # sparktrain's GPU rule: the child sees the GPU Spark gave this task, or none
+        # sparktrain's GPU rule: the child sees the GPUs Spark gave this task, or none
         result["value"] = spawn_keras_worker(
             rank, ctx.world_size, node_tf_config(node.cluster_spec, node.job_name, node.task_index),
-            args.spec, payload, rank_gpu(ctx.resources, use_gpu), ctx.progress)
+            args.spec, payload, worker_gpus(ctx.resources, use_gpu), ctx.progress)
 
     saved_env = {key: os.environ.get(key) for key in ("TF_CONFIG", "CUDA_VISIBLE_DEVICES")}
     cwd = os.getcwd()

@@ -386,12 +386,39 @@ class _KerasEpochs:
         return ModelFile.of(url, spec.storage_options)
 
 
+def _check_gpus(tf: Any) -> None:
+    """A worker given GPUs (``CUDA_VISIBLE_DEVICES``: all of its task's) trains on all of them:
+    MultiWorkerMirroredStrategy keeps a replica on each GPU of each worker. GPUs TensorFlow
+    cannot use fail the fit at once (not retried); GPUs announced by tests
+    (``SPARKTRAIN_FAKE_GPUS``) leave the worker on the CPU."""
+    from sparktrain.faults import mark_user_error
+    from sparktrain.launch.gpus import GpuUnavailableError, fake_gpus
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if not visible:
+        return
+    if fake_gpus():
+        tf.config.set_visible_devices([], "GPU")
+        _print(f"GPUs {visible} (CUDA_VISIBLE_DEVICES; SPARKTRAIN_FAKE_GPUS: training on the "
+               f"CPU)")
+        return
+    found = tf.config.list_physical_devices("GPU")
+    if not found:
+        raise mark_user_error(GpuUnavailableError(
+            f"Spark assigned GPU(s) {visible} to this worker, but TensorFlow "
+            f"{tf.__version__} finds no GPU here (a CPU build, or no CUDA driver); install a "
+            f"GPU build of TensorFlow on the executors or pass use_gpu=False"),
+            "the executors' environment (the same on every attempt)")
+    _print(f"GPUs {visible}: {len(found)} replica(s) in this worker")
+
+
 def train(spec: KerasTrainSpec, payload: KerasPayload, workdir: str) -> Dict[str, Any]:
     """Train this process's part of the fit; rank 0 returns the fitted model (a file in the
     store), the history, why training stopped and the output shapes, the others ``{}``."""
     import keras
     import tensorflow as tf
 
+    _check_gpus(tf)
     if spec.seed is not None:
         keras.utils.set_random_seed(spec.seed)
     custom = loading_objects(keras, payload.custom_objects)

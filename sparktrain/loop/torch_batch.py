@@ -15,29 +15,43 @@ Example::
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from sparktrain.faults import mark_user_error
 from sparktrain.launch.barrier import RankContext
-from sparktrain.launch.gpus import cuda_ordinal, rank_gpu
+from sparktrain.launch.gpus import GpuUnavailableError, cuda_ordinal, fake_gpus, rank_gpu
 from sparktrain.options.spec import TorchTrainSpec
 
 
 def select_device(ctx: RankContext, use_gpu: bool) -> torch.device:
-    """The first GPU Spark assigned to this task (by its ordinal, which stays right in a
-    reused Python worker where CUDA is already initialised), or the CPU."""
+    """The GPU Spark assigned to this rank (by its ordinal, which stays right in a reused
+    Python worker where CUDA is already initialised; ``cuda:0`` in a local rank's process,
+    which sees only its own GPU), or the CPU; the CPU too for a rank given GPUs announced by
+    tests (``SPARKTRAIN_FAKE_GPUS``). A GPU torch cannot use fails the fit at once
+    (:class:`~sparktrain.launch.gpus.GpuUnavailableError`: a retry runs in the same
+    environment)."""
     address = rank_gpu(ctx.resources, use_gpu)
     if address is None:
         return torch.device("cpu")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+    if fake_gpus():
+        ctx.log(f"GPU {address} (CUDA_VISIBLE_DEVICES={visible}; SPARKTRAIN_FAKE_GPUS: "
+                f"training on the CPU)")
+        return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError(f"Spark assigned GPU {address} to rank {ctx.rank}, but torch "
-                           f"{torch.__version__} cannot use CUDA here; install a CUDA build of "
-                           f"torch or pass use_gpu=False")
+        raise mark_user_error(GpuUnavailableError(
+            f"Spark assigned GPU {address} to rank {ctx.rank}, but torch {torch.__version__} "
+            f"cannot use CUDA here; install a CUDA build of torch on the executors or pass "
+            f"use_gpu=False"), "the executors' environment (the same on every attempt)")
     device = torch.device("cuda", cuda_ordinal(address, torch.cuda.device_count(),
                                                f"torch {torch.__version__}"))
     torch.cuda.set_device(device)
+    if ctx.local_size > 1 or ctx.rank == 0:
+        ctx.log(f"GPU {address} as {device} (CUDA_VISIBLE_DEVICES={visible})")
     return device
 
 

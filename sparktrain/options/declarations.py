@@ -139,8 +139,12 @@ COMMON = (
     Option("backend", "distributed engine (a name, e.g. 'torch'; default: 'torch' for "
            "TorchEstimator, 'tensorflow' for KerasEstimator)", UNSET, to_backend_name,
            Optional[str], rank=True),
-    Option("use_gpu", "train on the GPU Spark assigned to each task (default: when tasks have "
-           "GPUs)", None, to_optional_bool, Optional[bool]),
+    Option("use_gpu", "train on the GPUs Spark assigns to the tasks (default: when the "
+           "executors have GPUs)", None, to_optional_bool, Optional[bool]),
+    Option("resource_profile", "a pyspark.resource.ResourceProfile for the training stage "
+           "(stage-level scheduling: its task GPUs and CPUs; default: one GPU per rank when "
+           "the application shares GPUs between tasks), not saved with the estimator", None,
+           to_resource_profile, python_object=True),
     Option("train_steps_per_epoch", "training batches per epoch and rank (default: one pass "
            "over the rank's rows)", None, to_count("train_steps_per_epoch", 1, optional=True),
            _INTS, rank="train_steps"),

@@ -111,14 +111,32 @@ def slots_from_conf(spark: SparkSession) -> Optional[int]:
     return int(executors) * int(cores) // task_cpus
 
 
-def task_slots(spark: SparkSession) -> Optional[int]:
-    """Barrier tasks the cluster can run at once now: Spark's own count on a classic session
-    (what its barrier check uses), :func:`slots_from_conf` on a Connect one."""
+def task_slots(spark: SparkSession, profile: Any = None) -> Optional[int]:
+    """Barrier tasks (of ``profile``, a ResourceProfile; default: the application's) the
+    cluster can run at once now: Spark's own count on a classic session (what its barrier
+    check uses), :func:`slots_from_conf` on a Connect one."""
     if is_remote(spark):
-        return slots_from_conf(spark)
+        return slots_from_conf(spark) if profile is None else _gpu_slots_from_conf(spark, profile)
     from sparktrain.session.spark_jvm import max_concurrent_tasks
 
-    return max_concurrent_tasks(spark.sparkContext)
+    return max_concurrent_tasks(spark.sparkContext, profile)
+
+
+def _gpu_slots_from_conf(spark: SparkSession, profile: Any) -> Optional[int]:
+    """Tasks of ``profile`` the settings promise on a Connect session, counting the
+    executors' GPUs (``None`` when the settings do not say)."""
+    gpus = profile.taskResources.get("gpu")
+    slots = slots_from_conf(spark)
+    if gpus is None or not gpus.amount:
+        return slots
+    each = conf_value(spark, "spark.executor.resource.gpu.amount")
+    cluster = re.fullmatch(r"local-cluster\[(\d+),.*", master(spark))
+    executors = cluster.group(1) if cluster else \
+        conf_value(spark, "spark.executor.instances")
+    if each is None or executors is None:
+        return slots
+    by_gpus = int(executors) * int(float(each) // gpus.amount)
+    return by_gpus if slots is None else min(slots, by_gpus)
 
 
 # -- the store ----------------------------------------------------------------------------------

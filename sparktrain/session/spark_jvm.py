@@ -15,6 +15,7 @@ sparktrain.session.spark_api chooses between these and their Spark Connect count
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from py4j.protocol import Py4JError
 from pyspark import SparkContext
@@ -59,9 +60,16 @@ def hadoop_conf(sc: SparkContext, key: str) -> str | None:
     return sc._jsc.hadoopConfiguration().get(key)
 
 
-def max_concurrent_tasks(sc: SparkContext) -> int:
-    """Tasks of the default resource profile the cluster can run at once right now (what
-    Spark's own barrier check uses: ``SparkContext.maxNumConcurrentTasks``)."""
+def max_concurrent_tasks(sc: SparkContext, profile: Any = None) -> int:
+    """Tasks of ``profile`` (a ``pyspark.resource.ResourceProfile``; default: the default
+    profile) the cluster can run at once right now (what Spark's own barrier check uses:
+    ``SparkContext.maxNumConcurrentTasks``). A profile is registered first, as
+    ``RDD.withResources`` does: Spark counts slots of registered profiles only."""
     jsc = sc._jsc.sc()
-    profile = jsc.resourceProfileManager().defaultResourceProfile()
-    return int(jsc.maxNumConcurrentTasks(profile))
+    manager = jsc.resourceProfileManager()
+    if profile is None or profile._java_resource_profile is None:
+        java_profile = manager.defaultResourceProfile()
+    else:
+        java_profile = profile._java_resource_profile
+        manager.addResourceProfile(java_profile)
+    return int(jsc.maxNumConcurrentTasks(java_profile))

@@ -30,10 +30,12 @@ BASE_WORKERS = 2
 
 
 def gpu_worker_env(gpu: str) -> dict:
-    """A Worker announcing one fake GPU, ``gpu`` (conf/getGpusResources.sh reads it)."""
+    """A Worker announcing the fake GPUs ``gpu`` ("0", or "4,5,6,7": conf/getGpusResources.sh
+    reads them); its ranks train on the CPU (``SPARKTRAIN_FAKE_GPUS``, launch.gpus)."""
     discovery = os.path.join(ROOT, "conf", "getGpusResources.sh")
+    amount = len(gpu.split(","))
     return {"SPARKTRAIN_FAKE_GPUS": gpu,
-            "SPARK_WORKER_OPTS": "-Dspark.worker.resource.gpu.amount=1 "
+            "SPARK_WORKER_OPTS": f"-Dspark.worker.resource.gpu.amount={amount} "
                                  f"-Dspark.worker.resource.gpu.discoveryScript={discovery}"}
 
 

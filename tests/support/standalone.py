@@ -97,12 +97,14 @@ class StandaloneCluster:
         path = self.workdir / "master.log"
         return path.read_text(errors="replace").count("Registering worker") if path.exists() else 0
 
-    def add_worker(self, env: Optional[Dict[str, str]] = None, wait: float = 90.0) -> int:
-        """Start a 1-core Worker; with ``wait`` > 0, until the Master registered it. Its index."""
+    def add_worker(self, env: Optional[Dict[str, str]] = None, wait: float = 90.0,
+                   cores: int = 1) -> int:
+        """Start a Worker of ``cores`` cores; with ``wait`` > 0, until the Master registered
+        it. Its index."""
         index, before = len(self.workers), self.registered()
         self.workers.append(self._start(f"{self.name}{index}", [
             "org.apache.spark.deploy.worker.Worker", self.url, "--host", "127.0.0.1",
-            "--cores", "1", "--memory", "1g", "--webui-port", str(free_port())],
+            "--cores", str(cores), "--memory", "1g", "--webui-port", str(free_port())],
             dict(self.env, SPARK_WORKER_DIR=str(self.workdir / f"{self.name}-work{index}"),
                  **(env or {}))))
         deadline = time.time() + wait

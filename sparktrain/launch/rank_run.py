@@ -1,0 +1,250 @@
+"""A rank's side of a launch: its :class:`RankContext`, its output and errors sent to the
+client, its place in the job (its barrier task's, or a local rank's: :mod:`.local_ranks`).
+
+:func:`run_rank` runs in a barrier task (one rank per task) or in a local rank's process (one
+per GPU of a task holding several); either way the rank's lines, progress and traceback reach
+the client through the store (:mod:`.events`), and the ranks exchange small messages through
+rank 0's gather server (:mod:`.rank_gather`).
+
+Example (what :mod:`.barrier`'s tasks run)::
+
+    rank, result = run_rank(task, where)      # task(RankContext) -> result
+"""
+from __future__ import annotations
+
+import io
+import sys
+import threading
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from sparktrain.faults import lost_rank_text, user_error_source
+from sparktrain.fs import filesystem
+from sparktrain.launch.events import RankEvents
+from sparktrain.launch.rank_gather import NO_SERVER, GatherServer, RankGather, connect, publish
+
+FAILURE_TAG = "sparktrain-rank-failure"
+
+
+@dataclass
+class RankContext:
+    """What a training function learns about its place in the job (executor side)."""
+
+    rank: int
+    world_size: int
+    hosts: List[str]
+    cpus: int
+    resources: Dict[str, List[str]]
+    barrier: Any = field(repr=False)  # the pyspark BarrierTaskContext (None: a local rank)
+    client: Optional[RankEvents] = field(default=None, repr=False)
+    attempt: int = 0  # 0 on the first run of the stage, n on Spark's n-th retry
+    generation: Any = None  # an elastic fit's generation (sparktrain.launch.elastic)
+    # input_mode="stream": this rank's rows, Arrow record batches (run_barrier's ``rows``)
+    rows: Any = field(default=None, repr=False)
+    # the ranks' own gather (rank_gather.RankGather); None: Spark's allGather
+    gather: Any = field(default=None, repr=False)
+    # several ranks in one task (one per GPU, :mod:`.local_ranks`): this one's place there
+    local_rank: int = 0
+    local_size: int = 1
+
+    def log(self, text: str) -> None:
+        """Send ``text`` to the client's log as ``[rank N] text``."""
+        if self.client is not None:
+            self.client.log(text)
+
+    def progress(self, **event: Any) -> None:
+        """Send a progress event (plain JSON values) to the client's progress display."""
+        if self.client is not None:
+            self.client.progress(event)
+
+    def all_gather(self, message: str) -> List[str]:
+        """Every rank's ``message``, in rank order: through rank 0's gather server (a few ms),
+        or Spark's ``allGather`` (about 1 s: :mod:`.rank_gather`) where there is none."""
+        if self.gather is not None:
+            return self.gather(message)
+        if self.barrier is None:
+            raise RuntimeError("the ranks of a task with several GPUs exchange messages through "
+                               "rank 0's gather server, which could not start (see rank 0's "
+                               "log)")
+        return list(self.barrier.allGather(message))
+
+
+class _LineTee(io.TextIOBase):
+    """Write-through stream that also sends complete lines to the client."""
+
+    def __init__(self, original: Optional[Any], client: RankEvents) -> None:
+        self._original = original
+        self._client = client
+        self._buffer = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        if self._original is not None:
+            try:
+                self._original.write(text)
+            except (OSError, ValueError, AttributeError):
+                pass
+        with self._lock:
+            self._buffer += text
+            if "\n" in self._buffer:
+                lines, self._buffer = self._buffer.rsplit("\n", 1)
+                self._client.log(lines)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._original is not None:
+            try:
+                self._original.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+
+    def drain(self) -> None:
+        with self._lock:
+            if self._buffer:
+                self._client.log(self._buffer)
+                self._buffer = ""
+
+
+@contextmanager
+def _captured_output(client: RankEvents, mirror: bool) -> Iterator[None]:
+    """Send the rank's stdout/stderr lines to the client; ``mirror`` also keeps them in the
+    executor's own log (off in local mode, where that log is the console of Spark's driver)."""
+    out, err = sys.stdout, sys.stderr
+    tees = [_LineTee(out if mirror else None, client), _LineTee(err if mirror else None, client)]
+    sys.stdout, sys.stderr = tees
+    try:
+        yield
+    finally:
+        for tee in tees:
+            tee.drain()
+        sys.stdout, sys.stderr = out, err
+
+
+class _GaveUp(RuntimeError):
+    """Spark started more attempts than ``max_attempts`` allows."""
+
+
+def _give_up(client: RankEvents, rank: int, limit: int) -> None:
+    """Stop a re-run beyond ``max_attempts``. The starts of every attempt are counted in the
+    store (:meth:`RankEvents.start`), so this also bounds attempts that ended without any rank
+    reporting an error: a rank SIGKILLed (the OOM killer), a lost executor."""
+    text = (f"gave up after max_attempts={limit} attempt(s): none of them reported a Python "
+            f"error, so a rank's process or executor was killed (SIGKILL, the OOM killer, a "
+            f"lost node: see the executors' logs) or failed before it could report")
+    client.error(text, fatal=True, attempts_failed=limit)
+    raise _GaveUp(f"{FAILURE_TAG} rank={rank}\n{text}\n{FAILURE_TAG} end")
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a rank sits in the job, decided before its :class:`RankContext` exists: by its
+    barrier task (:func:`barrier_place`) or, for a local rank, by its task's process
+    (:mod:`.local_ranks`)."""
+
+    rank: int
+    world_size: int
+    hosts: List[str]  # every rank's executor host, in rank order
+    cpus: int
+    resources: Dict[str, List[str]]
+    stage: int  # the barrier stage's id: names the stage's gather-server file
+    local_rank: int = 0
+    local_size: int = 1
+
+
+def barrier_place(barrier: Any) -> Place:
+    """The place of the rank that its barrier task runs itself (one rank per task)."""
+    infos = barrier.getTaskInfos()
+    hosts = [info.address.rsplit(":", 1)[0] for info in infos]
+    resources = {name: list(info.addresses) for name, info in barrier.resources().items()}
+    return Place(barrier.partitionId(), len(infos), hosts, int(barrier.cpus()), resources,
+                 barrier.stageId())
+
+
+def rank_context(place: Place, barrier: Any = None,
+                 client: Optional[RankEvents] = None) -> RankContext:
+    return RankContext(rank=place.rank, world_size=place.world_size, hosts=list(place.hosts),
+                       cpus=place.cpus, resources=dict(place.resources), barrier=barrier,
+                       client=client, local_rank=place.local_rank, local_size=place.local_size)
+
+
+def run_rank(task: Callable[[RankContext], Any], where: Sequence,
+             rows: Optional[Iterator[Any]] = None, place: Optional[Place] = None
+             ) -> Tuple[int, Any]:
+    """Executor entry point: build the :class:`RankContext`, run ``task``, report failures.
+    ``where`` is ``(launch directory, storage_options, mirror output to the executor log,
+    the most attempts to start)``; ``rows``: the rank's streamed rows, if any; ``place``: a
+    local rank's place (default: the barrier task's own)."""
+    barrier = None
+    if place is None:
+        from pyspark import BarrierTaskContext
+
+        barrier = BarrierTaskContext.get()
+        place = barrier_place(barrier)
+    rank = place.rank
+    client = RankEvents(f"{where[0]}/events", where[1], rank)
+    started = client.start()
+    if client.stopped():  # an earlier attempt failed in user code: Spark's re-run is moot
+        client.close()
+        raise RuntimeError(f"{FAILURE_TAG} rank={rank}\nnot retried: an earlier attempt "
+                           f"failed in the user's code\n{FAILURE_TAG} end")
+    server = gather = None
+    try:
+        with _captured_output(client, mirror=where[2]):
+            context = rank_context(place, barrier, client)
+            context.rows = rows
+            server, gather = _rank_gather(place.stage, context, where)
+            context.gather = gather
+            # every rank counted its own starts; agree on one number (the largest)
+            context.attempt = max(int(a) for a in context.all_gather(str(started)))
+            client.attempt = context.attempt
+            if len(where) > 3 and context.attempt >= where[3]:
+                _give_up(client, rank, where[3])
+            return rank, task(context)
+    except _GaveUp:
+        raise
+    except BaseException as exc:
+        remote = traceback.format_exc()
+        source = user_error_source(exc)
+        if source is not None:  # first: the traceback's last line stays the error's summary
+            label = source if source.endswith(")") else f"{source} (user code)"
+            remote = f"Raised by {label}: not retried.\n{remote}"
+        if isinstance(exc, ModuleNotFoundError):
+            remote += (f"\nThe executors' Python ({sys.executable}) cannot import {exc.name!r}: "
+                       f"install it there, or point PYSPARK_PYTHON / spark.pyspark.python at a "
+                       f"Python that has it.\n")
+        client.error(remote, fatal=source is not None)
+        # Spark shows only the task's exception text: carry the traceback inside it, tagged.
+        raise RuntimeError(f"{FAILURE_TAG} rank={rank}\n{remote}\n{FAILURE_TAG} end") from None
+    finally:
+        if gather is not None:
+            gather.close()
+        if server is not None:
+            server.close()
+        client.close()
+
+
+def _rank_gather(stage: int, context: RankContext, where: Sequence
+                 ) -> Tuple[Optional[GatherServer], Optional[RankGather]]:
+    """Rank 0's gather server (on rank 0) and this rank's connection to it, found through the
+    launch folder (:mod:`.rank_gather`); no connection where rank 0 could not start a server
+    (the ranks then use Spark's allGather)."""
+    fs = filesystem(where[0], where[1])[0]
+    path = f"{where[0]}/gather-{stage}"
+
+    def on_lost(rank: int) -> None:  # a rank's process died without a word: say so
+        if context.client is not None:
+            context.client.error(lost_rank_text(rank, context.hosts[rank]), lost=rank)
+
+    if context.rank != 0:
+        return None, connect(fs, path, context.rank, on_lost=on_lost)
+    try:
+        server = GatherServer(context.world_size, context.hosts[0], on_lost=on_lost)
+    except OSError as exc:
+        context.log(f"no gather server ({exc}): the ranks exchange messages through Spark's "
+                    f"allGather (about 1 s each)")
+        publish(fs, path, NO_SERVER)
+        return None, None
+    publish(fs, path, server.address)
+    return server, RankGather(server.address, 0)

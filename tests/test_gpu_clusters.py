@@ -1,0 +1,149 @@
+"""GPU clusters as they are set up, on the shared standalone cluster on loopback: Workers added
+for a test announce fake GPUs (conf/getGpusResources.sh reads ``SPARKTRAIN_FAKE_GPUS``), Spark
+schedules and assigns them for real, and a rank given GPUs trains on the CPU (launch.gpus), its
+log line naming its GPU and ``CUDA_VISIBLE_DEVICES``.
+
+- GPUs shared with ETL (``spark.task.resource.gpu.amount=0.25``): an ordinary stage runs
+  several tasks per GPU, the training stage gets a whole GPU per rank (stage-level scheduling).
+- One task per machine with all its GPUs (``amount=4``): two tasks run 8 ranks, one process
+  per GPU, and learn what 8 one-GPU tasks learn (DDP, Horovod); Keras runs one worker per task
+  using its 4 GPUs.
+- An impossible request fails before any Spark job, naming what to set.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import textwrap
+
+import pytest
+
+from support.helpers import FAKE_GPU_DISCOVERY, run_reporting_script
+from support.servers import gpu_worker_env
+
+pytestmark = pytest.mark.slow
+
+GPU_LINE = re.compile(r"\[rank (\d+)\] GPU(?:s)? ([\d,]+) .*?CUDA_VISIBLE_DEVICES=([\w,]+)")
+
+# The script's start: a session on the cluster with the test's GPU settings, the regression
+# rows of tests/conftest.py, and a helper fitting them.
+PRELUDE = textwrap.dedent('''
+    import json, logging, os, sys
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import numpy as np
+    from pyspark.ml.linalg import Vectors
+    from sparktrain import local_spark
+    from support.helpers import linear_estimator
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    spark = local_spark(None, conf={{
+        "spark.master": {url!r}, "spark.driver.host": "127.0.0.1",
+        "spark.pyspark.python": sys.executable, "spark.executor.memory": "768m",
+        "spark.executor.resource.gpu.discoveryScript": {discovery!r},
+        "spark.sparktrain.slotWaitSeconds": "90", **{conf}}})
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 4))
+    y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
+    df = spark.createDataFrame([(Vectors.dense(a.tolist()), float(b)) for a, b in zip(x, y)],
+                               ["features", "label"]).cache()
+    df.count()
+
+    def weights(model):
+        net = model.getModel()
+        return [float(v) for v in net.weight.detach().flatten()] + [float(net.bias)]
+
+    def jobs():
+        return len(spark.sparkContext.statusTracker().getJobIdsForGroup(None))
+''')
+
+
+def _run(cluster, conf, body, tmp_path, timeout=420):
+    import os
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = PRELUDE.format(root=os.path.dirname(tests), tests=tests, url=cluster.url,
+                          discovery=FAKE_GPU_DISCOVERY, conf=repr(conf))
+    code += textwrap.dedent(body).replace("STORE", repr(str(tmp_path / "store")))
+    return run_reporting_script(code, timeout)
+
+
+def _gpu_lines(stderr):
+    """``{rank: (its GPUs, CUDA_VISIBLE_DEVICES)}`` from the ranks' device lines."""
+    return {int(rank): (gpus, visible) for rank, gpus, visible in GPU_LINE.findall(stderr)}
+
+
+def test_gpus_shared_with_etl_train_a_whole_gpu_per_rank(standalone_cluster, tmp_path):
+    standalone_cluster.add_worker(gpu_worker_env("10,11"), cores=4)
+    conf = {"spark.executor.cores": "4", "spark.executor.resource.gpu.amount": "2",
+            "spark.task.resource.gpu.amount": "0.25"}
+    report, stderr = _run(standalone_cluster, conf, '''
+        import time
+        from pyspark import TaskContext
+
+        def hold(rows):  # an ordinary stage: which GPU each task holds, and when
+            started = time.time()
+            time.sleep(1.5)
+            yield (TaskContext.get().resources()["gpu"].addresses, started, time.time())
+
+        etl = spark.sparkContext.parallelize(range(4), 4).mapPartitions(hold).collect()
+        model = linear_estimator(STORE, num_proc=2, epochs=3, batch_size=32,
+                                 verbose=2).fit(df)
+        print("RESULT " + json.dumps({"etl": etl, "loss": model.getHistory()["loss"]}))
+    ''', tmp_path)
+    etl = report["etl"]
+    assert all(len(gpus) == 1 for gpus, _, _ in etl)
+    shared = [(a, b) for i, a in enumerate(etl) for b in etl[i + 1:]
+              if a[0] == b[0] and a[1] < b[2] and b[1] < a[2]]
+    assert shared, f"no GPU ran two tasks at once: {etl}"
+    assert "the training stage asks for 1 GPU and 2 CPU(s) per rank" in stderr
+    devices = _gpu_lines(stderr)
+    assert sorted(devices) == [0, 1] and sorted(g for g, _ in devices.values()) == ["10", "11"]
+    loss = report["loss"]
+    assert loss[-1] < loss[0] / 2
+
+
+def test_a_task_with_four_gpus_runs_four_ranks(standalone_cluster, tmp_path):
+    for gpus in ("20,21,22,23", "30,31,32,33"):
+        standalone_cluster.add_worker(gpu_worker_env(gpus), cores=4)
+    conf = {"spark.executor.cores": "4", "spark.executor.resource.gpu.amount": "4",
+            "spark.task.resource.gpu.amount": "4"}
+    report, stderr = _run(standalone_cluster, conf, '''
+        from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+
+        fit = dict(num_proc=8, epochs=2, batch_size=16, verbose=2)
+        local = linear_estimator(STORE, **fit).fit(df)
+        print("LOCAL RANKS DONE", file=sys.stderr, flush=True)
+        one_each = ResourceProfileBuilder().require(
+            TaskResourceRequests().cpus(1).resource("gpu", 1)).build
+        tasks = linear_estimator(STORE, resource_profile=one_each, **fit).fit(df)
+        horovod = linear_estimator(STORE, backend="horovod", **fit).fit(df)
+        before = jobs()
+        try:
+            linear_estimator(STORE, num_proc=12, epochs=1).fit(df)
+            refused = None
+        except RuntimeError as error:
+            refused = str(error)
+        print("RESULT " + json.dumps({
+            "local": weights(local), "tasks": weights(tasks), "horovod": weights(horovod),
+            "loss": local.getHistory()["loss"], "refused": refused,
+            "jobs": jobs() - before}))
+    ''', tmp_path)
+    local_fit = stderr.split("LOCAL RANKS DONE")[0]
+    devices = _gpu_lines(local_fit)
+    assert sorted(devices) == list(range(8))
+    assert sorted(g for g, _ in devices.values()) == \
+        ["20", "21", "22", "23", "30", "31", "32", "33"]  # every rank on a distinct device
+    assert all(gpus == visible for gpus, visible in devices.values())
+    assert "each task holds 4 GPUs and runs 4 ranks" in local_fit
+    np = pytest.importorskip("numpy")
+    np.testing.assert_allclose(report["local"], report["tasks"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(report["local"], report["horovod"], rtol=1e-4, atol=1e-5)
+    assert report["loss"][-1] < report["loss"][0]
+    assert "num_proc=12 needs 3 task(s) of 4 GPU(s) each" in report["refused"]
+    assert "room for 8 rank(s)" in report["refused"]
+    assert report["jobs"] == 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-n", "0"]))
