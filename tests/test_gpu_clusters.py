@@ -35,7 +35,7 @@ PRELUDE = textwrap.dedent('''
     from sparktrain import local_spark
     from support.helpers import linear_estimator
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     spark = local_spark(None, conf={{
         "spark.master": {url!r}, "spark.driver.host": "127.0.0.1",
@@ -103,7 +103,7 @@ def test_gpus_shared_with_etl_train_a_whole_gpu_per_rank(standalone_cluster, tmp
     assert loss[-1] < loss[0] / 2
 
 
-def test_a_task_with_four_gpus_runs_four_ranks(standalone_cluster, tmp_path):
+def test_a_task_with_four_gpus_runs_four_ranks_or_one_keras_worker(standalone_cluster, tmp_path):
     for gpus in ("20,21,22,23", "30,31,32,33"):
         standalone_cluster.add_worker(gpu_worker_env(gpus), cores=4)
     conf = {"spark.executor.cores": "4", "spark.executor.resource.gpu.amount": "4",
@@ -118,6 +118,15 @@ def test_a_task_with_four_gpus_runs_four_ranks(standalone_cluster, tmp_path):
             TaskResourceRequests().cpus(1).resource("gpu", 1)).build
         tasks = linear_estimator(STORE, resource_profile=one_each, **fit).fit(df)
         horovod = linear_estimator(STORE, backend="horovod", **fit).fit(df)
+        print("TORCH DONE", file=sys.stderr, flush=True)
+        import keras
+        from sparktrain import KerasEstimator
+
+        keras_fit = KerasEstimator(
+            num_proc=2, model=keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
+            optimizer=keras.optimizers.SGD(0.05), loss="mse", feature_cols=["features"],
+            label_cols=["label"], batch_size=32, epochs=2, store=STORE, verbose=2).fit(df)
+        spark.conf.set("spark.sparktrain.slotWaitSeconds", "0")
         before = jobs()
         try:
             linear_estimator(STORE, num_proc=12, epochs=1).fit(df)
@@ -127,6 +136,7 @@ def test_a_task_with_four_gpus_runs_four_ranks(standalone_cluster, tmp_path):
         print("RESULT " + json.dumps({
             "local": weights(local), "tasks": weights(tasks), "horovod": weights(horovod),
             "loss": local.getHistory()["loss"], "refused": refused,
+            "keras_loss": keras_fit.getHistory()["loss"],
             "jobs": jobs() - before}))
     ''', tmp_path)
     local_fit = stderr.split("LOCAL RANKS DONE")[0]
@@ -143,6 +153,13 @@ def test_a_task_with_four_gpus_runs_four_ranks(standalone_cluster, tmp_path):
     assert "num_proc=12 needs 3 task(s) of 4 GPU(s) each" in report["refused"]
     assert "room for 8 rank(s)" in report["refused"]
     assert report["jobs"] == 0
+    # Keras: one worker per task, using the task's 4 GPUs (MultiWorkerMirroredStrategy)
+    keras_fit = stderr.split("TORCH DONE")[1]
+    workers = _gpu_lines(keras_fit)
+    assert sorted(workers) == [0, 1]
+    assert sorted(workers.values()) == [("20,21,22,23", "20,21,22,23"),
+                                        ("30,31,32,33", "30,31,32,33")]
+    assert report["keras_loss"][-1] < report["keras_loss"][0]
 
 
 if __name__ == "__main__":  # pragma: no cover

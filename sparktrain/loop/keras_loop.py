@@ -399,8 +399,8 @@ def _check_gpus(tf: Any) -> None:
         return
     if fake_gpus():
         tf.config.set_visible_devices([], "GPU")
-        _print(f"GPUs {visible} (CUDA_VISIBLE_DEVICES; SPARKTRAIN_FAKE_GPUS: training on the "
-               f"CPU)")
+        _print(f"GPUs {visible} (CUDA_VISIBLE_DEVICES={visible}; SPARKTRAIN_FAKE_GPUS: "
+               f"training on the CPU)")
         return
     found = tf.config.list_physical_devices("GPU")
     if not found:
@@ -409,7 +409,8 @@ def _check_gpus(tf: Any) -> None:
             f"{tf.__version__} finds no GPU here (a CPU build, or no CUDA driver); install a "
             f"GPU build of TensorFlow on the executors or pass use_gpu=False"),
             "the executors' environment (the same on every attempt)")
-    _print(f"GPUs {visible}: {len(found)} replica(s) in this worker")
+    _print(f"GPUs {visible} (CUDA_VISIBLE_DEVICES={visible}): {len(found)} replica(s) in "
+           f"this worker")
 
 
 def train(spec: KerasTrainSpec, payload: KerasPayload, workdir: str) -> Dict[str, Any]:
