@@ -22,6 +22,9 @@ Checks (one ``CHECK <name> PASS|FAIL|SKIP <figures>`` line each):
 * ``ddp_throughput``: steady steps/s of the rank loop vs a hand-written loop on the same device.
 * ``gpu_feed``: rows/s one rank feeds its device from the rank-local cache in epochs after the
   first, against the same rows sliced from one host tensor (the ceiling).
+* ``local_ranks``: a task holding every GPU of the machine runs one rank process per GPU
+  (``launch.local_ranks``, ``CUDA_VISIBLE_DEVICES`` its own), one NCCL group; the rank loop
+  trains in it. On the CPU: two ranks on fake GPUs, gloo.
 * ``no_jvm``: no SparkContext/gateway/session exists at the end.
 
 Run on the GPU machine from the repository root (pure-Python pyspark and py4j on the path)::
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
 import os
@@ -656,6 +660,59 @@ def check_throughput(env: Env) -> Dict[str, Any]:
             "device": seen["device"]}
 
 
+def _local_rank(spec: Any, payload_bytes: bytes, ctx: Any) -> Dict[str, Any]:
+    """One local rank's process: the rank loop, and the GPU its process was shown."""
+    from sparktrain.loop.torch_loop import train
+
+    result = train(spec, payload_bytes, ctx)
+    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "local_rank": os.environ.get("LOCAL_RANK"),
+            "history": result.get("history") if ctx.rank == 0 else None}
+
+
+def check_local_ranks(env: Env) -> Dict[str, Any]:
+    """``launch.local_ranks.run_places``: a task holding every GPU of the machine runs one rank
+    process per GPU (``CUDA_VISIBLE_DEVICES``: its own), joined into one NCCL group, as a Spark
+    task with ``spark.task.resource.gpu.amount=N`` does; on the CPU, two ranks on fake GPUs
+    (gloo)."""
+    from sparktrain.launch.local_ranks import run_places
+    from sparktrain.launch.rank_run import Place
+
+    count = torch.cuda.device_count() if env.gpu else 2
+    gpus = [str(i) for i in range(count)]
+    run = os.path.join(env.root, "runs", "local_ranks")
+    os.makedirs(run)
+    spec = rank_loops.torch_spec(regression_data(env, "local-ranks-data"), use_gpu=True,
+                                 run_path=run)
+    shipped = rank_loops.torch_payload([Probe(probe_path(spec))])
+    places = [Place(i, count, ["127.0.0.1"] * count, env.cpus, {"gpu": [gpu]}, 0, i, count)
+              for i, gpu in enumerate(gpus)]
+    where = (os.path.join(env.root, "local-ranks-launch"), None, False, 1)
+    if not env.gpu:
+        os.environ["SPARKTRAIN_FAKE_GPUS"] = ",".join(gpus)  # the ranks train on the CPU
+    start = time.perf_counter()
+    try:
+        results = dict(run_places(functools.partial(_local_rank, spec, shipped), where, places))
+    finally:
+        os.environ.pop("SPARKTRAIN_FAKE_GPUS", None)
+    seconds = time.perf_counter() - start
+    expect(sorted(results) == list(range(count)), f"ranks {sorted(results)}")
+    shown = [results[rank]["visible"] for rank in range(count)]
+    expect(shown == gpus, f"CUDA_VISIBLE_DEVICES per rank {shown}, expected {gpus}")
+    expect([results[r]["local_rank"] for r in range(count)] == gpus, "LOCAL_RANK per rank")
+    losses = results[0]["history"]["loss"]
+    expect(losses[-1] < 0.5 * losses[0], f"loss did not halve: {losses}")
+    with open(probe_path(spec)) as f:
+        seen = json.load(f)
+    backend = "nccl" if env.gpu else "gloo"
+    expect(seen["backend"] == backend and seen["world_size"] == count,
+           f"process group {seen['backend']} of {seen['world_size']}")
+    expect(seen["device"] == ("cuda:0" if env.gpu else "cpu"), f"device {seen['device']}")
+    return {"ranks": count, "visible": ",".join(shown), "backend": seen["backend"],
+            "device": seen["device"], "loss": f"{losses[0]:.3g}->{losses[-1]:.3g}",
+            "seconds": round(seconds, 2)}
+
+
 def check_no_jvm(env: Env) -> Dict[str, Any]:
     from pyspark import SparkContext
     from pyspark.sql import SparkSession
@@ -677,6 +734,7 @@ CHECKS: Dict[str, Callable[[Env], Dict[str, Any]]] = {
     "gpu_inference": check_inference,
     "ddp_throughput": check_throughput,
     "gpu_feed": check_feed,
+    "local_ranks": check_local_ranks,
     "no_jvm": check_no_jvm,
 }
 

@@ -22,6 +22,9 @@ def test_a_generation_takes_the_free_slots_within_the_bounds():
         ElasticPlan(num_proc=3, min_num_proc=4)
     with pytest.raises(ValueError, match="elastic_batch must be one of"):
         ElasticPlan(num_proc=3, min_num_proc=2, batch="local")
+    # tasks of 4 ranks (one per GPU): generations grow and shrink by whole tasks
+    gpus = ElasticPlan(num_proc=12, min_num_proc=4)
+    assert [gpus.ranks(slots, per_task=4) for slots in (16, 12, 11, 8, 4)] == [12, 12, 8, 8, 4]
 
 
 def test_the_global_batch_and_every_row_once_per_epoch_across_a_change():

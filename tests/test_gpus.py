@@ -167,3 +167,23 @@ def test_local_cluster_gives_each_rank_its_own_gpu():
     assert all(len(r["spark"]) == 1 and r["address"] == r["spark"][0] for r in ranks)
     assert sorted(r["address"] for r in ranks) == ["0", "1"]  # distinct GPUs
     assert [r["env"] for r in ranks] == [{"CUDA_VISIBLE_DEVICES": r["address"]} for r in ranks]
+
+
+def test_a_gpu_torch_cannot_use_fails_once_not_retried(monkeypatch):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine's torch has CUDA")
+    from sparktrain.faults import is_user_error
+    from sparktrain.launch.gpus import GpuUnavailableError
+    from sparktrain.launch.rank_run import RankContext
+    from sparktrain.loop.torch_batch import select_device
+
+    monkeypatch.delenv("SPARKTRAIN_FAKE_GPUS", raising=False)
+    ctx = RankContext(rank=1, world_size=2, hosts=["h", "h"], cpus=1, resources={"gpu": ["0"]},
+                      barrier=None)
+    with pytest.raises(GpuUnavailableError, match="Spark assigned GPU 0 to rank 1, but torch "
+                                                  ".* cannot use CUDA here") as error:
+        select_device(ctx, True)
+    assert is_user_error(error.value)  # the fit fails at once: a retry finds the same torch
+    monkeypatch.setenv("SPARKTRAIN_FAKE_GPUS", "0")
+    assert select_device(ctx, True).type == "cpu"

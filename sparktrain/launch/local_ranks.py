@@ -80,13 +80,23 @@ def run_local_ranks(task: Callable[[RankContext], Any], where: Sequence, ranks_p
     from pyspark import BarrierTaskContext
 
     barrier = BarrierTaskContext.get()
-    ranks = places(barrier, ranks_per_task)
+    return run_places(task, where, places(barrier, ranks_per_task), rows,
+                      lambda text: list(barrier.allGather(text)))
+
+
+def run_places(task: Callable[[RankContext], Any], where: Sequence, ranks: Sequence[Place],
+               rows: Optional[Iterator[Any]] = None,
+               all_gather: Optional[Callable[[str], List[str]]] = None
+               ) -> List[Tuple[int, Any]]:
+    """Run ``task`` in one process per place of ``ranks`` (:func:`run_local_ranks`; without
+    Spark: ``bench/gpu_check.py``); ``all_gather``: between the tasks, to agree on the
+    streamed ``rows``."""
     with tempfile.TemporaryDirectory(prefix="sparktrain-local-ranks-") as folder:
         if rows is not None:
             from sparktrain.data.stream import spool_for_local_ranks
 
-            task = spool_for_local_ranks(task, rows, folder, ranks_per_task,
-                                         lambda text: list(barrier.allGather(text)))
+            task = spool_for_local_ranks(task, rows, folder, len(ranks),
+                                         all_gather or (lambda text: [text]))
         children = [_start(task, where, place, folder) for place in ranks]
         try:
             failed = _wait(children)
