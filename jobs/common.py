@@ -36,7 +36,8 @@ def parse_args(argv: Sequence[str], doc: str, backends: Sequence[str],
     p.add_argument("--label-col", default="label", help="label column (default: label)")
     p.add_argument("--task", choices=["classification", "regression"], default="classification")
     p.add_argument("--hidden", default="128", help="hidden layer sizes, e.g. 128,64")
-    p.add_argument("--num-proc", type=int, default=2, help="training processes (barrier tasks)")
+    p.add_argument("--num-proc", type=int, default=2,
+                   help="training processes (one per task, or per GPU of a task with several)")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=64, help="rows per batch per process")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")

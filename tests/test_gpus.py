@@ -129,6 +129,12 @@ def test_rank_and_worker_gpus():
         rank_gpu({}, True)
 
 
+def test_a_child_sees_the_gpu_its_address_stands_for(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # the executor sees GPUs 2 and 3
+    assert gpu_environment("3") == {"CUDA_VISIBLE_DEVICES": "3"}  # addresses are entries
+    assert gpu_environment(["0", "1"]) == {"CUDA_VISIBLE_DEVICES": "2,3"}  # ... or positions
+
+
 def test_a_local_rank_finds_its_gpu_among_the_visible(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6")
     assert cuda_ordinal("6", 1, "torch") == 0  # a local rank sees only its own GPU
@@ -187,3 +193,17 @@ def test_a_gpu_torch_cannot_use_fails_once_not_retried(monkeypatch):
     assert is_user_error(error.value)  # the fit fails at once: a retry finds the same torch
     monkeypatch.setenv("SPARKTRAIN_FAKE_GPUS", "0")
     assert select_device(ctx, True).type == "cpu"
+
+
+def test_the_training_profile_is_a_param_not_saved(spark, tmp_path):
+    from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+
+    from sparktrain import TorchEstimator
+
+    with pytest.raises(TypeError, match="resource_profile must be a pyspark.resource"):
+        TorchEstimator(resource_profile={"gpu": 1})
+    profile = ResourceProfileBuilder().require(TaskResourceRequests().cpus(1)).build
+    estimator = TorchEstimator(num_proc=2, resource_profile=profile)
+    assert estimator.getResourceProfile() is profile
+    estimator.write().overwrite().save(str(tmp_path / "estimator"))
+    assert TorchEstimator.load(str(tmp_path / "estimator")).getResourceProfile() is None

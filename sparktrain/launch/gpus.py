@@ -292,8 +292,21 @@ def cuda_ordinal(address: str, visible: int, framework: str) -> int:
 
 def gpu_environment(addresses: Any) -> Dict[str, str]:
     """Environment for a process that must see only these GPUs (a local rank, a TensorFlow
-    worker): ``CUDA_VISIBLE_DEVICES``; ``addresses``: one address, a list, or ``None``."""
+    worker): ``CUDA_VISIBLE_DEVICES``; ``addresses``: one address, a list, or ``None``.
+
+    Where this process already sees a subset (an executor whose ``CUDA_VISIBLE_DEVICES`` is
+    set, e.g. by a container runtime) and Spark's addresses are positions in it rather than
+    its entries, each is mapped to the entry it stands for: the child sees the same GPU."""
     if addresses is None:
         return {}
     listed = [addresses] if isinstance(addresses, str) else list(addresses)
-    return {"CUDA_VISIBLE_DEVICES": ",".join(listed)} if listed else {}
+    outer = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+             if d.strip()]
+
+    def physical(address: str) -> str:
+        if not outer or address in outer or not address.isdigit() or \
+                int(address) >= len(outer):
+            return address
+        return outer[int(address)]
+
+    return {"CUDA_VISIBLE_DEVICES": ",".join(physical(a) for a in listed)} if listed else {}

@@ -50,8 +50,7 @@ def select_device(ctx: RankContext, use_gpu: bool) -> torch.device:
     device = torch.device("cuda", cuda_ordinal(address, torch.cuda.device_count(),
                                                f"torch {torch.__version__}"))
     torch.cuda.set_device(device)
-    if ctx.local_size > 1 or ctx.rank == 0:
-        ctx.log(f"GPU {address} as {device} (CUDA_VISIBLE_DEVICES={visible})")
+    ctx.log(f"GPU {address} as {device} (CUDA_VISIBLE_DEVICES={visible})")
     return device
 
 
