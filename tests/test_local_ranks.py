@@ -95,3 +95,70 @@ def test_a_tasks_streamed_rows_are_dealt_to_its_ranks(tmp_path):
     assert sorted(train) == [i for i in range(16) if i % 4]  # every row once
     assert results[0]["train"][1] == results[1]["train"][1] == 16  # the most any rank got
     assert sorted(results[0]["val"][0] + results[1]["val"][0]) == [0, 4, 8, 12]
+
+
+class ShardProbe:
+    """A training callback noting, per rank, whether the model's parameters are FSDP2 shards
+    (DTensors) and the process group's size."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_begin(self, model, history):
+        import json
+
+        import torch.distributed as dist
+
+        param = next(model.parameters())
+        with open(os.path.join(self.folder, f"rank-{dist.get_rank()}.json"), "w") as out:
+            json.dump({"sharded": hasattr(param, "to_local"),
+                       "world_size": dist.get_world_size()}, out)
+
+    def on_epoch_end(self, epoch, logs):
+        return False
+
+
+def rank_loop(spec, payload, ctx):
+    from sparktrain.loop.torch_loop import train
+
+    return train(spec, payload, ctx)
+
+
+def test_local_ranks_train_fsdp_shards_in_one_group(tmp_path, monkeypatch):
+    """The rank loop with strategy="fsdp" in two local-rank processes (fake GPUs: gloo)."""
+    import functools
+    import json
+
+    import torch
+    from test_rank_loops import ROWS, VAL_ROWS, _write_split, torch_spec
+
+    from sparktrain.data.columns import SCALAR, VECTOR, ColumnSpec
+    from sparktrain.loop.torch_files import ShippedModule, save_weights
+    from sparktrain.options.payload import TorchPayload
+    from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
+
+    root = str(tmp_path / "data")
+    data = {"root": root,
+            "layouts": {"train": [_write_split(root, "train", ROWS, 0, group_rows=100)],
+                        "val": [_write_split(root, "val", VAL_ROWS, 1, group_rows=64)]},
+            "columns": [ColumnSpec("features", VECTOR, "float32", 4).to_json(),
+                        ColumnSpec("label", SCALAR, "float32", 1).to_json()]}
+    run = tmp_path / "run"
+    run.mkdir()
+    spec = torch_spec(data, strategy="fsdp", use_gpu=True, run_path=str(run), epochs=4)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Linear(16, 1))
+    weights = save_weights(net.state_dict(), str(tmp_path / "weights.pt"))
+    payload = TorchPayload(
+        model=ShippedModule.of(net, torch.optim.SGD(net.parameters(), lr=0.02), weights),
+        loss=torch.nn.MSELoss(), callbacks=[ShardProbe(str(tmp_path))],
+        strategy=load_strategy(TORCH_STRATEGIES, "fsdp"), fsdp_wrap=[torch.nn.Linear],
+        strategy_options={"fsdp_wrap": [torch.nn.Linear]}).dumps()
+    monkeypatch.setenv("SPARKTRAIN_FAKE_GPUS", "0,1")
+    results = dict(run_places(functools.partial(rank_loop, spec, payload), where(tmp_path),
+                              places(["0", "1"])))
+    losses = results[0]["history"]["loss"]
+    assert losses[-1] < losses[0] / 2
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert seen == {"sharded": True, "world_size": 2}

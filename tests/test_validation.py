@@ -62,8 +62,8 @@ SCHEMA_CASES = [
     (dict(feature_cols=["label"], label_cols=["label2"], sample_weight_col="features"),
      "sample weight column .features. must be a numeric scalar"),
     (dict(feature_cols=["features"], label_cols=["features"]), "appear more than once"),
-    (dict(use_gpu=True), "use_gpu=True but Spark gives tasks no GPUs: set "
-                         "spark.task.resource.gpu.amount=1"),
+    (dict(use_gpu=True), "use_gpu=True but the executors have no GPUs: set "
+                         "spark.executor.resource.gpu.amount"),
     (dict(min_num_proc=3), "min_num_proc must be between 1 and num_proc=2, got 3"),
     (dict(num_proc=4, min_num_proc=3), r"min_num_proc=3 needs 3 task slots .* the cluster has "
                                        r"2 \(master local\[2\]\)"),

@@ -123,11 +123,13 @@ def check_slots(spark: SparkSession, num_proc: int, wait_seconds: Optional[float
         slots = count() or 0
     if slots < num_proc:
         waited = f", waited {wait_seconds:g}s for executors" if wait_seconds else ""
-        needs = f"{num_proc} task slots" if ranks_per_task == 1 and profile is None else \
+        plain = ranks_per_task == 1 and profile is None
+        needs = f"{num_proc} task slots" if plain else \
             _gpu_slots_text(tasks, ranks_per_task, profile)
+        has = str(slots) if plain else f"room for {slots} rank(s)"
         raise RuntimeError(
             f"{name}={num_proc} needs {needs} running at the same time (Spark barrier mode), "
-            f"but the cluster has room for {slots} rank(s) (master {master(spark)}{waited}). "
+            f"but the cluster has {has} (master {master(spark)}{waited}). "
             f"Lower {name} to {max(slots, ranks_per_task)} or "
             f"{_slot_hint(spark, num_proc, profile is not None or ranks_per_task > 1)}."
             + ("" if is_local_master(spark) or is_remote(spark) else
