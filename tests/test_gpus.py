@@ -1,8 +1,7 @@
-"""GPU scheduling: conf checks per cluster manager, and real GPU assignment by Spark to barrier
-tasks on a local-cluster with a GPU discovery script (no CUDA needed: the assignment is Spark's)."""
+"""GPU scheduling without Spark jobs: the training stage's plan per cluster manager, Spark
+version and task amount (launch.gpus), a rank's device and its environment. Real assignment
+by Spark: tests/test_gpu_clusters.py (training), tests/test_gpu_inference.py (prediction)."""
 from __future__ import annotations
-
-import textwrap
 
 import pytest
 
@@ -15,7 +14,6 @@ from sparktrain.launch.gpus import (
     stage_scheduling_gap,
     worker_gpus,
 )
-from support.helpers import run_on_fake_gpus
 
 GPU_CONF = {"spark.task.resource.gpu.amount": "1", "spark.executor.resource.gpu.amount": "2"}
 STANDALONE = "spark://10.0.0.1:7077"
@@ -140,39 +138,6 @@ def test_a_local_rank_finds_its_gpu_among_the_visible(monkeypatch):
     assert cuda_ordinal("6", 1, "torch") == 0  # a local rank sees only its own GPU
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert cuda_ordinal("1", 2, "torch") == 1
-
-
-SCRIPT = textwrap.dedent('''
-    import json, sys
-    sys.path.insert(0, {root!r})
-    from sparktrain import local_spark
-    from sparktrain.launch.barrier import run_barrier
-    from sparktrain.launch.gpus import gpu_environment, plan_gpus, rank_gpu
-
-    spark = local_spark("local-cluster[1,2,1024]",
-                        conf={{**{gpu_conf}, "spark.sparktrain.slotWaitSeconds": "60"}})
-    sc = spark.sparkContext
-    use_gpu = plan_gpus(dict(sc.getConf().getAll()), sc.master, spark.version, None).use_gpu
-
-    def task(ctx):
-        address = rank_gpu(ctx.resources, use_gpu)
-        return {{"rank": ctx.rank, "spark": ctx.resources.get("gpu"), "address": address,
-                 "env": gpu_environment(address)}}
-
-    print("RESULT " + json.dumps({{"use_gpu": use_gpu, "ranks": run_barrier(spark, 2, task)}}))
-    spark.stop()
-''')
-
-
-@pytest.mark.slow
-def test_local_cluster_gives_each_rank_its_own_gpu():
-    report = run_on_fake_gpus(SCRIPT, timeout=300, executor_gpus=2)
-    assert report["use_gpu"] is True
-    ranks = report["ranks"]
-    assert [r["rank"] for r in ranks] == [0, 1]
-    assert all(len(r["spark"]) == 1 and r["address"] == r["spark"][0] for r in ranks)
-    assert sorted(r["address"] for r in ranks) == ["0", "1"]  # distinct GPUs
-    assert [r["env"] for r in ranks] == [{"CUDA_VISIBLE_DEVICES": r["address"]} for r in ranks]
 
 
 def test_a_gpu_torch_cannot_use_fails_once_not_retried(monkeypatch):
