@@ -50,6 +50,7 @@ def spooled_rows(ctx):
             for split, (path, most) in ctx.rows.items()}
 
 
+@pytest.mark.stack  # the classic stack's torch and pyspark too
 def test_each_local_rank_sees_its_own_gpu_in_one_group(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARKTRAIN_FAKE_GPUS", "5,6")  # ranks given GPUs train on the CPU
     results = dict(run_places(ddp_rank, where(tmp_path), places(["5", "6"])))
