@@ -172,3 +172,38 @@ def test_the_training_profile_is_a_param_not_saved(spark, tmp_path):
     assert estimator.getResourceProfile() is profile
     estimator.write().overwrite().save(str(tmp_path / "estimator"))
     assert TorchEstimator.load(str(tmp_path / "estimator")).getResourceProfile() is None
+
+
+class _Settings:
+    """A session's settings as ``spark_api`` reads them (``spark.conf.get``), nothing else: the
+    slot count from the conf is arithmetic on them (a Spark Connect client has no live count)."""
+
+    def __init__(self, conf):
+        self.conf = self
+        self._values = conf
+
+    def get(self, key, default=None):
+        return self._values.get(key, default)
+
+
+def test_gpu_slots_from_the_conf_count_whole_tasks_of_the_profile():
+    from pyspark.resource import ResourceProfile, TaskResourceRequests
+
+    from sparktrain.session.spark_api import _gpu_slots_from_conf
+
+    def profile(gpus, cpus=1):
+        return ResourceProfile(_exec_req={},
+                               _task_req=TaskResourceRequests().cpus(cpus).resource("gpu", gpus)
+                               .requests)
+
+    conf = {"spark.master": "yarn", "spark.executor.instances": "2",
+            "spark.executor.cores": "16", "spark.executor.resource.gpu.amount": "4"}
+    assert _gpu_slots_from_conf(_Settings(conf), profile(1)) == 8  # GPUs, not the 32 cores
+    assert _gpu_slots_from_conf(_Settings(conf), profile(4)) == 2
+    assert _gpu_slots_from_conf(_Settings(conf), profile(1, cpus=8)) == 4  # 2 cores-bound
+    assert _gpu_slots_from_conf(_Settings({**conf, "spark.executor.cores": "2"}),
+                                profile(1)) == 4
+    cluster = {"spark.master": "local-cluster[2,2,1024]",
+               "spark.executor.resource.gpu.amount": "2"}
+    assert _gpu_slots_from_conf(_Settings(cluster), profile(1)) == 4
+    assert _gpu_slots_from_conf(_Settings({"spark.master": "yarn"}), profile(1)) is None

@@ -123,20 +123,23 @@ def task_slots(spark: SparkSession, profile: Any = None) -> Optional[int]:
 
 
 def _gpu_slots_from_conf(spark: SparkSession, profile: Any) -> Optional[int]:
-    """Tasks of ``profile`` the settings promise on a Connect session, counting the
-    executors' GPUs (``None`` when the settings do not say)."""
-    gpus = profile.taskResources.get("gpu")
-    slots = slots_from_conf(spark)
-    if gpus is None or not gpus.amount:
-        return slots
+    """Tasks of ``profile`` the settings promise on a Connect session: per executor, as many
+    as its GPUs and its cores allow (``None`` when the settings do not say)."""
+    tasks = profile.taskResources
+    gpus = tasks["gpu"].amount if "gpu" in tasks else 0
+    cpus = int(tasks["cpus"].amount) if "cpus" in tasks else _cpus_of_a_task(spark)
+    cluster = re.fullmatch(r"local-cluster\[(\d+),\s*(\d+),.*", master(spark))
+    executors = cluster.group(1) if cluster else conf_value(spark, "spark.executor.instances")
+    cores = cluster.group(2) if cluster else conf_value(spark, "spark.executor.cores")
     each = conf_value(spark, "spark.executor.resource.gpu.amount")
-    cluster = re.fullmatch(r"local-cluster\[(\d+),.*", master(spark))
-    executors = cluster.group(1) if cluster else \
-        conf_value(spark, "spark.executor.instances")
-    if each is None or executors is None:
-        return slots
-    by_gpus = int(executors) * int(float(each) // gpus.amount)
-    return by_gpus if slots is None else min(slots, by_gpus)
+    if executors is None or (cores is None and (not gpus or each is None)):
+        return None
+    per_executor = [int(cores) // max(1, cpus)] if cores is not None else []
+    if gpus:
+        if each is None:
+            return 0
+        per_executor.append(int(float(each) // gpus))
+    return int(executors) * min(per_executor)
 
 
 # -- the store ----------------------------------------------------------------------------------
