@@ -4,7 +4,9 @@ schedules and assigns them for real, and a rank given GPUs trains on the CPU (la
 log line naming its GPU and ``CUDA_VISIBLE_DEVICES``.
 
 - GPUs shared with ETL (``spark.task.resource.gpu.amount=0.25``): an ordinary stage runs
-  several tasks per GPU, the training stage gets a whole GPU per rank (stage-level scheduling).
+  several tasks per GPU, the training stage gets a whole GPU per rank (stage-level scheduling),
+  prediction tasks predict on the GPU of their task (or the CPU: ``use_gpu=False``, a profile
+  without GPUs).
 - One task per machine with all its GPUs (``amount=4``): two tasks run 8 ranks, one process
   per GPU, and learn what 8 one-GPU tasks learn (DDP; Horovod on streamed rows); Keras runs
   one worker per task using its 4 GPUs.
@@ -89,7 +91,40 @@ def test_gpus_shared_with_etl_train_a_whole_gpu_per_rank(standalone_cluster, tmp
         etl = spark.sparkContext.parallelize(range(4), 4).mapPartitions(hold).collect()
         model = linear_estimator(STORE, num_proc=2, epochs=3, batch_size=32,
                                  verbose=2).fit(df)
-        print("RESULT " + json.dumps({"etl": etl, "loss": model.getHistory()["loss"]}))
+        report = {"etl": etl, "loss": model.getHistory()["loss"]}
+
+        # prediction tasks: the GPU of each task (no CUDA here: the error names it), or the CPU
+        import torch
+        from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
+        from sparktrain import KerasModel, TorchModel
+
+        features = df.select("features").limit(40).repartition(2).cache()
+
+        def outcome(name, model, expected):
+            try:
+                rows = model.transform(features).select("features", "y__output").collect()
+                got = np.array([r.y__output for r in rows])
+                want = expected(np.array([r.features.toArray() for r in rows], dtype=np.float32))
+                report[name] = {"max_error": float(np.abs(got - want).max())}
+            except Exception as exc:
+                report[name] = {"error": str(exc)[-3000:]}
+
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 2)
+        on_driver = lambda a: net(torch.from_numpy(a)).detach().numpy()
+        torch_model = TorchModel(model=net, feature_columns=["features"], label_columns=["y"])
+        outcome("torch_default", torch_model, on_driver)
+        outcome("torch_cpu", torch_model.copy().setUseGpu(False), on_driver)
+        no_gpu = ResourceProfileBuilder().require(TaskResourceRequests().cpus(1)).build
+        outcome("torch_profile_without_gpu", torch_model.copy().setResourceProfile(no_gpu),
+                on_driver)
+        import keras
+        net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        keras_model = KerasModel(model=net, feature_columns=["features"], label_columns=["y"])
+        keras_driver = lambda a: np.asarray(net(a, training=False))
+        outcome("keras_default", keras_model, keras_driver)
+        outcome("keras_cpu", keras_model.copy().setUseGpu(False), keras_driver)
+        print("RESULT " + json.dumps(report))
     ''', tmp_path)
     etl = report["etl"]
     assert all(len(gpus) == 1 for gpus, _, _ in etl)
@@ -101,6 +136,19 @@ def test_gpus_shared_with_etl_train_a_whole_gpu_per_rank(standalone_cluster, tmp
     assert sorted(devices) == [0, 1] and sorted(g for g, _ in devices.values()) == ["10", "11"]
     loss = report["loss"]
     assert loss[-1] < loss[0] / 2
+
+    # prediction: each task's GPU, shared (0.25) with other tasks; no CUDA here, so a task that
+    # got a GPU proves it by the error naming its address
+    import torch
+
+    assert re.search(rf"Spark assigned GPU 1[01] to this prediction task, but torch "
+                     rf"{re.escape(torch.__version__)} cannot use CUDA here.*setUseGpu\(False\)",
+                     report["torch_default"].get("error", "")), report
+    assert re.search(r"Spark assigned GPU 1[01] to this prediction task, but TensorFlow \S+ "
+                     r"sees no GPU here", report["keras_default"].get("error", "")), report
+    # use_gpu=False, or a stage profile without GPUs: the CPU, the driver's predictions
+    for name in ("torch_cpu", "torch_profile_without_gpu", "keras_cpu"):
+        assert report[name].get("max_error", 1) < 1e-5, (name, report[name])
 
 
 def test_a_task_with_four_gpus_runs_four_ranks_or_one_keras_worker(standalone_cluster, tmp_path):

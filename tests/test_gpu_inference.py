@@ -1,13 +1,11 @@
 """GPU inference in ``TorchModel.transform`` / ``KerasModel.transform``: the device choice, the
-``use_gpu`` and ``resource_profile`` params, and Spark's real GPU assignment to prediction tasks
-on a local-cluster whose workers announce fake GPUs (a discovery script; no CUDA here, so a task
-that got a GPU proves it by the "no CUDA" error naming that GPU's address)."""
+``use_gpu`` and ``resource_profile`` params. Spark's real GPU assignment to prediction tasks:
+tests/test_gpu_clusters.py (a cluster whose Workers announce fake GPUs)."""
 from __future__ import annotations
 
 import json
 import os
 import re
-import textwrap
 
 import numpy as np
 import pytest
@@ -15,7 +13,6 @@ import torch
 
 from sparktrain import TorchModel
 from sparktrain.launch.gpus import cuda_ordinal, rank_gpu
-from support.helpers import run_on_fake_gpus
 
 
 # -- the device choice (pure functions) ----------------------------------------------------------
@@ -135,70 +132,6 @@ def test_resource_profile_param_is_checked_and_not_saved(spark, features_df, tmp
     path = str(tmp_path / "profiled")
     model.write().overwrite().save(path)
     assert TorchModel.load(path).getResourceProfile() is None
-
-
-# -- a local-cluster with fake GPUs ---------------------------------------------------------------
-CLUSTER_SCRIPT = textwrap.dedent('''
-    import json, sys, traceback
-    sys.path.insert(0, {root!r})
-    import numpy as np
-    import torch
-    from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
-    from sparktrain import KerasModel, TorchModel, local_spark
-
-    spark = local_spark("local-cluster[2,1,1024]",
-                        conf={{**{gpu_conf}, "spark.task.maxFailures": "1"}})
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(40, 3)).astype(np.float32)
-    df = spark.createDataFrame([(r.tolist(),) for r in x], "features array<double>") \\
-        .repartition(2).cache()
-    df.count()
-    report = {{}}
-
-    def outcome(name, model, expected):
-        try:
-            rows = model.transform(df).select("features", "y__output").collect()
-            got = np.array([r.y__output for r in rows])
-            want = expected(np.array([r.features for r in rows], dtype=np.float32))
-            report[name] = {{"max_error": float(np.abs(got - want).max())}}
-        except Exception as exc:
-            report[name] = {{"error": str(exc)[-3000:]}}
-
-    torch.manual_seed(0)
-    net = torch.nn.Linear(3, 2)
-    on_driver = lambda a: net(torch.from_numpy(a)).detach().numpy()
-    torch_model = TorchModel(model=net, feature_columns=["features"], label_columns=["y"])
-    outcome("torch_default", torch_model, on_driver)
-    outcome("torch_cpu", torch_model.copy().setUseGpu(False), on_driver)
-    # a stage profile whose tasks ask for a CPU and no GPU: the default use_gpu predicts on CPU
-    no_gpu = ResourceProfileBuilder().require(TaskResourceRequests().cpus(1)).build
-    outcome("torch_profile_without_gpu", torch_model.copy().setResourceProfile(no_gpu),
-            on_driver)
-
-    import keras
-    net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    keras_model = KerasModel(model=net, feature_columns=["features"], label_columns=["y"])
-    keras_driver = lambda a: np.asarray(net(a, training=False))
-    outcome("keras_default", keras_model, keras_driver)
-    outcome("keras_cpu", keras_model.copy().setUseGpu(False), keras_driver)
-    print("RESULT " + json.dumps(report))
-    spark.stop()
-''')
-
-
-@pytest.mark.slow
-def test_prediction_tasks_use_the_gpu_spark_assigns():
-    report = run_on_fake_gpus(CLUSTER_SCRIPT, timeout=540, executor_gpus=1)
-
-    # default use_gpu: the task's GPU (each executor got one of its worker's two, 0 or 1)
-    assert re.search(rf"Spark assigned GPU [01] to this prediction task, but torch "
-                     rf"{re.escape(torch.__version__)} cannot use CUDA here.*setUseGpu\(False\)",
-                     report["torch_default"].get("error", "")), report
-    assert re.search(r"Spark assigned GPU [01] to this prediction task, but TensorFlow \S+ "
-                     r"sees no GPU here", report["keras_default"].get("error", "")), report
-    # use_gpu=False, or a stage profile without GPUs: the CPU, same predictions as the driver
-    for name in ("torch_cpu", "torch_profile_without_gpu", "keras_cpu"):
-        assert report[name].get("max_error", 1) < 1e-5, (name, report[name])
 
 
 def test_a_changed_model_is_not_served_from_a_workers_cache(spark):

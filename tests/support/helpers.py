@@ -74,23 +74,6 @@ def run_reporting_script(code: str, timeout: int, fake_gpus: str = "") -> tuple:
     return json.loads(lines[0][len("RESULT "):]), result.stderr
 
 
-def run_on_fake_gpus(script: str, timeout: int, executor_gpus: int) -> Any:
-    """``run_reporting_script`` for a script (a ``str.format`` template) starting a
-    local-cluster whose workers announce two fake GPUs, "0" and "1": ``{root}`` in it is the
-    repository, ``{gpu_conf}`` a dict of the Spark conf giving each executor ``executor_gpus``
-    of them and each task one. The JSON it printed."""
-    gpu_conf = {
-        "spark.worker.resource.gpu.amount": "2",
-        "spark.worker.resource.gpu.discoveryScript": FAKE_GPU_DISCOVERY,
-        "spark.executor.resource.gpu.amount": str(executor_gpus),
-        "spark.executor.resource.gpu.discoveryScript": FAKE_GPU_DISCOVERY,
-        "spark.task.resource.gpu.amount": "1",
-    }
-    code = script.format(root=os.path.dirname(os.path.dirname(FAKE_GPU_DISCOVERY)),
-                         gpu_conf=repr(gpu_conf))
-    return run_reporting_script(code, timeout=timeout, fake_gpus="0,1")[0]
-
-
 def class_accuracy(out, label: str = "label") -> float:
     """The share of ``out``'s rows whose ``label__output`` scores are highest at ``label``."""
     from pyspark.sql import functions as F
