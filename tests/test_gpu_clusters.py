@@ -85,7 +85,7 @@ def test_gpus_shared_with_etl_train_a_whole_gpu_per_rank(standalone_cluster, tmp
 
         def hold(rows):  # an ordinary stage: which GPU each task holds, and when
             started = time.time()
-            time.sleep(1.5)
+            time.sleep(2.5)  # long enough to overlap on a loaded machine
             yield (TaskContext.get().resources()["gpu"].addresses, started, time.time())
 
         etl = spark.sparkContext.parallelize(range(4), 4).mapPartitions(hold).collect()
