@@ -182,51 +182,15 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
     attempts = min(max_attempts or spark_limit, spark_limit)
     tag = tag or f"sparktrain-{uuid.uuid4().hex[:12]}"
     launch_dir = f"{(workdir or DEFAULT_LAUNCH_DIR).rstrip('/')}/{tag}"
-    gave_up = threading.Event()
-    reported: set = set()  # attempts already logged: one line per failed attempt
-
-    def on_error(rank: int, attempt: int, remote: str, fatal: bool) -> None:
-        if gave_up.is_set() or attempt in reported:
-            return
-        reported.add(attempt)
-        last = remote.strip().splitlines()[-1] if remote.strip() else "unknown error"
-        if fatal:
-            gave_up.set()
-            log.error("rank %d failed on attempt %d: %s; not retried (an error in the user's "
-                      "code fails the same way again)", rank, attempt + 1, last)
-            cancel_tag(spark, tag)
-        elif attempt + 1 >= attempts:
-            gave_up.set()
-            log.error("rank %d failed on attempt %d of %d: %s; %s", rank, attempt + 1,
-                      attempts, last, when_exhausted)
-            cancel_tag(spark, tag)
-        else:
-            log.warning("rank %d failed on attempt %d of %d: %s; Spark re-runs all ranks, "
-                        "which resume from the last checkpoint", rank, attempt + 1, attempts,
-                        last)
-
+    failures = _FailureLog(spark, tag, attempts, when_exhausted)
     where = (launch_dir, storage_options, not is_local_master(spark), attempts)
     fs = filesystem(launch_dir, storage_options)[0]
     try:
         with EventWatcher(f"{launch_dir}/events", storage_options, echo=echo_logs,
-                          on_progress=on_progress, on_error=on_error) as watcher:
+                          on_progress=on_progress, on_error=failures.on_error) as watcher:
             frame = _barrier_frame(spark, num_proc, task, where, rows, profile, ranks_per_task)
             raise_if_interrupted()  # an interrupt lost before this job: do not start it
-            with job_tag(spark, tag, description):
-                try:
-                    rows = frame.collect()
-                except BaseException as exc:
-                    cancel_tag(spark, tag)
-                    if isinstance(exc, KeyboardInterrupt):
-                        raise
-                    watcher.poll()
-                    full = spark_disk_full(str(exc), local_dirs(spark))
-                    if full is not None and watcher.first_error() is None:
-                        raise full from None
-                    error = _training_error(_with_last_lines(watcher), exc,
-                                            max(1, watcher.failed_attempts()))
-                    error.user_error = watcher.user_error()
-                    raise error from None
+            rows = _collect(spark, frame, tag, description, watcher)
             results = {row["rank"]: _load_result(row, fs) for row in rows}
     finally:
         try:
@@ -234,6 +198,59 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
         except (FileNotFoundError, OSError):
             pass
     return [results[rank] for rank in sorted(results)]
+
+
+class _FailureLog:
+    """What the client does when a rank reports an error: one log line per failed attempt,
+    and the job cancelled (tag ``tag``) once the error is the user's or the last attempt's."""
+
+    def __init__(self, spark: SparkSession, tag: str, attempts: int,
+                 when_exhausted: str) -> None:
+        self.spark, self.tag, self.attempts, self.when_exhausted = \
+            spark, tag, attempts, when_exhausted
+        self.gave_up = threading.Event()
+        self.reported: set = set()  # attempts already logged
+
+    def on_error(self, rank: int, attempt: int, remote: str, fatal: bool) -> None:
+        if self.gave_up.is_set() or attempt in self.reported:
+            return
+        self.reported.add(attempt)
+        last = remote.strip().splitlines()[-1] if remote.strip() else "unknown error"
+        if fatal:
+            self.gave_up.set()
+            log.error("rank %d failed on attempt %d: %s; not retried (an error in the user's "
+                      "code fails the same way again)", rank, attempt + 1, last)
+            cancel_tag(self.spark, self.tag)
+        elif attempt + 1 >= self.attempts:
+            self.gave_up.set()
+            log.error("rank %d failed on attempt %d of %d: %s; %s", rank, attempt + 1,
+                      self.attempts, last, self.when_exhausted)
+            cancel_tag(self.spark, self.tag)
+        else:
+            log.warning("rank %d failed on attempt %d of %d: %s; Spark re-runs all ranks, "
+                        "which resume from the last checkpoint", rank, attempt + 1,
+                        self.attempts, last)
+
+
+def _collect(spark: SparkSession, frame: DataFrame, tag: str, description: str,
+             watcher: EventWatcher) -> List[Any]:
+    """Run the barrier job (tagged ``tag``): the ranks' result rows, or the failure as the
+    error that says most (a full local disk, the first rank's traceback, Spark's text)."""
+    with job_tag(spark, tag, description):
+        try:
+            return frame.collect()
+        except BaseException as exc:
+            cancel_tag(spark, tag)
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            watcher.poll()
+            full = spark_disk_full(str(exc), local_dirs(spark))
+            if full is not None and watcher.first_error() is None:
+                raise full from None
+            error = _training_error(_with_last_lines(watcher), exc,
+                                    max(1, watcher.failed_attempts()))
+            error.user_error = watcher.user_error()
+            raise error from None
 
 
 def _barrier_frame(spark: SparkSession, num_proc: int, task: Callable[[RankContext], Any],
