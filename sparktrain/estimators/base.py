@@ -31,6 +31,7 @@ from sparktrain.data.store import Store
 from sparktrain.estimators.fit_run import FitRun
 from sparktrain.estimators.model import ModelBase
 from sparktrain.estimators.persistence import EstimatorReader, EstimatorWriter
+from sparktrain.estimators.prediction import check_profiles, takes_profiles
 from sparktrain.estimators.preflight import run_preflight, transformation_columns
 from sparktrain.estimators.progress import FitProgress, TqdmLogHandler, interval_from_conf
 from sparktrain.fit_hooks import FitListener, fit_hooks
@@ -220,7 +221,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
             specs = self._check_params(dataset)
         spark = dataset.sparkSession
         self._check_session(spark)
-        gpus, profile = self._gpu_plan(spark)
+        gpus, profile = self._gpu_plan(dataset)
         if self.getMixedPrecision() == "fp16" and not gpus.use_gpu:
             raise ValueError("mixed_precision='fp16' needs GPU ranks (CPU autocast supports "
                              "bfloat16 only); use mixed_precision='bf16' or train on GPUs")
@@ -280,25 +281,21 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         listener.fitted(model, dataset)
         return model
 
-    def _gpu_plan(self, spark: SparkSession) -> Tuple[GpuPlan, Any]:
+    def _gpu_plan(self, dataset: DataFrame) -> Tuple[GpuPlan, Any]:
         """How the training stage gets its GPUs (:func:`~sparktrain.launch.gpus.plan_gpus`)
         and the ResourceProfile it runs with (``None``: the application's defaults)."""
-        import pyspark
-
+        spark, conf = dataset.sparkSession, all_conf(dataset.sparkSession)
         profile = self.getResourceProfile()
-        with_profiles = int(pyspark.__version__.split(".")[0]) >= 4
-        if profile is not None and not with_profiles:
-            raise ValueError("resource_profile needs pyspark >= 4.0 (DataFrame.mapInArrow(..., "
-                             "profile=)); with older Spark set the GPUs for the whole session "
-                             "(spark.task.resource.gpu.amount) and leave resource_profile unset")
-        plan = plan_gpus(all_conf(spark), master(spark), spark.version, self.getUseGpu(),
-                         profile, self.ranks_per_gpu, with_profiles)
+        if profile is not None:
+            check_profiles(dataset)
+        plan = plan_gpus(conf, master(spark), spark.version, self.getUseGpu(), profile,
+                         self.ranks_per_gpu, takes_profiles(dataset))
         if plan.needs_profile:
             profile = plan.build_profile()
             log.info("the training stage asks for 1 GPU and %d CPU(s) per rank (stage-level "
                      "scheduling); the application's other stages keep "
                      "spark.task.resource.gpu.amount=%s", plan.profile_cpus,
-                     all_conf(spark).get("spark.task.resource.gpu.amount", "unset"))
+                     conf.get("spark.task.resource.gpu.amount", "unset"))
         if plan.ranks_per_task > 1:
             log.info("each task holds %d GPUs and runs %d ranks, one process per GPU",
                      plan.gpus_per_task, plan.ranks_per_task)

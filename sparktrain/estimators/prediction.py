@@ -147,13 +147,24 @@ def with_profile(result: DataFrame, profile: Any) -> DataFrame:
     """
     if profile is None:
         return result
+    check_profiles(result)
+    return result.mapInArrow(_pass_batches, result.schema, profile=profile)
+
+
+def takes_profiles(df: DataFrame) -> bool:
+    """Whether this pyspark attaches a ResourceProfile to a DataFrame stage
+    (``mapInArrow(..., profile=)``: pyspark >= 4.0, classic and Connect)."""
     import inspect
 
-    if "profile" not in inspect.signature(result.mapInArrow).parameters:
+    return "profile" in inspect.signature(df.mapInArrow).parameters
+
+
+def check_profiles(df: DataFrame) -> None:
+    """``ValueError`` naming what to do where a ``resource_profile`` cannot be attached."""
+    if not takes_profiles(df):
         raise ValueError("resource_profile needs pyspark >= 4.0 (DataFrame.mapInArrow(..., "
                          "profile=)); with older Spark set the GPUs for the whole session "
                          "(spark.task.resource.gpu.amount) and leave resource_profile unset")
-    return result.mapInArrow(_pass_batches, result.schema, profile=profile)
 
 
 # Python-worker-wide cache of loaded predictors: deserialize a model once per worker process,

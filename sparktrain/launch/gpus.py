@@ -97,13 +97,10 @@ class GpuPlan:
                 "stage": "a task profile sparktrain gives the training stage"}[self.source]
 
 
-def profile_requests(profile: Any) -> Tuple[Optional[float], Optional[int]]:
-    """A ``pyspark.resource.ResourceProfile``'s task GPU amount and CPUs (``None``: unset)."""
-    tasks = profile.taskResources if profile is not None else {}
-    gpu = tasks.get("gpu")
-    cpus = tasks.get("cpus")
-    return (None if gpu is None else float(gpu.amount),
-            None if cpus is None else int(cpus.amount))
+def profile_gpus(profile: Any) -> Optional[float]:
+    """A ``pyspark.resource.ResourceProfile``'s task GPU amount (``None``: it asks none)."""
+    gpu = profile.taskResources.get("gpu")
+    return None if gpu is None else float(gpu.amount)
 
 
 def _required_keys(master: str) -> Dict[str, str]:
@@ -156,7 +153,7 @@ def plan_gpus(conf: Dict[str, str], master: str, spark_version: str,
     if use_gpu is False:
         return GpuPlan(False)
     if profile is not None:
-        gpus, _ = profile_requests(profile)
+        gpus = profile_gpus(profile)
         if not gpus:
             if use_gpu:
                 raise ValueError("use_gpu=True but resource_profile asks no GPU for its tasks; "
