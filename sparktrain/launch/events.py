@@ -38,7 +38,7 @@ from sparktrain.faults import is_fault_text
 from sparktrain.fs import filesystem
 
 log = logging.getLogger("sparktrain.rank")
-CAUSE_SECONDS = 1.0  # a rank's death this soon after a peer's fault is taken as its cause
+CAUSE_SECONDS = 2.0  # a rank's death this soon after a peer's fault is taken as its cause
 WARNING = "warning: "  # a rank's line starting so is logged on the client as a warning
 
 FLUSH_SECONDS = 0.5  # a rank's buffered lines reach the store at most this late

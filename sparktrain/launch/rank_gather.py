@@ -79,6 +79,7 @@ class GatherServer:
                  on_lost: Callable[[int], None] = lambda rank: None) -> None:
         self.world_size = world_size
         self.on_lost = on_lost
+        self.lost = threading.Event()  # a rank died without a goodbye
         self._secret = secrets.token_hex(16)
         if socket.has_dualstack_ipv6():
             self._listener = socket.create_server(("", 0), family=socket.AF_INET6,
@@ -159,6 +160,7 @@ class GatherServer:
 
     def _lost(self, rank: int) -> None:
         """``rank`` died: report it, tell the others (best effort)."""
+        self.lost.set()
         try:
             self.on_lost(rank)
         finally:
@@ -169,8 +171,12 @@ class GatherServer:
                     except OSError:
                         pass
 
-    def close(self) -> None:
-        """Stop serving; the ranks get a goodbye."""
+    def close(self, settle: float = 0.0) -> None:
+        """Stop serving; the ranks get a goodbye. ``settle``: seconds to first wait for a
+        rank's death to be seen (rank 0 failing on a fault: the death is most often its
+        cause, and a closed server no longer reports it)."""
+        if settle > 0 and self._thread.is_alive():
+            self.lost.wait(settle)
         self._closed.set()
         try:
             self._waker.send(b"x")  # the serving thread says goodbye and ends

@@ -26,6 +26,9 @@ from sparktrain.launch.events import RankEvents
 from sparktrain.launch.rank_gather import NO_SERVER, GatherServer, RankGather, connect, publish
 
 FAILURE_TAG = "sparktrain-rank-failure"
+# A peer's death makes rank 0's collective fail at once, and rank 0's gather server sees the
+# death a moment later: within this, it is reported (events.CAUSE_SECONDS takes it as the cause).
+SETTLE_SECONDS = 1.0
 
 
 @dataclass
@@ -190,6 +193,7 @@ def run_rank(task: Callable[[RankContext], Any], where: Sequence,
         raise RuntimeError(f"{FAILURE_TAG} rank={rank}\nnot retried: an earlier attempt "
                            f"failed in the user's code\n{FAILURE_TAG} end")
     server = gather = None
+    settle = 0.0  # on a fault, how long rank 0's server may take to see a peer's death
     try:
         with _captured_output(client, mirror=where[2]):
             context = rank_context(place, barrier, client)
@@ -215,13 +219,14 @@ def run_rank(task: Callable[[RankContext], Any], where: Sequence,
                        f"install it there, or point PYSPARK_PYTHON / spark.pyspark.python at a "
                        f"Python that has it.\n")
         client.error(remote, fatal=source is not None)
+        settle = 0.0 if source is not None else SETTLE_SECONDS
         # Spark shows only the task's exception text: carry the traceback inside it, tagged.
         raise RuntimeError(f"{FAILURE_TAG} rank={rank}\n{remote}\n{FAILURE_TAG} end") from None
     finally:
         if gather is not None:
             gather.close()
         if server is not None:
-            server.close()
+            server.close(settle)
         client.close()
 
 
