@@ -215,6 +215,17 @@ say "installing sparktrain[$extras] on the $stack stack ($constraints) with $ins
 # setuptools (torch needs >= 77.0.3, tensorflowonspark and petastorm import pkg_resources: < 81)
 # and wheel are also Horovod's build tools.
 install_into "$venv" -c "$constraints" pip "setuptools>=77.0.3,<81" wheel -e ".[$extras]"
+# PyPI's torch is the CUDA build, which brings Triton (torch.compile's GPU kernels). Triton's
+# native module crashes (SIGSEGV) a process that imported TensorFlow before it (seen with torch
+# 2.13 + triton + tensorflow-cpu 2.21: `import tensorflow, peft`), as a Python worker that ran a
+# Keras fit and then a torch one would. Without an NVIDIA GPU Triton has nothing to run on and
+# torch works without it (torch.utils._triton.has_triton_package): leave it out there.
+if ! { command -v nvidia-smi >/dev/null 2>&1 || [ -e /dev/nvidia0 ]; } \
+    && "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('triton') is None)" 2>/dev/null; then
+  say "removing Triton (no NVIDIA GPU here; it crashes processes that also import TensorFlow)"
+  if [ -n "$uv_bin" ]; then "$uv_bin" pip uninstall --quiet --python "$venv/bin/python" triton
+  else "$venv/bin/python" -m pip uninstall --quiet --yes triton; fi
+fi
 
 # --- Horovod, compiled against this torch ------------------------------------------------------
 if has horovod; then

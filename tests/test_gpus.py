@@ -189,7 +189,7 @@ class _Settings:
 def test_gpu_slots_from_the_conf_count_whole_tasks_of_the_profile():
     from pyspark.resource import ResourceProfile, TaskResourceRequests
 
-    from sparktrain.session.spark_api import _gpu_slots_from_conf
+    from sparktrain.session.slots import _gpu_slots_from_conf
 
     def profile(gpus, cpus=1):
         return ResourceProfile(_exec_req={},

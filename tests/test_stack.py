@@ -22,7 +22,7 @@ from sparktrain.data.materialize import materialize, plan_key
 from sparktrain.data.schema import training_columns
 from sparktrain.data.store import Store
 from sparktrain.estimators.persistence import saved_root
-from sparktrain.session.spark_api import slots_from_conf, task_slots
+from sparktrain.session.slots import slots_from_conf, task_slots
 from sparktrain.session.spark_jvm import hadoop_conf, max_concurrent_tasks, remove_path
 
 pytestmark = pytest.mark.stack

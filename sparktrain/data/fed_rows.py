@@ -44,6 +44,7 @@ from sparktrain.data.columns import SPLIT_COL, ColumnSpec
 from sparktrain.data.rank_cache import RankCache, cache_root, cacheable, disk_full, row_bytes
 from sparktrain.data.row_feed import Receiver, share
 from sparktrain.data.shuffle_window import ShuffleWindow, joined_rows, row_count, taken_rows
+from sparktrain.faults import mark_user_error
 from sparktrain.fs import filesystem
 from sparktrain.options.spec import LoopSpec
 
@@ -193,8 +194,11 @@ class FedRows:
             text = self.fs.cat_file(f"{self.dir}/failed").decode("utf-8", "replace")
         except (FileNotFoundError, OSError):
             return
-        raise FeedFailed(f"input_mode='stream': feeding the rows failed on the driver's side "
-                         f"(not retried):\n{text}")
+        # the DataFrame's own computation, or no slot to feed from: a new attempt of the
+        # ranks would fail the same way
+        raise mark_user_error(FeedFailed(
+            f"input_mode='stream': feeding the rows failed on the driver's side (not "
+            f"retried):\n{text}"), "the feeding job (on the driver's side)")
 
     def close(self) -> None:
         if not self.own:

@@ -11,7 +11,11 @@ that fails (the DataFrame's own computation, after Spark's task retries) writes 
 and the ranks stop with its message, not retried.
 
 Where the ranks take every slot there is none left to feed them: the estimator then uses the
-training stage's own input instead (:mod:`.stream`'s spooled shard, after a shuffle).
+training stage's own input instead (:mod:`.stream`'s spooled shard, after a shuffle). Where
+a slot was left when the fit started and a job the driver cannot see took it since (another
+application on a shared cluster), the feeding job gets no task: after
+``spark.sparktrain.feedWaitSeconds`` (45) without a running task it is cancelled and the fit
+fails once, naming the stages that hold the slots, instead of waiting for ever.
 
 Example (driver)::
 
@@ -34,11 +38,16 @@ from pyspark.sql import functions as F
 from sparktrain.data.columns import SPLIT_COL
 from sparktrain.data.row_feed import CHUNK_ROWS, send_partition
 from sparktrain.fs import filesystem
-from sparktrain.session.spark_api import cancel_tag, job_tag
+from sparktrain.session.slots import busy_stages, job_tasks
+from sparktrain.session.spark_api import cancel_tag, conf_value, job_tag
 
 log = logging.getLogger("sparktrain")
 
 POLL_SECONDS = 0.05  # how often the driver looks for a rank 0's request (local store)
+#: how long a feeding job may go without a running task before the fit fails (the conf key
+#: below overrides it): its ranks wait for rows that no slot is free to send
+FEED_WAIT_CONF = "spark.sparktrain.feedWaitSeconds"
+DEFAULT_FEED_WAIT_SECONDS = 45.0
 REMOTE_POLL_SECONDS = 0.5  # ... in an object store
 _GONE = ("Connection refused", "Connection reset", "Broken pipe", "ConnectionRefusedError",
          "BrokenPipeError", "ConnectionResetError", "timed out")
@@ -72,6 +81,9 @@ class Feeding:
         self.tags: Dict[str, List[str]] = {}  # token -> its jobs' tags
         self.lock = threading.Lock()
         self.jobs: List[threading.Thread] = []
+        self.wait = float(conf_value(spark, FEED_WAIT_CONF, None) or DEFAULT_FEED_WAIT_SECONDS)
+        self.watched: Dict[str, List[Any]] = {}  # tag -> [epoch, last progress, its time]
+        self.stalled: Dict[str, str] = {}  # tag -> why it was cancelled
         self.thread = threading.Thread(target=self._watch, name="sparktrain-feeding",
                                        daemon=True)
 
@@ -97,6 +109,7 @@ class Feeding:
     def _watch(self) -> None:
         interval = REMOTE_POLL_SECONDS if self.remote else POLL_SECONDS
         while not self.stop.wait(interval):
+            self._check_stalls()
             try:
                 self.fs.invalidate_cache(self.folder)
                 names = sorted(n for n in self.fs.ls(self.folder, detail=False)
@@ -128,8 +141,41 @@ class Feeding:
         self.jobs.append(job)
         job.start()
 
+    def _check_stalls(self) -> None:
+        """Cancel a feeding job that has had no running task for :data:`FEED_WAIT_CONF`
+        seconds (no slot is free for it: the ranks would wait for ever) and tell the ranks
+        why, naming the stages that hold the slots."""
+        now = time.monotonic()
+        with self.lock:
+            watched = list(self.watched.items())
+        for tag, (epoch, last, since) in watched:
+            progress = job_tasks(self.spark, tag)
+            if progress is None:  # a Spark Connect session, or a Spark that cannot tell
+                continue
+            if progress[0] or progress != last:
+                with self.lock:
+                    if tag in self.watched:
+                        self.watched[tag] = [epoch, progress, now]
+                continue
+            if now - since < self.wait:
+                continue
+            holders = busy_stages(self.spark)
+            why = (f"input_mode='stream': the job feeding epoch {epoch + 1}'s rows to the "
+                   f"ranks got no task slot in {self.wait:g}s: the training stage's ranks and "
+                   f"other jobs hold every slot (running now: "
+                   f"{'; '.join(holders) or 'none seen'}). Free slots (fewer fits at once, a "
+                   f"smaller num_proc), use input_mode='store', or raise {FEED_WAIT_CONF} "
+                   f"where the cluster is only slow to give slots (executors starting)")
+            log.error("%s", why)
+            with self.lock:
+                self.watched.pop(tag, None)
+                self.stalled[tag] = why
+            cancel_tag(self.spark, tag)
+
     def _run(self, token: str, tag: str, epoch: int, addresses: List[str]) -> None:
         started = time.perf_counter()
+        with self.lock:
+            self.watched[tag] = [epoch, None, time.monotonic()]
         names, partition_fn = self.names, _feeder(self.names, epoch, addresses)
         try:
             with job_tag(self.spark, tag, f"sparktrain: rows for epoch {epoch + 1}"):
@@ -137,14 +183,19 @@ class Feeding:
             log.info("fed epoch %d: %d rows of %d columns in %.1fs", epoch + 1,
                      sum(r["rows"] for r in rows), len(names), time.perf_counter() - started)
             self.fs.pipe_file(f"{self.folder}/{token}-e{epoch}.done", b"")
+            with self.lock:
+                self.watched.pop(tag, None)
         except BaseException as exc:  # noqa: BLE001 - reported to the ranks through the store
             with self.lock:
                 current = token in self.tags and tag in self.tags[token]
-            text = str(exc)
-            if self.stop.is_set() or not current or any(g in text for g in _GONE):
+                stalled = self.stalled.get(tag)
+            text = stalled or str(exc)
+            if not stalled and (self.stop.is_set() or not current
+                                or any(g in text for g in _GONE)):
                 log.debug("feeding epoch %d ended: %s", epoch + 1, text[:300])
                 return
-            log.error("feeding epoch %d failed: %s", epoch + 1, text[:2000])
+            if not stalled:
+                log.error("feeding epoch %d failed: %s", epoch + 1, text[:2000])
             try:
                 self.fs.pipe_file(f"{self.folder}/failed", text[-20000:].encode())
             except OSError:

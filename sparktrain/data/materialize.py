@@ -46,7 +46,8 @@ from sparktrain.data.prepare import (
 from sparktrain.data.rank_cache import cacheable
 from sparktrain.data.store import Store
 from sparktrain.fs import out_of_space, store_full
-from sparktrain.session.spark_api import conf_value, num_partitions, plan_fingerprint, task_slots
+from sparktrain.session.slots import SlotClaim
+from sparktrain.session.spark_api import conf_value, num_partitions, plan_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -244,26 +245,28 @@ def rows_to_ranks(df: DataFrame, store: Store, columns: Sequence[ColumnSpec], in
                   validation: Union[None, float, str], seed: Optional[int], *,
                   variable_length: bool, num_proc: int, min_num_proc: int,
                   fed: bool, feed_dir: str, cache_limit: Optional[float] = None,
-                  ranks_per_task: int = 1, gpus: bool = False) -> MaterializedDataset:
+                  ranks_per_task: int = 1, spare: Optional[SlotClaim] = None
+                  ) -> MaterializedDataset:
     """The dataset the ranks read, by ``input_mode``: materialized in the store (``"store"``:
     :func:`materialize`), or streamed (``"stream"``, nothing written: :func:`streamed`), fed
     by jobs beside the ranks through ``feed_dir`` where the ranks can take them (``fed``) and
-    the cluster has task slots left, else taken by the training stage itself.
+    the fit's slot claim (``spare``, :func:`~sparktrain.session.slots.claim_slots`) holds a
+    slot for feeding, else taken by the training stage itself.
 
-    GPU ranks (``gpus``) are never fed beside: a feeding task of the application's profile
+    GPU ranks never get a feeding slot claimed: a feeding task of the application's profile
     may need GPUs that the ranks hold (``spark.task.resource.gpu.amount=4``: a machine's), and
     the ranks would wait for rows that never come. Tasks of ``ranks_per_task`` local ranks
     deal their partition's rows to them (:func:`~sparktrain.data.stream.
     spool_for_local_ranks`)."""
     if input_mode == "store":
         return materialize(df, store, columns, validation, seed, variable_length=variable_length)
-    slots = task_slots(df.sparkSession)
-    beside = fed and not gpus and (slots is None or slots > num_proc)
-    if fed and not beside and not gpus:
-        log.info("input_mode='stream': num_proc=%d takes every task slot (%s), none is left to "
-                 "feed the ranks while they train: each rank takes its rows from the training "
-                 "stage (one partition a rank where the DataFrame has num_proc partitions, "
-                 "else after a shuffle)", num_proc, slots)
+    beside = fed and spare is not None and spare.spare
+    if fed and not beside and spare is not None:
+        log.info("input_mode='stream': num_proc=%d and what other fits and jobs hold now (%d "
+                 "of %s task slots) leave none to feed the ranks while they train: each rank "
+                 "takes its rows from the training stage (one partition a rank where the "
+                 "DataFrame has num_proc partitions, else after a shuffle)", num_proc,
+                 spare.busy, spare.slots)
     own = num_proc if fed and not beside and min_num_proc == num_proc \
         and ranks_per_task == 1 else None
     return streamed(df, columns, validation, seed, variable_length=variable_length,

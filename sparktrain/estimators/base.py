@@ -45,6 +45,7 @@ from sparktrain.options import horovod as horovod_params
 from sparktrain.options.declarations import COMMON, Option
 from sparktrain.options.params import EstimatorParams, camel
 from sparktrain.session.interrupts import interruptible, raise_if_interrupted
+from sparktrain.session.slots import SlotClaim, claim_slots
 from sparktrain.session.spark_api import all_conf, check_store_shared, job_tag, master
 
 log = logging.getLogger("sparktrain")
@@ -152,8 +153,8 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
     ranks_per_gpu = False
 
     def _rows_to_ranks(self, df: DataFrame, store: Store, specs: List[ColumnSpec],
-                       validation: Any, elastic: ElasticPlan, feed_dir: str, gpus: GpuPlan
-                       ) -> MaterializedDataset:
+                       validation: Any, elastic: ElasticPlan, feed_dir: str, gpus: GpuPlan,
+                       claim: SlotClaim) -> MaterializedDataset:
         """The dataset the ranks read (:func:`~sparktrain.data.materialize.rows_to_ranks`)."""
         return rows_to_ranks(df, store, specs, self.getInputMode(), validation,
                              self.getRandomSeed(),
@@ -161,7 +162,8 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                              num_proc=elastic.num_proc, min_num_proc=elastic.min_num_proc,
                              fed=self.fed_streams, feed_dir=feed_dir,
                              cache_limit=self.getCacheLimit(),
-                             ranks_per_task=gpus.ranks_per_task, gpus=gpus.use_gpu)
+                             ranks_per_task=gpus.ranks_per_task,
+                             spare=None if gpus.use_gpu else claim)
 
     def _check_params(self, df: DataFrame) -> List[ColumnSpec]:
         """What spans several options, the estimator or the DataFrame (each option's own range
@@ -256,9 +258,15 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                 log.info("run %s has a checkpoint after epoch %d: resuming from it", run_id,
                          latest.epochs_done)
             raise_if_interrupted()
+            # the training stage's slots, and one to feed its ranks where one is left over
+            # every other fit and job (else two fits can wait on each other for ever)
+            claim = stack.enter_context(claim_slots(
+                spark, -(-elastic.num_proc // gpus.ranks_per_task),
+                feeders=self.fed_streams and self.getInputMode() == "stream"
+                and not gpus.use_gpu))
             data = self._rows_to_ranks(dataset, store, specs, validation, elastic,
                                        f"{store.run_path(run_id)}/_feed/{uuid.uuid4().hex[:8]}",
-                                       gpus)
+                                       gpus, claim)
             raise_if_interrupted()
             result = self._train(FitRun(dataset.sparkSession, data, store, gpus.use_gpu,
                                         run_id, progress, time.time(), elastic, profile,

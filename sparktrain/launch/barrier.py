@@ -44,6 +44,7 @@ from sparktrain.fs import DEFAULT_LAUNCH_DIR, filesystem
 from sparktrain.launch.events import EventWatcher
 from sparktrain.launch.rank_run import FAILURE_TAG, RankContext, run_rank
 from sparktrain.session.interrupts import raise_if_interrupted
+from sparktrain.session.slots import task_slots
 from sparktrain.session.spark_api import (
     cancel_tag,
     conf_value,
@@ -53,7 +54,6 @@ from sparktrain.session.spark_api import (
     local_dirs,
     master,
     num_partitions,
-    task_slots,
 )
 
 log = logging.getLogger(__name__)

@@ -182,7 +182,7 @@ class _SlotCount:
     def now(self) -> Optional[int]:
         """The ranks the cluster can run at once: its task slots (of the training stage's
         profile) times the ranks each task runs."""
-        from sparktrain.session.spark_api import task_slots
+        from sparktrain.session.slots import task_slots
 
         slots = task_slots(self.spark, self.profile)
         slots = None if slots is None else slots * self.per_task

@@ -9,7 +9,6 @@ for the few facts and actions that need one or the other.
 Example::
 
     is_remote(spark)                 # False for local_spark(), True for builder.remote(...)
-    task_slots(spark)                # 2 on local[2]; None where the cluster cannot say
     with job_tag(spark, "fit-1", "sparktrain fit"):
         df.collect()                 # cancel_tag(spark, "fit-1") from another thread stops it
 """
@@ -55,91 +54,6 @@ def is_local_master(spark: SparkSession) -> bool:
     soon as the session does; not ``local-cluster`` (executors register over time)."""
     value = master(spark)
     return value.startswith("local") and not value.startswith("local-cluster")
-
-
-# -- task slots ---------------------------------------------------------------------------------
-def _cpus_of_a_task(spark: SparkSession) -> int:
-    return max(1, int(conf_value(spark, "spark.task.cpus", "1") or 1))
-
-
-_SERVER_CPUS: Dict[int, int] = {}  # id(session) -> CPUs of its local master's machine
-
-
-def _server_cpu_count(spark: SparkSession) -> int:
-    """CPUs of the machine a local master runs on (the Connect server's, not this client's);
-    one tiny job per session."""
-    if id(spark) in _SERVER_CPUS:
-        return _SERVER_CPUS[id(spark)]
-    import pandas as pd
-
-    def count(batches: Iterator[Any]) -> Iterator[pd.DataFrame]:
-        import os
-
-        for _ in batches:
-            pass
-        yield pd.DataFrame({"cpus": [os.cpu_count() or 1]})
-
-    cpus = int(spark.range(0, 1, 1, 1).mapInPandas(count, "cpus int").collect()[0][0])
-    _SERVER_CPUS[id(spark)] = cpus
-    return cpus
-
-
-def slots_from_conf(spark: SparkSession) -> Optional[int]:
-    """Concurrent tasks the cluster's settings promise, or ``None`` when they do not say (a
-    cluster manager's own default executor count, unbounded dynamic allocation).
-
-    Spark Connect has no ``SparkContext.maxNumConcurrentTasks``; this reads what sizes the
-    cluster: ``local[N]``, ``local-cluster[N,C,M]``, or executors x cores / ``spark.task.cpus``.
-    """
-    value, task_cpus = master(spark), _cpus_of_a_task(spark)
-    local = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\s*\d+)?\])?", value)
-    if local:
-        threads = local.group(1)
-        cores = 1 if threads is None else \
-            _server_cpu_count(spark) if threads == "*" else int(threads)
-        return cores // task_cpus
-    cluster = re.fullmatch(r"local-cluster\[(\d+),\s*(\d+),\s*\d+\]", value)
-    if cluster:
-        return int(cluster.group(1)) * int(cluster.group(2)) // task_cpus
-    cores = conf_value(spark, "spark.executor.cores")
-    allocation = conf_value(spark, "spark.dynamicAllocation.enabled", "false") or ""
-    dynamic = allocation.lower() == "true"
-    executors = conf_value(spark, "spark.dynamicAllocation.maxExecutors" if dynamic
-                           else "spark.executor.instances")
-    if cores is None or executors is None or int(executors) >= 2 ** 31 - 1:
-        return None
-    return int(executors) * int(cores) // task_cpus
-
-
-def task_slots(spark: SparkSession, profile: Any = None) -> Optional[int]:
-    """Barrier tasks (of ``profile``, a ResourceProfile; default: the application's) the
-    cluster can run at once now: Spark's own count on a classic session (what its barrier
-    check uses), :func:`slots_from_conf` on a Connect one."""
-    if is_remote(spark):
-        return slots_from_conf(spark) if profile is None else _gpu_slots_from_conf(spark, profile)
-    from sparktrain.session.spark_jvm import max_concurrent_tasks
-
-    return max_concurrent_tasks(spark.sparkContext, profile)
-
-
-def _gpu_slots_from_conf(spark: SparkSession, profile: Any) -> Optional[int]:
-    """Tasks of ``profile`` the settings promise on a Connect session: per executor, as many
-    as its GPUs and its cores allow (``None`` when the settings do not say)."""
-    tasks = profile.taskResources
-    gpus = tasks["gpu"].amount if "gpu" in tasks else 0
-    cpus = int(tasks["cpus"].amount) if "cpus" in tasks else _cpus_of_a_task(spark)
-    cluster = re.fullmatch(r"local-cluster\[(\d+),\s*(\d+),.*", master(spark))
-    executors = cluster.group(1) if cluster else conf_value(spark, "spark.executor.instances")
-    cores = cluster.group(2) if cluster else conf_value(spark, "spark.executor.cores")
-    each = conf_value(spark, "spark.executor.resource.gpu.amount")
-    if executors is None or (cores is None and (not gpus or each is None)):
-        return None
-    per_executor = [int(cores) // max(1, cpus)] if cores is not None else []
-    if gpus:
-        if each is None:
-            return 0
-        per_executor.append(int(float(each) // gpus))
-    return int(executors) * min(per_executor)
 
 
 # -- the store ----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ sparktrain.session.spark_api chooses between these and their Spark Connect count
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Optional, Tuple
 
 from py4j.protocol import Py4JError
 from pyspark import SparkContext
@@ -73,3 +73,22 @@ def max_concurrent_tasks(sc: SparkContext, profile: Any = None) -> int:
         java_profile = profile._java_resource_profile
         manager.addResourceProfile(java_profile)
     return int(jsc.maxNumConcurrentTasks(java_profile))
+
+
+def job_progress(sc: SparkContext, tag: str) -> Optional[Tuple[int, int]]:
+    """``(tasks running, tasks ended)`` over every stage of the jobs tagged ``tag`` (``None``
+    where this Spark cannot list jobs by tag)."""
+    try:
+        ids = list(sc._jsc.sc().statusTracker().getJobIdsForTag(tag))
+    except Py4JError:  # no such method on this Spark
+        return None
+    tracker = sc.statusTracker()
+    running = ended = 0
+    for job_id in ids:
+        job = tracker.getJobInfo(job_id)
+        for stage_id in job.stageIds if job is not None else ():
+            stage = tracker.getStageInfo(stage_id)
+            if stage is not None:
+                running += stage.numActiveTasks
+                ended += stage.numCompletedTasks + stage.numFailedTasks
+    return running, ended
