@@ -38,7 +38,7 @@ from pyspark.sql import functions as F
 from sparktrain.data.columns import SPLIT_COL
 from sparktrain.data.row_feed import CHUNK_ROWS, send_partition
 from sparktrain.fs import filesystem
-from sparktrain.session.slots import busy_stages, job_tasks
+from sparktrain.session.slots import busy_stages, fits_holding_slots, job_tasks
 from sparktrain.session.spark_api import cancel_tag, conf_value, job_tag
 
 log = logging.getLogger("sparktrain")
@@ -152,7 +152,9 @@ class Feeding:
             progress = job_tasks(self.spark, tag)
             if progress is None:  # a Spark Connect session, or a Spark that cannot tell
                 continue
-            if progress[0] or progress != last:
+            # a running task, progress, or slots held by other fits of this driver (they give
+            # them back when they end): the feed is on its way
+            if progress[0] or progress != last or fits_holding_slots(self.spark) > 1:
                 with self.lock:
                     if tag in self.watched:
                         self.watched[tag] = [epoch, progress, now]

@@ -162,6 +162,13 @@ def claim_slots(spark: SparkSession, ranks: int, feeders: bool) -> Iterator[Slot
             _CLAIMS[key].pop(number, None)
 
 
+def fits_holding_slots(spark: SparkSession) -> int:
+    """How many fits of this driver hold slot claims now (their slots come back when they
+    end)."""
+    with _LOCK:
+        return len(_CLAIMS.get(_application(spark), {}))
+
+
 def running_tasks(spark: SparkSession) -> Optional[int]:
     """Tasks running now in this application (``None`` over Spark Connect: it cannot say)."""
     if is_remote(spark):
