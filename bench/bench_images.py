@@ -310,8 +310,8 @@ class SparktrainLoader:
 
     def __init__(self, ds, pool: str, workers: int, batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1) -> None:
-        from sparktrain.data.feed import BatchFeed
         from sparktrain.data.reader import ShardReader
+        from sparktrain.data.transform_stage import BatchFeed
 
         self.batch_size = batch_size
         # TorchEstimator: train_reader_num_workers=N -> prefetch N row groups, N decode workers

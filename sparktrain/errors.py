@@ -62,7 +62,7 @@ class StoreFullError(OSError):
         self.path, self.needed = path, needed
 
     def __str__(self) -> str:
-        return self.strerror
+        return self.strerror or ""  # set from ``message`` by __init__
 
 
 class LocalDiskFullError(OSError):
@@ -77,7 +77,7 @@ class LocalDiskFullError(OSError):
         self.path, self.needed = path, needed
 
     def __str__(self) -> str:
-        return self.strerror
+        return self.strerror or ""  # set from ``message`` by __init__
 
 
 def spark_disk_full(text: str, local_dirs: str = "spark.local.dir"

@@ -98,12 +98,13 @@ def mark_user_error(exc: BaseException, what: str) -> BaseException:
 def user_error_source(exc: BaseException) -> Optional[str]:
     """Where the user's code raised ``exc`` (or an exception it was chained from), else None."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        what = getattr(exc, _MARK, None)
+    cause: Optional[BaseException] = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        what = getattr(cause, _MARK, None)
         if what is not None:
             return what
-        exc = exc.__cause__ or exc.__context__
+        cause = cause.__cause__ or cause.__context__
     return None
 
 

@@ -56,7 +56,7 @@ def test_scale_learning_rate_scales_by_the_global_batchs_ranks():
 def test_a_rank_trains_its_generations_batch(tmp_path):
     from sparktrain.options.spec import LoopSpec
 
-    spec = LoopSpec(dataset_root="", layouts={}, columns=[], feature_cols=["x"],
+    spec = LoopSpec(columns=[], feature_cols=["x"],
                     label_cols=["y"], batch_size=32, val_batch_size=32, epochs=2, shuffle=False,
                     seed=None, verbose=0, backend="torch", strategy="ddp")
     ctx = RankContext(rank=0, world_size=3, hosts=["h"] * 3, cpus=1, resources={}, barrier=None)

@@ -9,7 +9,7 @@ import pytest
 from sparktrain.faults import is_user_error
 from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.loop.epochs import EpochBoard, EpochDriver, StepReporter
-from sparktrain.options.spec import LoopSpec
+from sparktrain.options.spec import LoopSpec, RowsPlan
 
 
 class Scripted:
@@ -169,7 +169,7 @@ def test_epoch_board_splits_validation_metrics_and_flushes_every_epoch(tmp_path)
 
 
 def test_loop_spec_round_trips_and_makes_its_driver(tmp_path):
-    spec = LoopSpec(dataset_root="/d", layouts={"train": [["a.parquet", 10]]}, columns=[],
+    spec = LoopSpec(rows=RowsPlan(root="/d", layouts={"train": [["a.parquet", 10]]}), columns=[],
                     feature_cols=["x"], label_cols=["y"], sample_weight_col="w", batch_size=8,
                     val_batch_size=8, epochs=3, shuffle=False, seed=None, verbose=0,
                     backend="torch", strategy="ddp", run_path=str(tmp_path / "run"),

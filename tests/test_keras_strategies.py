@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from sparktrain.launch.tf_multiworker import TFTask, cluster_config, tf_config
-from sparktrain.options.spec import KerasTrainSpec
+from sparktrain.options.spec import KerasTrainSpec, RowsPlan
 from sparktrain.strategies import KERAS_STRATEGIES, load_strategy, register_keras_strategy
 from sparktrain.strategies.keras_mirrored import MultiWorkerMirrored
 from sparktrain.strategies.keras_ps import ParameterServer, task_role
@@ -18,7 +18,7 @@ from sparktrain.strategies.keras_strategy import KerasStrategy
 
 
 def _spec(**changes) -> KerasTrainSpec:
-    spec = KerasTrainSpec(dataset_root="/tmp/d", layouts={"train": [["a.parquet", 10]]},
+    spec = KerasTrainSpec(rows=RowsPlan(root="/tmp/d", layouts={"train": [["a.parquet", 10]]}),
                           columns=[{"name": "x"}], feature_cols=["x"], label_cols=["y"],
                           sample_weight_col=None, batch_size=8, val_batch_size=8, epochs=2,
                           shuffle=True, seed=1, verbose=1, backend="tensorflow",

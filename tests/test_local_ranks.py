@@ -47,7 +47,7 @@ def spooled_rows(ctx):
     import pyarrow as pa
 
     return {split: [pa.ipc.open_file(path).read_all().column("x").to_pylist(), most]
-            for split, (path, most) in ctx.rows.items()}
+            for split, (path, most) in ctx.task_input.files.items()}
 
 
 @pytest.mark.stack  # the classic stack's torch and pyspark too
@@ -75,6 +75,7 @@ def test_a_tasks_streamed_rows_are_dealt_to_its_ranks(tmp_path):
     import pyarrow as pa
 
     from sparktrain.data.columns import SPLIT_COL
+    from sparktrain.data.sources.shuffled import ShuffledRows
 
     def batch(start, rows):
         return pa.RecordBatch.from_pydict({
@@ -89,8 +90,9 @@ def test_a_tasks_streamed_rows_are_dealt_to_its_ranks(tmp_path):
         gathered.append(json.loads(text))
         return [text, json.dumps([{"train": 16, "val": 4}, {"train": 16, "val": 4}])]
 
-    results = dict(run_places(spooled_rows, where(tmp_path), places(["0", "1"]),
-                              iter([batch(0, 10), batch(10, 6)]), all_gather))
+    rows = ShuffledRows(iter([batch(0, 10), batch(10, 6)]))
+    results = dict(run_places(spooled_rows, where(tmp_path), places(["0", "1"]), rows,
+                              all_gather))
     assert gathered == [[{"train": 5, "val": 3}, {"train": 7, "val": 1}]]
     train = results[0]["train"][0] + results[1]["train"][0]
     assert sorted(train) == [i for i in range(16) if i % 4]  # every row once

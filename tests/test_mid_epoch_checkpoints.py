@@ -284,7 +284,7 @@ def test_a_keras_fit_interrupted_inside_an_epoch_resumes_there_exactly(tmp_path)
     from sparktrain.launch.tf_protocol import ERROR_FILE, RESULT_FILE, WORKER_MODULE, write_inputs
     from sparktrain.loop.keras_saving import keras_module, model_bytes
     from sparktrain.options.payload import KerasPayload
-    from sparktrain.options.spec import KerasTrainSpec
+    from sparktrain.options.spec import KerasTrainSpec, RowsPlan
     from sparktrain.strategies import KERAS_STRATEGIES, load_strategy
 
     data = _rank_loop_dataset(tmp_path)
@@ -301,7 +301,7 @@ def test_a_keras_fit_interrupted_inside_an_epoch_resumes_there_exactly(tmp_path)
 
     # 32 steps an epoch, 3 a call and a checkpoint every 3 (about a tenth of an epoch)
     spec = KerasTrainSpec(
-        dataset_root=data["root"], layouts=data["layouts"], columns=data["columns"],
+        rows=RowsPlan(root=data["root"], layouts=data["layouts"]), columns=data["columns"],
         feature_cols=["features"], label_cols=["label"], sample_weight_col=None, batch_size=8,
         epochs=3, shuffle=True, seed=0, verbose=1, backend="tensorflow",
         strategy="multi_worker_mirrored", storage_options={}, input_shapes=[[-1, 4]],

@@ -105,7 +105,7 @@ def torch_spec(dataset: Dict[str, Any], **changes: Any):
     """The spec ``TorchEstimator._train_spec`` builds for a fit of ``Linear(4, 1)`` with the
     params' defaults (reader options of ``options.horovod.reader_options``, loop options of
     ``EstimatorBase._spec_fields``), plus ``changes``."""
-    from sparktrain.options.spec import TorchTrainSpec
+    from sparktrain.options.spec import RowsPlan, TorchTrainSpec
 
     fields = dict(
         feature_cols=["features"], label_cols=["label"], sample_weight_col=None,
@@ -114,7 +114,7 @@ def torch_spec(dataset: Dict[str, Any], **changes: Any):
         gradient_compression=None, backend_env={}, strategy="ddp",
         train_prefetch=2, val_prefetch=2, reader_pool="thread", train_decode_workers=2,
         val_decode_workers=2, mp_start_method=None,
-        dataset_root=dataset["root"], layouts=dataset["layouts"], columns=dataset["columns"],
+        rows=RowsPlan(root=dataset["root"], layouts=dataset["layouts"]), columns=dataset["columns"],
         use_gpu=False, storage_options={},
         train_steps=None, val_steps=None, inmemory_cache_all=False, backward_passes_per_step=1,
         scale_learning_rate=False, mixed_precision=None, deadline=None,
@@ -241,7 +241,7 @@ def test_keras_worker_process_trains_checkpoints_and_resumes(dataset, tmp_path):
     from sparktrain.loop.checkpoint import Checkpoints
     from sparktrain.loop.keras_saving import keras_module, model_bytes
     from sparktrain.options.payload import KerasPayload
-    from sparktrain.options.spec import KerasTrainSpec
+    from sparktrain.options.spec import KerasTrainSpec, RowsPlan
     from sparktrain.strategies import KERAS_STRATEGIES, load_strategy
 
     keras = keras_module()
@@ -254,7 +254,7 @@ def test_keras_worker_process_trains_checkpoints_and_resumes(dataset, tmp_path):
                            loss="mse", metrics=["mae"], strategy=strategy).dumps()
     run = str(tmp_path / "run")
     spec = KerasTrainSpec(
-        dataset_root=dataset["root"], layouts=dataset["layouts"], columns=dataset["columns"],
+        rows=RowsPlan(root=dataset["root"], layouts=dataset["layouts"]), columns=dataset["columns"],
         feature_cols=["features"], label_cols=["label"], sample_weight_col=None, batch_size=32,
         val_batch_size=32, epochs=2, shuffle=True, seed=0, verbose=1, backend="tensorflow",
         strategy="multi_worker_mirrored", storage_options={}, input_shapes=[[-1, 4]],

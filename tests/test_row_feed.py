@@ -14,8 +14,9 @@ import pyarrow as pa
 import pytest
 
 from sparktrain.data.columns import SPLIT_COL, ColumnSpec
-from sparktrain.data.fed_rows import FedRows, FeedFailed
-from sparktrain.data.row_feed import Receiver, dealt, send_partition, share
+from sparktrain.data.sources.fed_rank import FedRows, FeedFailed
+from sparktrain.data.sources.fed_wire import Receiver, dealt, send_partition, share
+from sparktrain.options.spec import RowsPlan
 
 
 @pytest.mark.parametrize("rows,chunk,world", [(0, 4, 2), (10, 4, 2), (4097, 1024, 3),
@@ -81,9 +82,9 @@ def test_a_partition_reaches_each_rank_in_order_split_by_split():
 def _spec(tmp_path, counts, **extra):
     columns = [ColumnSpec("id", "scalar", "int64").to_json(),
                ColumnSpec("x", "scalar", "float32").to_json()]
-    feed = {"dir": str(tmp_path / "feed"), "counts": counts, "chunk": 100,
-            "cache_limit": extra.pop("cache_limit", None)}
-    return SimpleNamespace(feed=feed, storage_options={}, columns=columns, batch_size=64,
+    plan = RowsPlan("fed", counts=counts, chunk=100, feed_dir=str(tmp_path / "feed"),
+                    cache_limit=extra.pop("cache_limit", None))
+    return SimpleNamespace(rows=plan, storage_options={}, columns=columns, batch_size=64,
                            val_batch_size=64, shuffle=True, seed=3, **extra)
 
 

@@ -8,14 +8,17 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, Optional
+from typing import TYPE_CHECKING, Dict, Iterator, Optional
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from sparktrain.data.sources.contract import RowReader
 
 Batch = Dict[str, np.ndarray]
 
 
-def take_steps(reader: Any, epoch: int, steps: Optional[int], skip: int = 0,
+def take_steps(reader: "RowReader", epoch: int, steps: Optional[int], skip: int = 0,
                order: Optional[str] = None) -> Iterator[Batch]:
     """``steps`` batches of ``reader`` for ``epoch`` (one whole pass when ``None``); more steps
     than a pass has continue into further passes, each shuffled afresh (Horovod's
@@ -29,10 +32,7 @@ def take_steps(reader: Any, epoch: int, steps: Optional[int], skip: int = 0,
             ...
     """
     def epoch_of(number: int, skipped: int) -> Iterator[Batch]:
-        if not skipped:  # readers without `skip` keep working for whole epochs
-            return reader.epoch(number)
-        extra = {"order": order} if order is not None else {}
-        return reader.epoch(number, skip=skipped, **extra)
+        return reader.epoch(number, skip=skipped, order=order if skipped else None)
 
     if steps is None:
         yield from epoch_of(epoch, skip)

@@ -19,9 +19,8 @@ import hashlib
 import json
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 from pyspark.sql import Column, DataFrame
@@ -43,11 +42,9 @@ from sparktrain.data.prepare import (
     ragged_array_message,
     sized_columns,
 )
-from sparktrain.data.rank_cache import cacheable
 from sparktrain.data.store import Store
 from sparktrain.fs import out_of_space, store_full
-from sparktrain.session.slots import SlotClaim
-from sparktrain.session.spark_api import conf_value, num_partitions, plan_fingerprint
+from sparktrain.session.spark_api import conf_value, plan_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +63,6 @@ class MaterializedDataset:
     reused: bool = False
     seconds: float = 0.0
     files: Dict[str, List[List]] = field(default_factory=dict)  # split -> [[file, [rg rows]]]
-    # input_mode="stream": nothing in the store; the training stage reads this DataFrame's rows
-    # (its columns in their stored form, and the split column) and each rank spools its own
-    stream: Any = field(default=None, repr=False)
-    # ... fed to the ranks by jobs beside them (sparktrain.data.feeding): the ranks' plan
-    feed: Optional[Dict[str, Any]] = None
 
     @property
     def train_rows(self) -> int:
@@ -82,21 +74,6 @@ class MaterializedDataset:
 
     def path(self, split: str) -> str:
         return f"{self.root}/{SPLIT_COL}={split}"
-
-    @contextmanager
-    def reaching_ranks(self, spark: Any, storage_options: Dict[str, Any]
-                       ) -> Iterator[Dict[str, Any]]:
-        """The options the training stage needs to get these rows to its ranks
-        (:func:`~sparktrain.launch.barrier.run_barrier`'s ``rows``: the stage takes them
-        itself), with the jobs that feed them running for the block's duration
-        (:class:`~sparktrain.data.feeding.Feeding`); nothing for a dataset in the store."""
-        if self.feed is not None and self.feed.get("dir"):
-            from sparktrain.data.feeding import Feeding
-
-            with Feeding(spark, self.stream, self.feed["dir"], storage_options):
-                yield {}
-        else:
-            yield {} if self.stream is None else {"rows": self.stream}
 
 
 def plan_key(df: DataFrame, columns: Sequence[ColumnSpec], validation: Union[None, float, str],
@@ -204,74 +181,6 @@ def materialize(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
             raise
         finally:
             lease.release()
-
-
-def streamed(df: DataFrame, columns: Sequence[ColumnSpec],
-             validation: Union[None, float, str] = None, seed: Optional[int] = None,
-             variable_length: bool = False, feed_dir: Optional[str] = None,
-             cache_limit: Optional[float] = None, own_ranks: Optional[int] = None,
-             min_ranks: int = 1) -> MaterializedDataset:
-    """``input_mode="stream"``: ``columns`` sized and checked as :func:`materialize` does, and
-    nothing written: the ranks get the returned dataset's ``stream``, ``df``'s rows in their
-    stored form with their split: fed by jobs beside them through ``feed_dir`` when given
-    (:mod:`sparktrain.data.feeding`, the dataset's ``feed`` plan), else taken by the training
-    stage itself: as they come when ``df`` has ``own_ranks`` partitions, one a rank, and
-    fixed-shape numeric columns (its ``feed`` plan says ``own``), else spooled after a shuffle
-    (:mod:`sparktrain.data.stream`)."""
-    start = time.perf_counter()
-    specs = sized_columns(df, columns, variable_length)
-    nullable = {f.name: nullable_elements(f.dataType) for f in df.schema.fields}
-    selected = [expr for spec in specs for expr in prepared_column(spec, nullable[spec.name])]
-    split = split_column(df, validation, seed) or [F.lit("train").alias(SPLIT_COL)]
-    rows = df.select(*selected, *split)
-    plan = None
-    own = own_ranks is not None and num_partitions(df) == own_ranks and cacheable(specs)
-    if feed_dir is not None or own:
-        from sparktrain.data.feeding import feed_plan
-
-        plan = feed_plan(rows, feed_dir, cache_limit)
-        plan["own"] = own and feed_dir is None
-    rows_there = sum(plan["counts"].get("train", [])) if plan else \
-        rows.limit(min_ranks).count()  # the plan counted them; else this cheap check
-    if rows_there < min_ranks:
-        raise ValueError(f"input_mode='stream' gives each of the {min_ranks} ranks its own "
-                         f"rows, and the DataFrame has fewer rows than that; use fewer ranks "
-                         f"(num_proc) or more rows")
-    return MaterializedDataset("", specs, {}, "stream", seconds=time.perf_counter() - start,
-                               stream=rows, feed=plan)
-
-
-def rows_to_ranks(df: DataFrame, store: Store, columns: Sequence[ColumnSpec], input_mode: str,
-                  validation: Union[None, float, str], seed: Optional[int], *,
-                  variable_length: bool, num_proc: int, min_num_proc: int,
-                  fed: bool, feed_dir: str, cache_limit: Optional[float] = None,
-                  ranks_per_task: int = 1, spare: Optional[SlotClaim] = None
-                  ) -> MaterializedDataset:
-    """The dataset the ranks read, by ``input_mode``: materialized in the store (``"store"``:
-    :func:`materialize`), or streamed (``"stream"``, nothing written: :func:`streamed`), fed
-    by jobs beside the ranks through ``feed_dir`` where the ranks can take them (``fed``) and
-    the fit's slot claim (``spare``, :func:`~sparktrain.session.slots.claim_slots`) holds a
-    slot for feeding, else taken by the training stage itself.
-
-    GPU ranks never get a feeding slot claimed: a feeding task of the application's profile
-    may need GPUs that the ranks hold (``spark.task.resource.gpu.amount=4``: a machine's), and
-    the ranks would wait for rows that never come. Tasks of ``ranks_per_task`` local ranks
-    deal their partition's rows to them (:func:`~sparktrain.data.stream.
-    spool_for_local_ranks`)."""
-    if input_mode == "store":
-        return materialize(df, store, columns, validation, seed, variable_length=variable_length)
-    beside = fed and spare is not None and spare.spare
-    if fed and not beside and spare is not None:
-        log.info("input_mode='stream': num_proc=%d and what other fits and jobs hold now (%d "
-                 "of %s task slots) leave none to feed the ranks while they train: each rank "
-                 "takes its rows from the training stage (one partition a rank where the "
-                 "DataFrame has num_proc partitions, else after a shuffle)", num_proc,
-                 spare.busy, spare.slots)
-    own = num_proc if fed and not beside and min_num_proc == num_proc \
-        and ranks_per_task == 1 else None
-    return streamed(df, columns, validation, seed, variable_length=variable_length,
-                    feed_dir=feed_dir if beside else None, cache_limit=cache_limit,
-                    own_ranks=own, min_ranks=min_num_proc)
 
 
 def _reused(store: Store, key: str, found: Commit, start: float) -> MaterializedDataset:

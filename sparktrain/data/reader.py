@@ -410,9 +410,10 @@ def shard_readers(spec: LoopSpec, rank: int, world_size: int) -> Dict[str, Shard
     local cache when the fit reads it more than once. Close them when done."""
     columns = [ColumnSpec.from_json(c) for c in spec.columns]
     splits = [("train", spec.batch_size, spec.shuffle, spec.train_prefetch)]
-    if spec.layouts.get("val"):
+    if spec.rows.layouts.get("val"):
         splits.append(("val", spec.val_batch_size, False, spec.val_prefetch))
-    return {split: ShardReader(spec.dataset_root, spec.layouts[split], columns, rank, world_size,
+    plan = spec.rows
+    return {split: ShardReader(plan.root, plan.layouts[split], columns, rank, world_size,
                                batch_size, shuffle, spec.seed, spec.storage_options,
                                prefetch=prefetch, inmemory_cache_all=spec.inmemory_cache_all,
                                local_cache=spec.epochs > 1)

@@ -24,9 +24,11 @@ from pyspark.sql import DataFrame, SparkSession
 
 from sparktrain.data.batch import heavy_decoding
 from sparktrain.data.columns import BINARY, IMAGE, RAW_KINDS, STRING, VARLEN, ColumnSpec
-from sparktrain.data.materialize import MaterializedDataset, lease_seconds, rows_to_ranks
+from sparktrain.data.materialize import lease_seconds
 from sparktrain.data.run_lock import run_lock
 from sparktrain.data.schema import check_validation_column, training_columns
+from sparktrain.data.sources.choose import rows_to_ranks
+from sparktrain.data.sources.contract import RowSource
 from sparktrain.data.store import Store
 from sparktrain.estimators.fit_run import FitRun
 from sparktrain.estimators.model import ModelBase
@@ -132,16 +134,14 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         fields = {o.spec_name: getattr(self, f"get{camel(o.name)}")()
                   for o in self.options if o.rank}
         if run is None:
-            return dict(fields, dataset_root="", layouts={}, columns=[],
-                        **horovod_params.reader_options(self))
+            return dict(fields, columns=[], **horovod_params.reader_options(self))
         max_time = self.getMaxTime()
-        return dict(fields, dataset_root=run.data.root, layouts=run.data.files, feed=run.data.feed,
-                    columns=[c.to_json() for c in run.data.columns],
+        return dict(fields, rows=run.data.plan, columns=[c.to_json() for c in run.data.columns],
                     storage_options=run.store.storage_options, run_path=run.run_path,
                     fit_id=run.fit_id, deadline=run.started + max_time if max_time else None,
                     **horovod_params.reader_options(self, raw=heavy_decoding(run.data.columns)))
 
-    def _create_model(self, result: Dict[str, Any], dataset: MaterializedDataset) -> "ModelBase":
+    def _create_model(self, result: Dict[str, Any], dataset: RowSource) -> "ModelBase":
         raise NotImplementedError
 
     # -- fit ------------------------------------------------------------------------------------
@@ -154,8 +154,8 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
 
     def _rows_to_ranks(self, df: DataFrame, store: Store, specs: List[ColumnSpec],
                        validation: Any, elastic: ElasticPlan, feed_dir: str, gpus: GpuPlan,
-                       claim: SlotClaim) -> MaterializedDataset:
-        """The dataset the ranks read (:func:`~sparktrain.data.materialize.rows_to_ranks`)."""
+                       claim: SlotClaim) -> RowSource:
+        """The fit's row source (:func:`~sparktrain.data.sources.choose.rows_to_ranks`)."""
         return rows_to_ranks(df, store, specs, self.getInputMode(), validation,
                              self.getRandomSeed(),
                              variable_length=self.getTransformationFn() is not None,
@@ -309,7 +309,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                      plan.gpus_per_task, plan.ranks_per_task)
         return plan, profile
 
-    def _prediction_transform(self, data: MaterializedDataset) -> Optional[Callable]:
+    def _prediction_transform(self, data: RowSource) -> Optional[Callable]:
         """What the model applies before predicting: ``predict_transformation_fn``, else
         ``transformation_fn`` when a feature column is of a raw kind (bytes, text, images,
         variable-length arrays: the model cannot predict without decoding them), else none
@@ -324,7 +324,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
             return self.getTransformationFn()
         return None
 
-    def _prediction_columns(self, data: MaterializedDataset) -> List[ColumnSpec]:
+    def _prediction_columns(self, data: RowSource) -> List[ColumnSpec]:
         """The DataFrame columns the model reads to predict: the feature columns, or (when
         ``transformation_fn`` creates them) the columns it reads, labels and weights left out
         (docs/data.md, 'Columns a transformation creates')."""

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 from pyspark.sql import SparkSession
 
-from sparktrain.data.materialize import MaterializedDataset
+from sparktrain.data.sources.contract import RowSource
 from sparktrain.data.store import Store, StoredBytes
 from sparktrain.estimators.progress import FitProgress
 from sparktrain.launch.elastic import ElasticPlan, run_elastic
@@ -26,7 +26,7 @@ class FitRun:
     """Everything one fit's launch needs, decided on the driver before training starts."""
 
     spark: SparkSession
-    data: MaterializedDataset
+    data: RowSource
     store: Store
     use_gpu: bool
     run_id: str
@@ -48,7 +48,8 @@ class FitRun:
     def launch(self, task: Callable[[Any], Any], **options: Any) -> List[Any]:
         """Run ``task`` on the fit's ranks, in generations when the fit is elastic; results in
         rank order (``options``: :func:`~sparktrain.launch.barrier.run_barrier`'s)."""
-        with self.data.reaching_ranks(self.spark, self.store.storage_options) as rows:
+        with self.data.reaching_ranks(self.spark, self.store.storage_options) as stage_input:
+            rows: Dict[str, Any] = {"stage_input": stage_input} if stage_input is not None else {}
             return run_elastic(self.spark, self.elastic, task, on_progress=self.progress.update,
                                **options, **rows, **self.stage())
 

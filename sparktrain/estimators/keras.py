@@ -19,15 +19,15 @@ hvd``); see "Coming from Horovod" in the README.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Type, cast
 
 import cloudpickle
 from pyspark import keyword_only
 from pyspark.sql import SparkSession
 
-from sparktrain.data.feed import BatchFeed
-from sparktrain.data.materialize import MaterializedDataset
-from sparktrain.data.stream import check_streamable
+from sparktrain.data.sources.choose import check_streamable
+from sparktrain.data.sources.contract import RowSource
+from sparktrain.data.transform_stage import BatchFeed
 from sparktrain.estimators.base import EstimatorBase
 from sparktrain.estimators.fit_run import FitRun
 from sparktrain.estimators.model import ModelBase
@@ -50,6 +50,10 @@ from sparktrain.options.spec import KerasTrainSpec
 from sparktrain.pickling import dumps
 from sparktrain.session.spark_api import classic_only
 from sparktrain.strategies import KERAS_STRATEGIES, load_strategy
+
+if TYPE_CHECKING:
+    from sparktrain.launch.engine import KerasEngine
+    from sparktrain.strategies.keras_strategy import KerasStrategy
 
 __all__ = ["KerasEstimator", "KerasModel", "loading_objects", "model_shapes", "predict_device"]
 
@@ -165,10 +169,11 @@ class KerasEstimator(EstimatorBase, KerasParams):
                              "keras.mixed_precision.set_dtype_policy('mixed_bfloat16')")
         self._check_strategy()
 
-    def _strategy_class(self) -> type:
-        return load_strategy(KERAS_STRATEGIES, self.getStrategy())
+    def _strategy_class(self) -> Type[KerasStrategy]:
+        # registered strategies subclass KerasStrategy (register_keras_strategy)
+        return cast("Type[KerasStrategy]", load_strategy(KERAS_STRATEGIES, self.getStrategy()))
 
-    def _engine(self) -> type:
+    def _engine(self) -> Type[KerasEngine]:
         """The class of the engine registered as ``backend`` (a
         :class:`~sparktrain.launch.engine.KerasEngine`)."""
         return load_backend(KERAS_BACKENDS, self.getBackend())
@@ -292,7 +297,7 @@ class KerasEstimator(EstimatorBase, KerasParams):
             raise preflight.failure(exc, "the model (inference mode), the loss and the metrics",
                                     columns, tensors, preflight.keras_expectation(model)) from exc
 
-    def _create_model(self, result: Dict[str, Any], data: MaterializedDataset) -> "KerasModel":
+    def _create_model(self, result: Dict[str, Any], data: RowSource) -> "KerasModel":
         model = KerasModel(result["model"], loading_objects(_keras(), self.getCustomObjects()))
         model._history = result["history"]
         model._columns = self._prediction_columns(data)

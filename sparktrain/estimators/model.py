@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import cloudpickle
 from pyspark.ml import Model
@@ -34,6 +34,9 @@ from sparktrain.estimators.prediction import (
 from sparktrain.model_files import ModelFile
 from sparktrain.options.params import ModelParams
 from sparktrain.pickling import dumps
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def _family(kind: str) -> str:
@@ -132,8 +135,9 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
             self._columns = [column_spec(dataset, c, "feature") for c in self.getFeatureCols()]
         if not self._output_shapes:
             if any(not spec.size for spec in self._columns):
-                row = dataset.select(*[feature_expr(s) for s in self._columns]).limit(1) \
-                    .toPandas()
+                # pyspark's annotation of toPandas does not resolve under mypy
+                row: pd.DataFrame = dataset.select(
+                    *[feature_expr(s) for s in self._columns]).limit(1).toPandas()
                 if row.empty:
                     raise ValueError("cannot tell the feature columns' sizes from an empty "
                                      "DataFrame")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import posixpath
 import warnings
-from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Type
 from urllib.parse import unquote
 
 import cloudpickle
@@ -41,7 +41,10 @@ from sparktrain.options.params import json_params, object_params
 from sparktrain.pickling import dumps
 from sparktrain.session.spark_api import is_remote
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from sparktrain.estimators.base import EstimatorBase
+    from sparktrain.estimators.model import ModelBase
+
 PREDICT_FN_FILE = "model/predict_transformation_fn.pkl"
 
 
@@ -158,7 +161,7 @@ class EstimatorReader(MLReader):
     """Reads what :class:`EstimatorWriter` wrote. Unpickles ``objects.pkl``, which runs code:
     load only trusted paths."""
 
-    def __init__(self, cls: Type[T]) -> None:
+    def __init__(self, cls: Type[EstimatorBase]) -> None:
         super().__init__()
         self.cls = cls
 
@@ -199,7 +202,7 @@ class ModelReader(MLReader):
     """Reads what :class:`ModelWriter` wrote; the framework's files may be pickles (a torch
     model's architecture, Keras custom objects), which run code: load only trusted paths."""
 
-    def __init__(self, cls: Type[T]) -> None:
+    def __init__(self, cls: Type[ModelBase]) -> None:
         super().__init__()
         self.cls = cls
 

@@ -228,7 +228,8 @@ def prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
     predict_arrow.__annotations__ = {
         "batches": Iterator[Tuple[pa.Array, ...]] if len(specs) > 1 else Iterator[pa.Array],
         "return": Iterator[pa.Array]}
-    return F.arrow_udf(predict_arrow, return_type)
+    # pyspark's stubs have only the functionType forms, not this type-hinted (f, returnType) one
+    return F.arrow_udf(predict_arrow, return_type)  # type: ignore[call-overload]
 
 
 def _pandas_prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSpec],
@@ -253,4 +254,5 @@ def _pandas_prediction_udf(key: str, factory: Callable, specs: Sequence[ColumnSp
     predict_batches.__annotations__ = {
         "batches": Iterator[Tuple[pd.Series, ...]] if len(specs) > 1 else Iterator[pd.Series],
         "return": Iterator[pd.DataFrame] if multi else Iterator[pd.Series]}
-    return F.pandas_udf(predict_batches, return_type)
+    # pyspark's stubs have only the functionType forms, not this type-hinted (f, returnType) one
+    return F.pandas_udf(predict_batches, return_type)  # type: ignore[call-overload]

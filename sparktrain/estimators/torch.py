@@ -23,11 +23,11 @@ import io
 import logging
 import uuid
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Type, cast
 
 from pyspark import keyword_only
 
-from sparktrain.data.materialize import MaterializedDataset
+from sparktrain.data.sources.contract import RowSource
 from sparktrain.estimators.base import EstimatorBase
 from sparktrain.estimators.fit_run import FitRun
 from sparktrain.estimators.torch_model import TorchModel
@@ -44,6 +44,10 @@ from sparktrain.options.declarations import COMMON, TORCH
 from sparktrain.options.keywords import keyword_params
 from sparktrain.options.params import TorchParams
 from sparktrain.options.payload import TorchPayload
+
+if TYPE_CHECKING:
+    from sparktrain.launch.engine import TorchEngine
+    from sparktrain.strategies.torch_strategy import TorchStrategy
 
 #: Horovod's ``horovod.spark.torch`` names (``import sparktrain.estimators.torch as hvd``)
 __all__ = ["TorchEstimator", "TorchModel"]
@@ -225,18 +229,20 @@ class TorchEstimator(EstimatorBase, TorchParams):
         if model is not None:
             self._check_strategy(model)
 
-    def _engine(self) -> type:
+    def _engine(self) -> Type[TorchEngine]:
         """The class of the engine registered as ``backend`` (a
         :class:`~sparktrain.launch.engine.TorchEngine`)."""
         return load_backend(TORCH_BACKENDS, self.getBackend())
 
-    def _strategy_options(self) -> Tuple[type, Dict[str, Any]]:
+    def _strategy_options(self) -> Tuple[Type[TorchStrategy], Dict[str, Any]]:
         """The registered class of ``strategy`` and the values of the params only some
         strategy takes (``fsdp_wrap``...); a param set for another strategy is an error."""
         from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
 
         name = self.getStrategy()
-        registered = {n: load_strategy(TORCH_STRATEGIES, n) for n in TORCH_STRATEGIES}
+        # registered strategies subclass TorchStrategy (register_torch_strategy)
+        registered = {n: cast("Type[TorchStrategy]", load_strategy(TORCH_STRATEGIES, n))
+                      for n in TORCH_STRATEGIES}
         declared = {p for cls in registered.values() for p in cls.params if self.hasParam(p)}
         options = {p: self.getOrDefault(p) for p in sorted(declared)
                    if self.getOrDefault(p) not in (None, False)}
@@ -386,7 +392,7 @@ class TorchEstimator(EstimatorBase, TorchParams):
         result["run"] = (run.run_path, run.store.storage_options)
         return result
 
-    def _create_model(self, result: Dict[str, Any], data: MaterializedDataset) -> "TorchModel":
+    def _create_model(self, result: Dict[str, Any], data: RowSource) -> "TorchModel":
         from sparktrain.loop.torch_files import ModuleFiles, dumps_without_weights
 
         # The trained weights stay in the store (rank 0 wrote them): the model maps them when
@@ -417,7 +423,7 @@ def _last_optimizer_state(run_path: str, storage_options: Dict[str, Any]) -> Any
 
     try:
         latest, data = Checkpoints(run_path, storage_options).latest_intact()
-        if latest is None:
+        if latest is None or data is None:  # both or neither
             return None
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         return state.get("optimizer")

@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import cloudpickle
 from pyspark.sql import DataFrame, SparkSession
 
+from sparktrain.data.sources.contract import StageInput
 from sparktrain.errors import TrainingError, spark_disk_full
 from sparktrain.fs import DEFAULT_LAUNCH_DIR, filesystem
 from sparktrain.launch.events import EventWatcher
@@ -53,7 +54,6 @@ from sparktrain.session.spark_api import (
     job_tag,
     local_dirs,
     master,
-    num_partitions,
 )
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
                 max_attempts: Optional[int] = None, workdir: Optional[str] = None,
                 storage_options: Optional[Dict[str, Any]] = None,
                 tag: Optional[str] = None, when_exhausted: str = "giving up",
-                rows: Optional[DataFrame] = None, profile: Any = None,
+                stage_input: Optional[StageInput] = None, profile: Any = None,
                 ranks_per_task: int = 1) -> List[Any]:
     """Run ``task(RankContext)`` as ``num_proc`` ranks in barrier tasks; results in rank order.
 
@@ -167,10 +167,12 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
     default local store, which suits local masters); the launch's events and large results
     pass through it and are deleted after. ``tag``: the Spark job tag (default: a new one),
     for a caller that cancels the job itself (:mod:`.elastic`); ``when_exhausted``: what the
-    log line of the last attempt's failure says happens next. ``rows``: a DataFrame whose rows
-    the barrier stage itself takes, one partition per rank (``RankContext.rows``: input_mode=
-    "stream"). ``profile``: the stage's ResourceProfile (stage-level scheduling);
-    ``ranks_per_task``: ranks each task runs, one process per GPU (:mod:`.local_ranks`).
+    log line of the last attempt's failure says happens next. ``stage_input``: rows the
+    barrier stage itself takes, one partition per task (a ``StageInput`` of
+    :mod:`sparktrain.data.sources.contract`, opaque here; each task's ``TaskInput`` is
+    ``RankContext.task_input``).
+    ``profile``: the stage's ResourceProfile (stage-level scheduling); ``ranks_per_task``:
+    ranks each task runs, one process per GPU (:mod:`.local_ranks`).
     Raises :class:`~sparktrain.errors.TrainingError` with the first failing rank's traceback.
     """
     if num_proc < 1:
@@ -188,7 +190,8 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
     try:
         with EventWatcher(f"{launch_dir}/events", storage_options, echo=echo_logs,
                           on_progress=on_progress, on_error=failures.on_error) as watcher:
-            frame = _barrier_frame(spark, num_proc, task, where, rows, profile, ranks_per_task)
+            frame = _barrier_frame(spark, num_proc, task, where, stage_input, profile,
+                                   ranks_per_task)
             raise_if_interrupted()  # an interrupt lost before this job: do not start it
             rows = _collect(spark, frame, tag, description, watcher)
             results = {row["rank"]: _load_result(row, fs) for row in rows}
@@ -254,39 +257,33 @@ def _collect(spark: SparkSession, frame: DataFrame, tag: str, description: str,
 
 
 def _barrier_frame(spark: SparkSession, num_proc: int, task: Callable[[RankContext], Any],
-                   where: Sequence, rows: Optional[DataFrame], profile: Any = None,
+                   where: Sequence, stage_input: Optional[StageInput], profile: Any = None,
                    ranks_per_task: int = 1) -> DataFrame:
     """The barrier stage as a DataFrame of the ranks' results (one row each)."""
-    streamed = rows is not None
     tasks = num_proc // ranks_per_task
+    take = stage_input.taker() if stage_input is not None else None
 
     def partition(batches: Iterator[Any]) -> Iterator[Any]:
-        if not streamed:
+        task_input = None
+        if take is None:
             for _ in batches:  # the input rows only number the tasks
                 pass
-            batches = None
+        else:
+            task_input = take(batches)
         if ranks_per_task == 1:
-            yield _rank_result_batch(*run_rank(task, where, batches), where[0], where[1])
+            yield _rank_result_batch(*run_rank(task, where, task_input), where[0], where[1])
             return
         from sparktrain.launch.local_ranks import run_local_ranks
 
-        for rank, result in run_local_ranks(task, where, ranks_per_task, batches):
+        for rank, result in run_local_ranks(task, where, ranks_per_task, task_input):
             yield _rank_result_batch(rank, result, where[0], where[1])
 
-    # One partition a task: the rows to stream, or just the tasks' numbers.
-    source = _partition_a_rank(rows, tasks) if streamed else spark.range(0, tasks, 1, tasks)
+    # One partition a task: the rows the stage takes, or just the tasks' numbers.
+    source = stage_input.frame(tasks) if stage_input is not None \
+        else spark.range(0, tasks, 1, tasks)
     stage = {"profile": profile} if profile is not None else {}
     # repartition(1) makes the barrier stage a shuffle map stage: Spark retries those.
     return source.mapInArrow(partition, _RESULT_SCHEMA, barrier=True, **stage).repartition(1)
-
-
-def _partition_a_rank(rows: DataFrame, num_proc: int) -> DataFrame:
-    """``rows`` in ``num_proc`` partitions: as they are when they already are (no shuffle, as
-    XGBoost's PySpark estimators do), else repartitioned (a shuffle, which a barrier stage may
-    follow; ``coalesce`` may not, SPARK-24820)."""
-    if num_partitions(rows) == num_proc:
-        return rows
-    return rows.repartition(num_proc)
 
 
 def _rank_result_batch(rank: int, result: Any, launch_dir: str,

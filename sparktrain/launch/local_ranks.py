@@ -19,8 +19,8 @@ wait in a collective until its timeout) and fails the task with that rank's repo
 retries the stage as it does for one-rank tasks. A child dies with the task's process
 (``PR_SET_PDEATHSIG``): a cancelled or killed task leaves no rank behind.
 
-The task's streamed rows (``input_mode="stream"`` without feeding) are spooled by the task and
-dealt to its ranks: :func:`~sparktrain.data.stream.spool_for_local_ranks`.
+The rows the task took (``input_mode="stream"`` without feeding) are dealt to its ranks by
+their own source (:meth:`~sparktrain.data.sources.contract.TaskInput.for_local_ranks`).
 
 Example (what the barrier stage's task runs when ``ranks_per_task > 1``)::
 
@@ -29,6 +29,7 @@ Example (what the barrier stage's task runs when ``ranks_per_task > 1``)::
 """
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import signal
@@ -36,10 +37,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import cloudpickle
 
+from sparktrain.data.sources.contract import TaskInput
 from sparktrain.launch.gpus import gpu_environment
 from sparktrain.launch.rank_run import FAILURE_TAG, Place, RankContext, run_rank
 from sparktrain.launch.zygote import die_with_parent
@@ -73,30 +75,29 @@ def rank_environment(place: Place) -> Dict[str, str]:
 
 
 def run_local_ranks(task: Callable[[RankContext], Any], where: Sequence, ranks_per_task: int,
-                    rows: Optional[Iterator[Any]] = None) -> List[Tuple[int, Any]]:
+                    task_input: Optional[TaskInput] = None) -> List[Tuple[int, Any]]:
     """Run ``task`` as this barrier task's ``ranks_per_task`` ranks, one process each;
-    ``[(rank, result)]``. ``rows``: the task's streamed rows, spooled and dealt to its ranks.
+    ``[(rank, result)]``. ``task_input``: the rows the task took, dealt to its ranks.
     Raises the failing rank's tagged error (as :func:`~.rank_run.run_rank` does)."""
     from pyspark import BarrierTaskContext
 
     barrier = BarrierTaskContext.get()
-    return run_places(task, where, places(barrier, ranks_per_task), rows,
+    return run_places(task, where, places(barrier, ranks_per_task), task_input,
                       lambda text: list(barrier.allGather(text)))
 
 
 def run_places(task: Callable[[RankContext], Any], where: Sequence, ranks: Sequence[Place],
-               rows: Optional[Iterator[Any]] = None,
+               task_input: Optional[TaskInput] = None,
                all_gather: Optional[Callable[[str], List[str]]] = None
                ) -> List[Tuple[int, Any]]:
     """Run ``task`` in one process per place of ``ranks`` (:func:`run_local_ranks`; without
-    Spark: ``bench/gpu_check.py``); ``all_gather``: between the tasks, to agree on the
-    streamed ``rows``."""
+    Spark: ``bench/gpu_check.py``); ``all_gather``: between the tasks, to agree on the rows
+    of ``task_input`` dealt to each rank."""
     with tempfile.TemporaryDirectory(prefix="sparktrain-local-ranks-") as folder:
-        if rows is not None:
-            from sparktrain.data.stream import spool_for_local_ranks
-
-            task = spool_for_local_ranks(task, rows, folder, len(ranks),
-                                         all_gather or (lambda text: [text]))
+        if task_input is not None:
+            inputs = task_input.for_local_ranks(folder, len(ranks),
+                                                all_gather or (lambda text: [text]))
+            task = functools.partial(_with_input, task, inputs)
         children = [_start(task, where, place, folder) for place in ranks]
         try:
             failed = _wait(children)
@@ -105,6 +106,12 @@ def run_places(task: Callable[[RankContext], Any], where: Sequence, ranks: Seque
         if failed is not None:
             raise RuntimeError(_failure_text(failed, folder))
         return [(place.rank, _result(folder, place.rank)) for place in ranks]
+
+
+def _with_input(task: Callable[[RankContext], Any], inputs: List[TaskInput],
+                ctx: RankContext) -> Any:
+    ctx.task_input = inputs[ctx.local_rank]
+    return task(ctx)
 
 
 def _start(task: Callable[[RankContext], Any], where: Sequence, place: Place,

@@ -44,8 +44,8 @@ class RankContext:
     client: Optional[RankEvents] = field(default=None, repr=False)
     attempt: int = 0  # 0 on the first run of the stage, n on Spark's n-th retry
     generation: Any = None  # an elastic fit's generation (sparktrain.launch.elastic)
-    # input_mode="stream": this rank's rows, Arrow record batches (run_barrier's ``rows``)
-    rows: Any = field(default=None, repr=False)
+    # rows its barrier task took (run_barrier's ``stage_input``): a data.sources.contract.TaskInput
+    task_input: Any = field(default=None, repr=False)
     # the ranks' own gather (rank_gather.RankGather); None: Spark's allGather
     gather: Any = field(default=None, repr=False)
     # several ranks in one task (one per GPU, :mod:`.local_ranks`): this one's place there
@@ -173,11 +173,12 @@ def rank_context(place: Place, barrier: Any = None,
 
 
 def run_rank(task: Callable[[RankContext], Any], where: Sequence,
-             rows: Optional[Iterator[Any]] = None, place: Optional[Place] = None
+             task_input: Any = None, place: Optional[Place] = None
              ) -> Tuple[int, Any]:
     """Executor entry point: build the :class:`RankContext`, run ``task``, report failures.
     ``where`` is ``(launch directory, storage_options, mirror output to the executor log,
-    the most attempts to start)``; ``rows``: the rank's streamed rows, if any; ``place``: a
+    the most attempts to start)``; ``task_input``: the rows its task took
+    (:class:`~sparktrain.data.sources.contract.TaskInput`), if any; ``place``: a
     local rank's place (default: the barrier task's own)."""
     barrier = None
     if place is None:
@@ -197,7 +198,7 @@ def run_rank(task: Callable[[RankContext], Any], where: Sequence,
     try:
         with _captured_output(client, mirror=where[2]):
             context = rank_context(place, barrier, client)
-            context.rows = rows
+            context.task_input = task_input
             server, gather = _rank_gather(place.stage, context, where)
             context.gather = gather
             # every rank counted its own starts; agree on one number (the largest)

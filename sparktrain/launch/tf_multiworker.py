@@ -31,7 +31,6 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import IO, Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
-from sparktrain.data.stream import spooled_for_child
 from sparktrain.faults import killed_text, mark_user_error
 from sparktrain.launch import zygote
 from sparktrain.launch.barrier import RankContext
@@ -141,8 +140,9 @@ def run_tf_worker(ctx: RankContext, spec: KerasTrainSpec, payload: bytes, use_gp
     """Run this barrier task's part of the cluster the Keras ``strategy`` (a class) forms;
     return what it returned."""
     spec = replace(spec, attempt=ctx.attempt)
-    # streamed rows this task takes: spooled for the child to read (None, spec: none)
-    spooled, spec = spooled_for_child(spec, ctx.world_size, ctx.rows, ctx.all_gather)
+    # rows this task took (input_mode="stream"): kept for the child to read
+    spooled, spec = (None, spec) if ctx.task_input is None else \
+        ctx.task_input.for_child(spec, ctx.world_size, ctx.all_gather)
     chosen = strategy(spec)
     host = ctx.hosts[ctx.rank]
     addresses = ctx.all_gather(f"{host}:{_free_port(host)}")

@@ -56,7 +56,7 @@ from sparktrain.options.spec import KerasTrainSpec
 from sparktrain.strategies.keras_strategy import KerasStrategy, RankLoop, stack_batches
 
 if TYPE_CHECKING:
-    from sparktrain.data.reader import ShardReader
+    from sparktrain.data.sources.contract import RowReader
 
 _progress = progress
 
@@ -160,8 +160,8 @@ class _KerasEpochs:
     def __init__(self, tf: Any, keras: Any, spec: KerasTrainSpec, payload: KerasPayload,
                  workdir: str, custom: Dict[str, Any], strategy: KerasStrategy, distributed: Any,
                  driver: EpochDriver) -> None:
-        from sparktrain.data.feed import BatchFeed
-        from sparktrain.data.stream import rank_readers
+        from sparktrain.data.sources import rank_readers
+        from sparktrain.data.transform_stage import BatchFeed
 
         self.tf, self.spec, self.workdir, self.strategy = tf, spec, workdir, strategy
         self.driver, self.payload = driver, payload
@@ -240,7 +240,7 @@ class _KerasEpochs:
                 reporter.send(i, float(values[1] / max(values[0], 1)))
         return on_step
 
-    def run_epoch(self, step_fn: Callable, source: "ShardReader", epoch: int, report: bool,
+    def run_epoch(self, step_fn: Callable, source: "RowReader", epoch: int, report: bool,
                   steps: Any) -> Any:
         """``step_fn`` over ``source``'s batches, up to ``steps_per_execution`` of them stacked
         per call (batches of one shape: every worker stacks alike, so their traced collectives
@@ -355,7 +355,7 @@ class _KerasEpochs:
 
     def output_shapes(self) -> List[List[int]]:
         """The model's output shapes (without the batch), from one row of the training data."""
-        from sparktrain.data.feed import BatchFeed
+        from sparktrain.data.transform_stage import BatchFeed
 
         sample = next(iter(self.train_reader.epoch(0)))
         first_row = {k: v[:1] for k, v in sample.items()}

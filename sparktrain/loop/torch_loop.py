@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from sparktrain.data.epoch_steps import take_steps
-from sparktrain.data.feed import BatchFeed
-from sparktrain.data.reader import ShardReader
-from sparktrain.data.stream import rank_readers
+from sparktrain.data.sources import rank_readers
+from sparktrain.data.sources.contract import RowReader
+from sparktrain.data.transform_stage import BatchFeed
 from sparktrain.faults import mark_user_error, user_code
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.barrier import RankContext
@@ -210,7 +210,7 @@ class _TorchEpochs:
                  strategy: TorchStrategy, model: torch.nn.Module, trained: torch.nn.Module,
                  forward: ForwardRule, step_rule: _Step, compute_loss: LossComputer,
                  metrics: List[Tuple[str, Callable]], callbacks: List[Any], feed: BatchFeed,
-                 readers: Dict[str, ShardReader], shapes: List,
+                 readers: Dict[str, RowReader], shapes: List,
                  driver: Optional[EpochDriver] = None) -> None:
         self.spec, self.ctx, self.dist, self.device = spec, ctx, dist, device
         self.strategy, self.model, self.trained = strategy, model, trained
@@ -369,7 +369,8 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
         require_finite=True, meta={"framework": "torch", "strategy": spec.strategy})
     device = select_device(ctx, spec.use_gpu)
 
-    readers = rank_readers(spec, ctx.rank, ctx.world_size, ctx.rows, ctx.all_gather, ctx.log)
+    readers = rank_readers(spec, ctx.rank, ctx.world_size, ctx.task_input, ctx.all_gather,
+                           ctx.log)
     train_steps = spec.train_steps or len(readers["train"])
     feed = BatchFeed.for_spec(spec, shipped.payload.transformation_fn)
     # the engine the estimator resolved (so one registered only on the driver works)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import pickle
 import warnings
 from importlib import metadata
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import mlflow
 import pandas as pd
+from mlflow.pyfunc import PythonModel
 
 from sparktrain.estimators.prediction import (
     as_model_input,
@@ -35,7 +36,7 @@ _FLAVORS = {"TorchModel": ("pytorch", "torch"), "KerasModel": ("keras", "keras")
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
 
-    class SparktrainPyfunc(mlflow.pyfunc.PythonModel):
+    class SparktrainPyfunc(PythonModel):
         """``predict(context, DataFrame of the feature columns)`` -> a DataFrame with one column
         per output column: a float per row, or a list of floats (``array<double>``), as
         ``transform`` gives. The model's ``predict_transformation_fn`` runs first."""
@@ -51,7 +52,7 @@ with warnings.catch_warnings():
             transform = model.getPredictTransformationFn()
             # pickled by sparktrain: the user's modules by value, as for transform's UDF
             self.transform_bytes = dumps(transform) if transform is not None else None
-            self._predict = None
+            self._predict: Optional[Callable[..., Any]] = None  # built by the first predict
 
         def __getstate__(self) -> Dict[str, Any]:
             return {**self.__dict__, "_predict": None}  # the loaded model is rebuilt on load
@@ -123,6 +124,7 @@ def log_fitted_model(model: Any, dataset: Any,
     if len(pyfunc.specs) == 1 and pyfunc.transform_bytes is None:  # one tensor in, as trained
         spec = pyfunc.specs[0]
         example_input = as_model_input(series_values(sample[spec.name], spec)).astype("float32")
+        assert pyfunc._predict is not None  # pyfunc.predict above built it
         raw = pyfunc._predict([example_input])
         signature = infer_signature(example_input, raw[0] if len(raw) == 1 else None)
     if flavor == "keras":

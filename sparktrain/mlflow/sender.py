@@ -26,7 +26,7 @@ class Sender:
         self._thread = threading.Thread(target=self._run, name="sparktrain-mlflow", daemon=True)
         self._thread.start()
 
-    def submit(self, call: Callable[[], None]) -> None:
+    def submit(self, call: Callable[[], object]) -> None:
         if self.error is None:
             self._queue.put(call)
 

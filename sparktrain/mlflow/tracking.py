@@ -81,6 +81,13 @@ class FitTracker(FitListener):
         self._store: Any = None
         self._run_path = ""
 
+    @property
+    def _started_id(self) -> str:
+        """The run's id, once ``_start`` (the first call the sender makes) has set it."""
+        if self.run_id is None:
+            raise RuntimeError("the MLflow run has not started")
+        return self.run_id
+
     # -- hooks called by EstimatorBase._fit -------------------------------------------------
     def started(self, run_id: str, store: Any, spark: Any) -> None:
         self._store, self._run_path = store, store.run_path(run_id)
@@ -100,11 +107,11 @@ class FitTracker(FitListener):
             text = (f"{event.get('from')} -> {event.get('to')} ranks at "
                     f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(event.get('time')))}: "
                     f"{event.get('reason')}")
-            self.sender.submit(lambda: self.client.set_tag(self.run_id, key, text[:5000]))
+            self.sender.submit(lambda: self.client.set_tag(self._started_id, key, text[:5000]))
         elif kind == "start" and int(event.get("first", 0)):
             first = int(event["first"])
             self.sender.submit(lambda: self.client.set_tag(
-                self.run_id, "sparktrain.resumed_from_epoch", str(first)))
+                self._started_id, "sparktrain.resumed_from_epoch", str(first)))
 
     def trained(self, result: Dict[str, Any]) -> None:
         self.result = result
@@ -133,12 +140,12 @@ class FitTracker(FitListener):
     def _tag(self, tags: Dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        self.client.log_batch(self._started_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
     def _metrics(self, logs: Dict[str, Any], step: int, stamp: int) -> None:
         from mlflow.entities import Metric
 
-        self.client.log_batch(self.run_id, metrics=[
+        self.client.log_batch(self._started_id, metrics=[
             Metric(key, float(value), stamp, step) for key, value in logs.items()])
 
     def _tags(self, run_id: str, spark: Any) -> Dict[str, str]:
@@ -169,8 +176,8 @@ class FitTracker(FitListener):
     def _artifacts(self) -> None:
         attempts = self.result.get("attempts")
         if attempts:
-            self.client.set_tag(self.run_id, "sparktrain.attempts", str(len(attempts)))
-            self.client.log_dict(self.run_id, attempts, "sparktrain/attempts.json")
+            self.client.set_tag(self._started_id, "sparktrain.attempts", str(len(attempts)))
+            self.client.log_dict(self._started_id, attempts, "sparktrain/attempts.json")
         if not self.config.log_artifacts:
             return
         with tempfile.TemporaryDirectory() as tmp:
@@ -181,14 +188,14 @@ class FitTracker(FitListener):
                     figure = None
                 if figure is not None:
                     figure.savefig(os.path.join(tmp, "history.png"))
-                    self.client.log_artifact(self.run_id, os.path.join(tmp, "history.png"),
+                    self.client.log_artifact(self._started_id, os.path.join(tmp, "history.png"),
                                              "sparktrain")
             board = f"{self._run_path}/tensorboard"
             fs = self._store.fs
             if fs.exists(board):
                 local = os.path.join(tmp, "tensorboard")
                 fs.get(board, local, recursive=True)
-                self.client.log_artifacts(self.run_id, local, "tensorboard")
+                self.client.log_artifacts(self._started_id, local, "tensorboard")
 
     def close(self, error: Optional[BaseException]) -> None:
         """The end of the fit: outcome, artifacts, models, the run's status; one warning for
@@ -230,11 +237,11 @@ class FitTracker(FitListener):
                     if started:
                         mlflow.end_run(status)
             if self.own:
-                self.client.set_terminated(self.run_id, status)
+                self.client.set_terminated(self._started_id, status)
         except Exception as problem:  # noqa: BLE001 - logging never fails the fit
             if self.own:
                 try:
-                    self.client.set_terminated(self.run_id, status)
+                    self.client.set_terminated(self._started_id, status)
                 except Exception:  # noqa: BLE001
                     pass
             return problem
@@ -250,7 +257,7 @@ def track_fit(estimator: Any) -> Iterator[FitListener]:
         yield FitListener()
         return
     try:
-        tracker: FitListener = FitTracker(estimator, config)
+        tracker = FitTracker(estimator, config)
     except Exception as problem:  # noqa: BLE001
         _warn(f"MLflow could not log this fit ({type(problem).__name__}: {problem})")
         yield FitListener()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, cast
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def _wrap(original, logged: Callable[[], bool]):
                 except Exception as error:  # noqa: BLE001
                     log.warning("MLflow: could not end the tuning run (%s)", error)
 
-    _fit.__sparktrain_mlflow__ = True
+    cast(Any, _fit).__sparktrain_mlflow__ = True  # a mark on the function: wrapped once
     return _fit
 
 
@@ -91,5 +91,5 @@ def install(logged: Callable[[], bool]) -> None:
 
         for cls in (CrossValidator, TrainValidationSplit):
             if not getattr(cls._fit, "__sparktrain_mlflow__", False):
-                cls._fit = _wrap(cls._fit, logged)
+                cast(Any, cls)._fit = _wrap(cls._fit, logged)  # patches pyspark's method
         _installed = True

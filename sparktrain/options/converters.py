@@ -110,7 +110,7 @@ def to_module_classes(name: str, allow: type) -> Callable[[Any], Any]:
     def convert(value: Any) -> Any:
         if value is None or (isinstance(value, allow)
                              and (allow is bool or not isinstance(value, bool))):
-            if allow is int and value < 1:
+            if allow is int and isinstance(value, int) and value < 1:
                 raise ValueError(f"{name} must be a minimum parameter count >= 1 or a list of "
                                  f"torch.nn.Module subclasses, got {value}")
             return value

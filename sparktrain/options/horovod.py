@@ -50,7 +50,7 @@ def check_shapes(name: str, shapes: Optional[Sequence], columns: Sequence[str],
 
 
 def check_shapes_fit(name: str, shapes: Optional[Sequence[Sequence[int]]],
-                     sizes: Sequence[Tuple[str, int]]) -> None:
+                     sizes: Sequence[Tuple[str, Optional[int]]]) -> None:
     """Each ``(-1, d1, d2, ...)`` shape must hold exactly the column's values per row
     (``d1 * d2 * ... == size``); checked on the driver once the data is materialized."""
     if not shapes:

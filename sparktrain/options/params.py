@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, List, Sequence, Type
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Sequence, Type, TypeVar
 
 from pyspark.ml.param import Param, Params
 
@@ -24,6 +24,8 @@ from sparktrain.options.declarations import COMMON, KERAS, MODEL, TORCH, TORCH_M
 #: cloudpickle on save, never written into the JSON metadata
 OBJECT_PARAMS = frozenset(o.name for group in (COMMON, TORCH, KERAS, MODEL) for o in group
                           if o.python_object)
+
+P = TypeVar("P", bound=Params)
 
 
 def camel(name: str) -> str:
@@ -68,7 +70,7 @@ class CheckedParams(Params):
         TorchEstimator().setNumProc(None)   # TypeError: num_proc must be an integer >= 1, got None
     """
 
-    def _set(self, **kwargs: Any) -> Params:
+    def _set(self: P, **kwargs: Any) -> P:
         for name, value in kwargs.items():
             convert = getattr(self, name).typeConverter
             if value is None and getattr(convert, "checks_none", False):
@@ -87,13 +89,34 @@ def params_class(name: str, options: Sequence[Option], doc: str) -> Type[Params]
 
     namespace: Dict[str, Any] = {o.name: Param(Params._dummy(), o.name, o.doc, o.convert)
                                  for o in options}
-    cls = type(name, (CheckedParams,), dict(namespace, __init__=__init__, __doc__=doc,
-                                      __module__=__name__))
+    cls: Type[Params] = type(name, (CheckedParams,), dict(namespace, __init__=__init__,
+                                                          __doc__=doc, __module__=__name__))
     add_accessors(cls, options)
     return cls
 
 
-class EstimatorParams(params_class("_EstimatorOptions", COMMON, "The options in COMMON.")):
+if TYPE_CHECKING:
+    # A type checker cannot see inside the classes params_class makes at run time: it sees
+    # each as a CheckedParams whose other attributes (the generated getX/setX accessors and
+    # Params) are Any.
+    class _Generated(CheckedParams):
+        def __getattr__(self, name: str) -> Any: ...
+
+    class _EstimatorOptions(_Generated): ...
+    class _ModelOptions(_Generated): ...
+    class TorchParams(_Generated): ...
+    class KerasParams(_Generated): ...
+    class TorchModelParams(_Generated): ...
+else:
+    _EstimatorOptions = params_class("_EstimatorOptions", COMMON, "The options in COMMON.")
+    _ModelOptions = params_class("_ModelOptions", MODEL, "The options in MODEL.")
+    TorchParams = params_class("TorchParams", TORCH, "The options only ``TorchEstimator`` has.")
+    KerasParams = params_class("KerasParams", KERAS, "The options only ``KerasEstimator`` has.")
+    TorchModelParams = params_class("TorchModelParams", TORCH_MODEL,
+                                    "The options a ``TorchModel`` adds to every model's.")
+
+
+class EstimatorParams(_EstimatorOptions):
     """Params of a training estimator (Horovod's set plus sparktrain's own)."""
 
     def getValBatchSize(self) -> int:
@@ -109,13 +132,7 @@ class EstimatorParams(params_class("_EstimatorOptions", COMMON, "The options in 
         return dict(self.getOrDefault("backend_env") or {})
 
 
-TorchParams = params_class("TorchParams", TORCH, "The options only ``TorchEstimator`` has.")
-KerasParams = params_class("KerasParams", KERAS, "The options only ``KerasEstimator`` has.")
-TorchModelParams = params_class("TorchModelParams", TORCH_MODEL,
-                                "The options a ``TorchModel`` adds to every model's.")
-
-
-class ModelParams(params_class("_ModelOptions", MODEL, "The options in MODEL.")):
+class ModelParams(_ModelOptions):
     """Params of a fitted model: which columns go in and which prediction columns come out."""
 
     def getOutputCols(self) -> List[str]:

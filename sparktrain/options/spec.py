@@ -53,6 +53,37 @@ def option_fields(options: Sequence[Option]) -> Callable[[C], C]:
     return add
 
 
+WAYS = ("store", "fed", "own", "shuffled")
+
+
+@dataclass
+class RowsPlan:
+    """How a fit's rows reach its ranks: which row source (``way``, one module each in
+    :mod:`sparktrain.data.sources`) and what its rank half needs, as plain values (it travels
+    in the spec, as JSON to a Keras child process too).
+
+    Example::
+
+        RowsPlan("store", root="/st/datasets/ab12/attempts/x", layouts={"train": [...]})
+        RowsPlan("fed", counts={"train": [500, 500]}, chunk=1024, feed_dir="/st/runs/r/_feed/a")
+    """
+
+    way: str = "store"  # one of WAYS
+    root: str = ""  # store: the dataset's directory
+    layouts: Dict[str, Any] = field(default_factory=dict)  # store: split -> [[file, [rows]]]
+    counts: Dict[str, List[int]] = field(default_factory=dict)  # fed, own: rows per partition
+    chunk: int = 0  # fed: rows dealt to one rank at a time
+    feed_dir: str = ""  # fed: the feed folder (sparktrain.data.sources.fed_wire.FeedFolder)
+    cache_limit: Optional[float] = None  # fed, own: what the rank cache may take
+    # shuffled, read in a Keras child process: the files its task spooled, split -> [path,
+    # rows per epoch] (sparktrain.data.sources.shuffled)
+    spooled: Optional[Dict[str, List[Any]]] = None
+
+    def __post_init__(self) -> None:
+        if self.way not in WAYS:
+            raise ValueError(f"RowsPlan.way must be one of {WAYS}, got {self.way!r}")
+
+
 @dataclass(kw_only=True)
 @option_fields(COMMON)
 class LoopSpec:
@@ -63,9 +94,8 @@ class LoopSpec:
     Besides the fields below: one per option in ``COMMON`` that the ranks read
     (``batch_size``, ``epochs``, ``seed``, ...)."""
 
-    # the materialized dataset (MaterializedDataset: root, files by split, column specs)
-    dataset_root: str
-    layouts: Dict[str, Any]  # split -> [[file, rows], ...]
+    # how the rows reach the ranks (the fit's row source, sparktrain.data.sources)
+    rows: RowsPlan = field(default_factory=RowsPlan)
     columns: List[Dict[str, Any]]  # ColumnSpec.to_json() of every column
     storage_options: Dict[str, Any] = field(default_factory=dict, repr=False)  # may hold keys
     input_shapes: Optional[List[List[int]]] = None  # each feature reshaped to it (Horovod's)
@@ -77,12 +107,6 @@ class LoopSpec:
     fit_id: str = ""  # the fit's attempts share it (see sparktrain.loop.epochs)
     run_path: str = ""  # the run's directory in the store: checkpoints, TensorBoard; "": none
     generation: Optional[Dict[str, Any]] = None  # an elastic fit's (launch.elastic.for_rank)
-    # input_mode="stream" in a child process: the files its Spark task spooled, split ->
-    # [path, rows per epoch] (sparktrain.data.stream.spool_shard)
-    streamed: Optional[Dict[str, List[Any]]] = None
-    # input_mode="stream" fed by jobs beside the ranks: the feed folder, rows per input
-    # partition and split, the chunk they are dealt in (sparktrain.data.feeding.feed_plan)
-    feed: Optional[Dict[str, Any]] = None
     # how the ranks read and decode (sparktrain.options.horovod.reader_options)
     train_prefetch: int = 2  # row groups the readers decode ahead
     val_prefetch: int = 2
@@ -101,7 +125,9 @@ class LoopSpec:
 
     @classmethod
     def from_json(cls: Type[S], text: str) -> S:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        fields["rows"] = RowsPlan(**fields.get("rows", {}))
+        return cls(**fields)
 
 
 @dataclass(kw_only=True)

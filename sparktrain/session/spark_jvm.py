@@ -51,6 +51,7 @@ def plan_fingerprint(df: DataFrame) -> str:
 def remove_path(spark: SparkSession, path: str) -> None:
     """Delete ``path`` the way Spark ML's ``write().overwrite()`` does (refusing to delete the
     working directory or a parent of it)."""
+    assert spark._jvm is not None  # a classic session's driver
     overwrite = spark._jvm.org.apache.spark.ml.util.FileSystemOverwrite()
     overwrite.handleOverwrite(path, True, spark._jsparkSession)
 

@@ -175,7 +175,7 @@ def write_shard(spec: KerasTrainSpec, payload: KerasPayload, workdir: str, index
     from sparktrain.faults import user_code
 
     columns = [ColumnSpec.from_json(c) for c in spec.columns]
-    reader = ShardReader(spec.dataset_root, spec.layouts["train"], columns, index, count,
+    reader = ShardReader(spec.rows.root, spec.rows.layouts["train"], columns, index, count,
                          spec.batch_size, False, spec.seed, spec.storage_options)
     transform = payload.transformation_fn
     parts: Dict[str, List[Any]] = {}

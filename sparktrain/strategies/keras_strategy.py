@@ -33,7 +33,7 @@ Example (mirrored training that also prints each epoch's step count)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, cast
 
 from sparktrain.launch import KERAS_BACKENDS
 from sparktrain.options.payload import KerasPayload
@@ -190,7 +190,8 @@ def _strategies_taking(param: str) -> Tuple[List[str], str]:
 
     takers, what = [], param
     for name in KERAS_STRATEGIES:
-        strategy = load_strategy(KERAS_STRATEGIES, name)
+        # registered strategies subclass KerasStrategy (register_keras_strategy)
+        strategy = cast(Type[KerasStrategy], load_strategy(KERAS_STRATEGIES, name))
         if param in getattr(strategy, "params", {}):
             takers.append(repr(name))
             what = strategy.params[param]

@@ -37,7 +37,8 @@ class DataParallel(TorchStrategy):
     def accumulating(self, module: torch.nn.Module) -> ContextManager:
         """DDP all-reduces gradients in backward: skip that until the group's last batch
         (``DistributedDataParallel.no_sync``). Horovod's optimizer counts the passes itself."""
-        return module.no_sync() if hasattr(module, "no_sync") else contextlib.nullcontext()
+        no_sync = getattr(module, "no_sync", None)
+        return no_sync() if no_sync is not None else contextlib.nullcontext()
 
     def full_state(self, module: torch.nn.Module, optimizer: Any = None
                    ) -> Tuple[Dict[str, torch.Tensor], Optional[Dict[str, Any]]]:

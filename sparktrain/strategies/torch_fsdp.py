@@ -16,7 +16,7 @@ Example (executor side)::
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -134,9 +134,10 @@ class FullySharded(TorchStrategy):
         )
 
         flat = [name for names in groups for name in names]
-        by_name = {"state": {flat[index]: value for index, value in state["state"].items()},
-                   "param_groups": [dict(group, params=names) for group, names
-                                    in zip(state["param_groups"], groups, strict=True)]}
+        by_name: Dict[str, Any] = {
+            "state": {flat[index]: value for index, value in state["state"].items()},
+            "param_groups": [dict(group, params=names) for group, names
+                             in zip(state["param_groups"], groups, strict=True)]}
         set_optimizer_state_dict(model, optimizer, by_name,
                                  options=StateDictOptions(full_state_dict=True))
 
@@ -164,10 +165,12 @@ class FullySharded(TorchStrategy):
         )
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(model, options=options)
+        # torch types both as the union of every form a state dict takes; the full form these
+        # options ask for is tensors by name, and the optimizer's usual "state"/"param_groups"
+        weights = cast(Dict[str, torch.Tensor], get_model_state_dict(model, options=options))
         if optimizer is None:
             return weights, None
-        by_name = get_optimizer_state_dict(model, optimizer, options=options)
+        by_name = cast(Dict[str, Any], get_optimizer_state_dict(model, optimizer, options=options))
         if not by_name:
             return weights, {}
         names = _parameter_names(model)

@@ -1,7 +1,7 @@
 """A rank's streamed rows as they arrive from the feeding tasks (``input_mode="stream"``).
 
 Every rank knows from the driver's plan (each input partition's row count per split) how many
-rows it will get and where each partition's rows go in its shard (:mod:`.row_feed` deals them),
+rows it will get and where each partition's rows go in its shard (:mod:`.fed_wire` deals them),
 so all ranks run the same steps without counting or talking: ``ceil(most rows of any rank /
 batch_size)``, a rank short of the most repeating some of its rows.
 
@@ -20,7 +20,7 @@ Two ways to hold the rows, chosen per split:
 
 Example (on a rank)::
 
-    rows = FedRows(spec, rank=0, world_size=2, all_gather=ctx.all_gather)
+    rows = FedRows(spec, rank=0, world_size=2, all_gather=ctx.all_gather)   # spec.rows: "fed"
     for batch in rows.readers["train"].epoch(0):
         batch["features"].shape      # (batch_size, 32)
 """
@@ -35,17 +35,16 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
 from sparktrain.data.batch import arrow_to_numpy
-from sparktrain.data.columns import SPLIT_COL, ColumnSpec
+from sparktrain.data.columns import ColumnSpec
 from sparktrain.data.rank_cache import RankCache, cache_root, cacheable, disk_full, row_bytes
-from sparktrain.data.row_feed import Receiver, share
 from sparktrain.data.shuffle_window import ShuffleWindow, joined_rows, row_count, taken_rows
+from sparktrain.data.sources.fed_wire import FeedFolder, Receiver, share
 from sparktrain.faults import mark_user_error
-from sparktrain.fs import filesystem
 from sparktrain.options.spec import LoopSpec
 
 log = logging.getLogger("sparktrain")
@@ -65,23 +64,23 @@ class FeedFailed(RuntimeError):
 
 
 class FedRows:
-    """This rank's receiver and its readers (``readers[split]``, each a :class:`FedShard`)."""
+    """This rank's receiver and its readers (``readers[split]``, each a :class:`FedShard`):
+    rows dealt to it by the feeding tasks, planned from the counts in ``spec.rows``.
+    :class:`~.own_partition.OwnRows` is the same with the task's own partition instead."""
 
     def __init__(self, spec: LoopSpec, rank: int, world_size: int,
-                 all_gather: Callable[[str], List[str]], rows: Optional[Iterable[Any]] = None,
+                 all_gather: Optional[Callable[[str], List[str]]],
                  say: Optional[Callable[[str], None]] = None) -> None:
-        plan = spec.feed or {}
+        plan = spec.rows
         self.rank, self.world_size = rank, world_size
-        self.own = bool(plan.get("own"))  # the training stage's own input: partition = rank
-        self.dir, self.storage_options = plan.get("dir"), spec.storage_options
-        self.fs = filesystem(self.dir, self.storage_options)[0] if self.dir else None
+        self.folder = FeedFolder(plan.feed_dir, spec.storage_options) if plan.feed_dir else None
         columns = [ColumnSpec.from_json(c) for c in spec.columns]
         self.error: Optional[BaseException] = None
         options = {"train": (spec.batch_size, spec.shuffle), "val": (spec.val_batch_size, False)}
         self.readers: Dict[str, FedShard] = {}
-        for split, counts in plan["counts"].items():
-            shares = self._shares(counts, rank, plan["chunk"])
-            most = max(sum(self._shares(counts, r, plan["chunk"])) for r in range(world_size))
+        for split, counts in plan.counts.items():
+            shares = self._shares(counts, rank, plan.chunk)
+            most = max(sum(self._shares(counts, r, plan.chunk)) for r in range(world_size))
             if not most:
                 continue
             if not sum(shares):
@@ -92,7 +91,7 @@ class FedRows:
                     f"input_mode='store'")
             size, shuffle = options[split]
             self.readers[split] = FedShard(self, split, columns, shares, most, size, shuffle,
-                                           spec.seed, plan.get("cache_limit"))
+                                           spec.seed, plan.cache_limit)
         if "train" not in self.readers:
             raise ValueError("input_mode='stream': the DataFrame reached the ranks without rows")
         for reader in self.readers.values():
@@ -103,10 +102,12 @@ class FedRows:
                 say(f"{reader.split} rows: {reader.rows} on this rank "
                     f"({reader.rows * row_bytes(columns) / 2**20:.1f} MiB decoded), {held}")
         self.requested: set = set()
-        self.taken = False  # own rows: the task's input is all read
-        if self.own:
-            self._take(rows)
-            return
+        self._start(all_gather)
+
+    def _start(self, all_gather: Optional[Callable[[str], List[str]]]) -> None:
+        """Listen for the feeders and agree with the other ranks on where each listens."""
+        if all_gather is None:
+            raise RuntimeError("rows fed beside the ranks need the ranks' all_gather")
         self.receiver = Receiver(self._on_batch, self._on_error)
         mine = {"address": self.receiver.address, "token": uuid.uuid4().hex[:12],
                 "re_read": any(not r.cached for r in self.readers.values())}
@@ -116,44 +117,8 @@ class FedRows:
         self.re_read = any(e["re_read"] for e in everyone)
 
     def _shares(self, counts: List[int], rank: int, chunk: int) -> List[int]:
-        """Rank ``rank``'s rows of each partition: dealt (:func:`.row_feed.share`), or the
-        whole partition ``rank`` when the ranks take their own partitions."""
-        if self.own:
-            return [c if p == rank else 0 for p, c in enumerate(counts)]
+        """Rank ``rank``'s rows of each partition, as they are dealt (:func:`.fed_wire.share`)."""
         return [share(c, p, self.world_size, rank, chunk) for p, c in enumerate(counts)]
-
-    def _take(self, rows: Optional[Iterable[Any]]) -> None:
-        """Take this task's own partition (``rows``) into the cache on a thread; the rows
-        can be read once only, so every split must fit the cache."""
-        if rows is None:
-            raise RuntimeError("input_mode='stream' but this rank was given no rows")
-        for reader in self.readers.values():
-            if not reader.cached:
-                need = reader.rows * row_bytes(reader.columns)
-                raise disk_full(cache_root() + "/x", f"making room for the rank's "
-                                f"{need / 2**20:.1f} MiB of {reader.split} rows", OSError(
-                                    28, "not enough free space (or over cache_limit)"))
-
-        def take() -> None:
-            import pyarrow.compute as pc
-
-            starts: Dict[str, int] = {}
-            try:
-                for batch in rows:
-                    for split, reader in self.readers.items():
-                        part = batch.filter(pc.equal(batch.column(SPLIT_COL), split))
-                        if part.num_rows:
-                            reader.put(0, self.rank, starts.get(split, 0), part)
-                            starts[split] = starts.get(split, 0) + part.num_rows
-            except BaseException as exc:  # noqa: BLE001 - the training thread raises it
-                self.error = exc
-            finally:
-                self.taken = True
-                for reader in self.readers.values():
-                    with reader.lock:
-                        reader.lock.notify_all()
-
-        threading.Thread(target=take, name="sparktrain-own-rows", daemon=True).start()
 
     def _on_batch(self, header: Dict[str, Any], start: int, batch: Any) -> None:
         reader = self.readers.get(header.get("split", "train"))
@@ -166,33 +131,22 @@ class FedRows:
     def request(self, epoch: int) -> None:
         """Ask the driver to feed ``epoch`` (rank 0 asks for all; once per epoch, and only
         the first unless a rank re-reads its rows every epoch)."""
-        if self.own or epoch in self.requested or (self.requested and not self.re_read):
+        if epoch in self.requested or (self.requested and not self.re_read):
             return
         self.requested.add(epoch)
-        if self.rank == 0:
-            self.fs.makedirs(self.dir, exist_ok=True)
-            self.fs.pipe_file(f"{self.dir}/{self.token}-e{epoch}.json",
-                              json.dumps({"epoch": epoch, "addresses": self.addresses}).encode())
+        if self.rank == 0 and self.folder is not None:
+            self.folder.ask(self.token, epoch, self.addresses)
 
     def fed_all(self, epoch: int) -> bool:
-        """Whether every row of ``epoch`` was sent (the feeding job or this task's own input
-        ended)."""
-        if self.own:
-            return self.taken
-        try:
-            return self.fs.exists(f"{self.dir}/{self.token}-e{epoch}.done")
-        except OSError:
-            return False
+        """Whether every row of ``epoch`` was sent."""
+        return self.folder is not None and self.folder.done(self.token, epoch)
 
     def check(self) -> None:
         """Raise what went wrong with the feed, if anything did."""
         if self.error is not None:
             raise self.error
-        if self.fs is None:
-            return
-        try:
-            text = self.fs.cat_file(f"{self.dir}/failed").decode("utf-8", "replace")
-        except (FileNotFoundError, OSError):
+        text = self.folder.failure() if self.folder is not None else None
+        if text is None:
             return
         # the DataFrame's own computation, or no slot to feed from: a new attempt of the
         # ranks would fail the same way
@@ -201,8 +155,7 @@ class FedRows:
             f"retried):\n{text}"), "the feeding job (on the driver's side)")
 
     def close(self) -> None:
-        if not self.own:
-            self.receiver.close()
+        self.receiver.close()
         for reader in self.readers.values():
             reader.drop()
 
@@ -290,7 +243,10 @@ class FedShard:
         with self.lock:
             return self.total.get(key, 0) >= self.rows
 
-    def epoch(self, epoch: int = 0, skip: int = 0) -> Iterator[Batch]:
+    order: Optional[str] = None  # one order per epoch (RowReader's ``order``: not needed)
+
+    def epoch(self, epoch: int = 0, skip: int = 0, order: Optional[str] = None
+              ) -> Iterator[Batch]:
         """The epoch's batches from step ``skip`` on (the first ``skip`` already trained)."""
         if self.split == "train":
             self.parent.request(epoch)

@@ -2,16 +2,17 @@
 the ranks from ordinary Spark jobs that run beside the training stage.
 
 The barrier stage only starts the ranks (one task each, no input); each rank listens for rows
-(:mod:`.fed_rows`) and rank 0 asks for an epoch's rows by writing a small request file into
-the feed folder. :class:`Feeding` watches that folder and answers each request with a job over
-the DataFrame as it is partitioned (no shuffle: every task deals its partition's rows to all
-ranks, :mod:`.row_feed`), on the task slots the ranks leave free. A new attempt or elastic
+(:mod:`.fed_rank`) and rank 0 asks for an epoch's rows in the feed folder
+(:class:`~.fed_wire.FeedFolder`). :class:`Feeding` watches that folder and answers each
+request with a job over the DataFrame as it is partitioned (no shuffle: every task deals its
+partition's rows to all ranks, :func:`~.fed_wire.send_partition`), on the task slots the ranks
+leave free. A new attempt or elastic
 generation asks under a new token: the jobs feeding the old one are cancelled. A feeding job
 that fails (the DataFrame's own computation, after Spark's task retries) writes ``failed``,
 and the ranks stop with its message, not retried.
 
 Where the ranks take every slot there is none left to feed them: the estimator then uses the
-training stage's own input instead (:mod:`.stream`'s spooled shard, after a shuffle). Where
+training stage's own input instead (:mod:`.own_partition`, :mod:`.shuffled`). Where
 a slot was left when the fit started and a job the driver cannot see took it since (another
 application on a shared cluster), the feeding job gets no task: after
 ``spark.sparktrain.feedWaitSeconds`` (45) without a running task it is cancelled and the fit
@@ -19,13 +20,12 @@ fails once, naming the stages that hold the slots, instead of waiting for ever.
 
 Example (driver)::
 
-    plan = feed_plan(stream_df, folder)               # counts per partition and split
+    counts = partition_counts(stream_df)              # rows per partition and split
     with Feeding(spark, stream_df, folder):           # while the barrier stage runs
         run_barrier(...)
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -36,8 +36,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from sparktrain.data.columns import SPLIT_COL
-from sparktrain.data.row_feed import CHUNK_ROWS, send_partition
-from sparktrain.fs import filesystem
+from sparktrain.data.sources.fed_wire import FeedFolder, send_partition
 from sparktrain.session.slots import busy_stages, fits_holding_slots, job_tasks
 from sparktrain.session.spark_api import cancel_tag, conf_value, job_tag
 
@@ -53,17 +52,17 @@ _GONE = ("Connection refused", "Connection reset", "Broken pipe", "ConnectionRef
          "BrokenPipeError", "ConnectionResetError", "timed out")
 
 
-def feed_plan(df: DataFrame, folder: Optional[str], cache_limit: Optional[float] = None
-              ) -> Dict[str, Any]:
-    """Rows per input partition and split of ``df`` (its stored form with the split column),
-    counted by a job that reads no column it does not need; the plan the ranks get."""
+def partition_counts(df: DataFrame) -> Dict[str, List[int]]:
+    """Rows per input partition of ``df`` (its stored form with the split column), by split,
+    counted by a job that reads no column it does not need (Parquet footers, or nothing for
+    ``spark.range``): what every rank plans its share and its steps from."""
     counted = (df.select(F.spark_partition_id().alias("p"), F.col(SPLIT_COL))
                .groupBy("p", SPLIT_COL).count().collect())
     partitions = 1 + max((row["p"] for row in counted), default=0)
     counts: Dict[str, List[int]] = {}
     for row in counted:
         counts.setdefault(row[SPLIT_COL], [0] * partitions)[row["p"]] = int(row["count"])
-    return {"dir": folder, "counts": counts, "chunk": CHUNK_ROWS, "cache_limit": cache_limit}
+    return counts
 
 
 class Feeding:
@@ -72,12 +71,10 @@ class Feeding:
 
     def __init__(self, spark: SparkSession, df: DataFrame, folder: str,
                  storage_options: Optional[Dict[str, Any]] = None) -> None:
-        self.spark, self.df, self.folder = spark, df, folder
-        self.fs = filesystem(folder, storage_options or {})[0]
-        self.remote = "://" in folder and not folder.startswith("file://")
+        self.spark, self.df = spark, df
+        self.folder = FeedFolder(folder, storage_options)
         self.names = [c for c in df.columns if c != SPLIT_COL]
         self.stop = threading.Event()
-        self.seen: set = set()
         self.tags: Dict[str, List[str]] = {}  # token -> its jobs' tags
         self.lock = threading.Lock()
         self.jobs: List[threading.Thread] = []
@@ -88,7 +85,7 @@ class Feeding:
                                        daemon=True)
 
     def __enter__(self) -> "Feeding":
-        self.fs.makedirs(self.folder, exist_ok=True)
+        self.folder.open()
         self.thread.start()
         return self
 
@@ -101,31 +98,14 @@ class Feeding:
             cancel_tag(self.spark, tag)
         for job in self.jobs:
             job.join(timeout=30)
-        try:
-            self.fs.rm(self.folder, recursive=True)
-        except (FileNotFoundError, OSError):
-            pass
+        self.folder.remove()
 
     def _watch(self) -> None:
-        interval = REMOTE_POLL_SECONDS if self.remote else POLL_SECONDS
+        interval = REMOTE_POLL_SECONDS if self.folder.remote else POLL_SECONDS
         while not self.stop.wait(interval):
             self._check_stalls()
-            try:
-                self.fs.invalidate_cache(self.folder)
-                names = sorted(n for n in self.fs.ls(self.folder, detail=False)
-                               if n.endswith(".json"))
-            except (FileNotFoundError, OSError):
-                continue
-            for name in names:
-                if name in self.seen:
-                    continue
-                self.seen.add(name)
-                try:
-                    request = json.loads(self.fs.cat_file(name))
-                except (FileNotFoundError, OSError, ValueError):
-                    continue
-                token = name.rsplit("/", 1)[-1].split("-e", 1)[0]
-                self._feed(token, int(request["epoch"]), list(request["addresses"]))
+            for token, epoch, addresses in self.folder.requests():
+                self._feed(token, epoch, addresses)
 
     def _feed(self, token: str, epoch: int, addresses: List[str]) -> None:
         """Start the job feeding ``epoch`` to the ranks at ``addresses``; cancel the jobs of
@@ -184,7 +164,7 @@ class Feeding:
                 rows = self.df.mapInArrow(partition_fn, "rows long").collect()
             log.info("fed epoch %d: %d rows of %d columns in %.1fs", epoch + 1,
                      sum(r["rows"] for r in rows), len(names), time.perf_counter() - started)
-            self.fs.pipe_file(f"{self.folder}/{token}-e{epoch}.done", b"")
+            self.folder.answer_done(token, epoch)
             with self.lock:
                 self.watched.pop(tag, None)
         except BaseException as exc:  # noqa: BLE001 - reported to the ranks through the store
@@ -198,10 +178,7 @@ class Feeding:
                 return
             if not stalled:
                 log.error("feeding epoch %d failed: %s", epoch + 1, text[:2000])
-            try:
-                self.fs.pipe_file(f"{self.folder}/failed", text[-20000:].encode())
-            except OSError:
-                pass
+            self.folder.answer_failed(text)
 
 
 def _feeder(names: List[str], epoch: int, addresses: List[str]) -> Any:

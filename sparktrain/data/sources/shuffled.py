@@ -1,10 +1,13 @@
-"""``input_mode="stream"``: each rank takes its rows from the training stage itself.
+"""Rows shuffled into the training stage (``input_mode="stream"`` where no slot is left to
+feed the ranks beside it and each rank cannot take its own partition: ``KerasEstimator``,
+other partition counts, elastic fits, Spark Connect).
 
 No dataset goes to the store. The barrier stage runs on the DataFrame's rows (its columns in
-their stored form and a split column, :func:`sparktrain.data.materialize.streamed`),
-repartitioned into one partition per rank. Each rank writes the Arrow record batches it
-receives into one local Arrow IPC file per split (:func:`spool`, in the folder the rank-local
-cache uses, removed when done or orphaned), the ranks agree on the most rows any of them got,
+their stored form and a split column, :func:`sparktrain.data.sources.choose.rows_to_ranks`),
+repartitioned into one partition per task (:class:`ShuffledStage`). Each rank writes the
+Arrow record batches it receives into one local Arrow IPC file per split (:func:`spool`, in
+the folder the rank-local cache uses, removed when done or orphaned), the ranks agree on the
+most rows any of them got,
 and every epoch reads that memory-mapped file (:class:`StreamShard`): shuffled over all the
 rank's rows, every row once per epoch, a rank with fewer rows than the most repeating some of
 its own so that every rank runs the same steps. A retried or regrouped stage streams the rows
@@ -12,7 +15,7 @@ again.
 
 Example (on a rank)::
 
-    readers = rank_readers(spec, rank, world_size, rows=ctx.rows, all_gather=ctx.all_gather)
+    readers = ctx.task_input.readers(spec, rank, world_size, ctx.all_gather)   # ShuffledRows
     for batch in readers["train"].epoch(0):
         batch["features"].shape      # (batch_size, 32)
 """
@@ -24,17 +27,30 @@ import math
 import os
 import shutil
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import replace
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    cast,
+)
 
 import numpy as np
 
 from sparktrain.data.batch import arrow_to_numpy
 from sparktrain.data.columns import SPLIT_COL, ColumnSpec
 from sparktrain.data.rank_cache import RankCache, cache_root, disk_full, owned_folder
-from sparktrain.data.reader import shard_readers
 from sparktrain.options.spec import LoopSpec
 
 Batch = Dict[str, np.ndarray]
+S = TypeVar("S")
 SPLITS = ("train", "val")
 
 
@@ -123,7 +139,10 @@ class StreamShard:
     def __len__(self) -> int:
         return self.steps
 
-    def epoch(self, epoch: int = 0, skip: int = 0) -> Iterator[Batch]:
+    order: Optional[str] = None  # one order only: a pure function of seed, epoch and rank
+
+    def epoch(self, epoch: int = 0, skip: int = 0, order: Optional[str] = None
+              ) -> Iterator[Batch]:
         """Every row of the shard once (shuffled when ``shuffle``), then as many of them again
         as this rank is short of the most rows a rank has; from batch ``skip`` on (the ones
         before it trained before a mid-epoch checkpoint: the same order, so exactly)."""
@@ -202,42 +221,95 @@ def _agreed_rows(counts: List[Dict[str, int]]) -> Dict[str, int]:
     return most
 
 
-def spool_for_local_ranks(task: Callable[[Any], Any], rows: Iterable[Any], folder: str,
-                          ranks: int, all_gather: Callable[[str], List[str]]
-                          ) -> Callable[[Any], Any]:
-    """A task holding several local ranks (:mod:`sparktrain.launch.local_ranks`): its
-    streamed ``rows`` spooled into ``folder``, each record batch dealt in equal slices to its
-    ``ranks`` ranks; the tasks agree on the rows per epoch through ``all_gather`` (Spark's,
-    between the tasks). Returns ``task`` wrapped to give each rank its files as
-    ``RankContext.rows`` (read by :func:`rank_readers`)."""
-    import functools
+class ShuffledStage:
+    """The stage input (:class:`~sparktrain.data.sources.contract.StageInput`): the rows in one
+    partition per task, as they are when they already are (no shuffle, as XGBoost's PySpark
+    estimators do), else repartitioned (a shuffle, which a barrier stage may follow;
+    ``coalesce`` may not, SPARK-24820)."""
 
-    writers = [_SpoolWriter(os.path.join(folder, f"rows-{local}")) for local in range(ranks)]
-    try:
+    def __init__(self, frame: Any) -> None:
+        self.rows = frame
+
+    def frame(self, tasks: int) -> Any:
+        from sparktrain.session.spark_api import num_partitions
+
+        if num_partitions(self.rows) == tasks:
+            return self.rows
+        return self.rows.repartition(tasks)
+
+    def taker(self) -> Callable[[Iterator[Any]], "ShuffledRows"]:
+        return ShuffledRows
+
+
+class ShuffledRows:
+    """The rows one training task took, as Arrow record batches (a
+    :class:`~sparktrain.data.sources.contract.TaskInput`): spooled by the rank that reads them,
+    dealt to the task's local ranks, or spooled for a child process."""
+
+    def __init__(self, batches: Iterator[Any]) -> None:
+        self.batches = batches
+
+    def readers(self, spec: LoopSpec, rank: int, world_size: int,
+                all_gather: Callable[[str], List[str]],
+                say: Optional[Callable[[str], None]] = None) -> Dict[str, StreamShard]:
+        spooled, files = spool_shard(spec, world_size, self.batches, all_gather)
+        return streamed_readers(spec, files, rank, spooled)
+
+    def for_local_ranks(self, folder: str, ranks: int,
+                        all_gather: Callable[[str], List[str]]) -> List["SpooledRows"]:
+        """Spooled into ``folder``, each record batch dealt in equal slices to the task's
+        ``ranks`` ranks; the tasks agree on the rows per epoch through ``all_gather``
+        (Spark's, between the tasks)."""
+        writers = [_SpoolWriter(os.path.join(folder, f"rows-{local}")) for local in range(ranks)]
         try:
-            for batch in rows:  # equal slices, zero copy, each to its rank's files
-                for local, writer in enumerate(writers):
-                    start = local * batch.num_rows // ranks
-                    end = (local + 1) * batch.num_rows // ranks
-                    writer.write(batch.slice(start, end - start))
-        finally:
-            files = [writer.close() for writer in writers]
-    except OSError as exc:
-        if exc.errno != errno.ENOSPC:
-            raise
-        raise disk_full(folder, "spooling the task's streamed rows", exc) from None
-    counts = [c for text in all_gather(json.dumps(
-        [{split: n for split, (_, n) in f.items()} for f in files])) for c in json.loads(text)]
-    most = _agreed_rows(counts)
-    mine = [{split: [f[split][0], most[split]] for split in SPLITS if most[split]}
-            for f in files]
-    return functools.partial(_with_spooled_rows, task, mine)
+            try:
+                for batch in self.batches:  # equal slices, zero copy, each to its rank's files
+                    for local, writer in enumerate(writers):
+                        start = local * batch.num_rows // ranks
+                        end = (local + 1) * batch.num_rows // ranks
+                        writer.write(batch.slice(start, end - start))
+            finally:
+                files = [writer.close() for writer in writers]
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise disk_full(folder, "spooling the task's streamed rows", exc) from None
+        counts = [c for text in all_gather(json.dumps(
+            [{split: n for split, (_, n) in f.items()} for f in files]))
+            for c in json.loads(text)]
+        most = _agreed_rows(counts)
+        return [SpooledRows({split: [f[split][0], most[split]] for split in SPLITS
+                             if most[split]}) for f in files]
+
+    def for_child(self, spec: S, world_size: int,
+                  all_gather: Callable[[str], List[str]]) -> Tuple[Any, S]:
+        """Spooled for a child process (Keras) that reads them: ``(the spool folder's owner:
+        keep it alive while the child reads, the spec that tells the child where)``."""
+        spooled, files = spool_shard(cast(LoopSpec, spec), world_size, self.batches,
+                                     all_gather)
+        plan = replace(cast(LoopSpec, spec).rows, spooled=files)
+        return spooled, cast(S, replace(cast(Any, spec), rows=plan))
 
 
-def _with_spooled_rows(task: Callable[[Any], Any], files: List[Dict[str, List[Any]]],
-                       ctx: Any) -> Any:
-    ctx.rows = files[ctx.local_rank]
-    return task(ctx)
+class SpooledRows:
+    """A local rank's part of its task's rows, spooled by the task: ``{split: [file, rows per
+    epoch]}``."""
+
+    def __init__(self, files: Dict[str, List[Any]]) -> None:
+        self.files = files
+
+    def readers(self, spec: LoopSpec, rank: int, world_size: int,
+                all_gather: Callable[[str], List[str]],
+                say: Optional[Callable[[str], None]] = None) -> Dict[str, StreamShard]:
+        return streamed_readers(spec, self.files, rank)
+
+    def for_local_ranks(self, folder: str, ranks: int,
+                        all_gather: Callable[[str], List[str]]) -> List[Any]:
+        raise RuntimeError("these rows were already dealt to a local rank")
+
+    def for_child(self, spec: S, world_size: int,
+                  all_gather: Callable[[str], List[str]]) -> Tuple[Any, S]:
+        raise RuntimeError("these rows were already dealt to a local rank")
 
 
 def streamed_readers(spec: LoopSpec, files: Dict[str, List[Any]], rank: int,
@@ -253,45 +325,3 @@ def streamed_readers(spec: LoopSpec, files: Dict[str, List[Any]], rank: int,
                                      rank)
         readers[split].spooled = spooled
     return readers
-
-
-def spooled_for_child(spec: LoopSpec, world_size: int, rows: Optional[Iterable[Any]],
-                      all_gather: Callable[[str], List[str]]) -> Tuple[Any, LoopSpec]:
-    """A task whose rank trains in a child process (Keras): the ``rows`` the training stage
-    gave it spooled, and the spec that tells the child where (:func:`rank_readers`); keep the
-    first value alive while the child reads. ``(None, spec)`` when the stage took no rows."""
-    if rows is None:
-        return None, spec
-    from dataclasses import replace
-
-    spooled, files = spool_shard(spec, world_size, rows, all_gather)
-    return spooled, replace(spec, streamed=files)
-
-
-def check_streamable(input_mode: str, own_rows: bool, what: str) -> None:
-    """Refuse ``input_mode='stream'`` before any job where the tasks of ``what`` (a backend and
-    strategy) do not all train on the rows they are given (``own_rows``)."""
-    if input_mode == "stream" and not own_rows:
-        raise ValueError(f"input_mode='stream' is not available with {what} (their tasks do "
-                         f"not all train on their own rows); use input_mode='store'")
-
-
-def rank_readers(spec: LoopSpec, rank: int, world_size: int, rows: Optional[Iterable[Any]] = None,
-                 all_gather: Optional[Callable[[str], List[str]]] = None,
-                 say: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
-    """This rank's readers of the fit's data, whatever its ``input_mode``: shards of the
-    materialized dataset (:func:`~sparktrain.data.reader.shard_readers`), the files its Spark
-    task spooled (``spec.streamed``: a Keras child process), or the rows the training stage
-    streams to it (``rows``, agreeing on the steps through ``all_gather``)."""
-    if spec.input_mode != "stream":
-        return shard_readers(spec, rank, world_size)
-    if spec.feed and all_gather is not None:  # fed beside the ranks, or their own partitions
-        from sparktrain.data.fed_rows import FedRows
-
-        return dict(FedRows(spec, rank, world_size, all_gather, rows, say).readers)
-    if spec.streamed or isinstance(rows, dict):  # files spooled for this rank by its task
-        return streamed_readers(spec, spec.streamed or rows, rank)
-    if rows is None or all_gather is None:
-        raise RuntimeError("input_mode='stream' but this rank was given no rows")
-    spooled, files = spool_shard(spec, world_size, rows, all_gather)
-    return streamed_readers(spec, files, rank, spooled)

@@ -1,6 +1,16 @@
-"""Rows sent to the ranks over TCP while they train: how rows are dealt, the sending side (a
-feeding task) and the receiving side (a rank).
+"""The wire of rows fed beside the ranks, both ends of each channel and their layout: the
+feed folder (rank 0 asks the driver for an epoch; the driver answers done or failed) and the
+rows themselves over TCP (how rows are dealt, the sending side, a feeding task, and the
+receiving side, a rank). Agreement between the ranks goes over :mod:`sparktrain.launch.
+rank_gather`, as for every fit.
 
+**The feed folder** (``<run>/_feed/<id>`` in the store, :class:`FeedFolder`): a request is
+``<token>-e<epoch>.json`` (``{"epoch", "addresses"}``: the ranks' receivers), written by rank
+0 under a token fresh for each attempt or elastic generation; the driver answers with
+``<token>-e<epoch>.done`` once every row of the epoch was sent, or one ``failed`` file (the
+text of why) that stops every rank.
+
+**The rows**:
 Each feeding task sends its partition's rows to every rank, dealt in chunks of
 :data:`CHUNK_ROWS` rows in turn (row ``i`` of partition ``p`` goes to rank
 ``(i // chunk + p) % world_size``): every running feeder feeds every rank, so ranks that train
@@ -20,11 +30,89 @@ import json
 import logging
 import socket
 import threading
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 log = logging.getLogger("sparktrain")
+
+FAILED = "failed"
+
+
+class FeedFolder:
+    """Both ends of the feed folder (see the module docstring): :meth:`ask`, :meth:`done` and
+    :meth:`failure` on rank 0 and the ranks, :meth:`requests`, :meth:`answer_done` and
+    :meth:`answer_failed` on the driver."""
+
+    def __init__(self, folder: str, storage_options: Optional[Dict[str, Any]] = None) -> None:
+        from sparktrain.fs import filesystem
+
+        self.folder = folder
+        self.fs = filesystem(folder, storage_options or {})[0]
+        self.remote = "://" in folder and not folder.startswith("file://")
+        self.seen: set = set()
+
+    # -- the ranks' side --------------------------------------------------------------------
+    def ask(self, token: str, epoch: int, addresses: Sequence[str]) -> None:
+        """Ask for ``epoch``'s rows, sent to the receivers at ``addresses`` (rank order)."""
+        self.fs.makedirs(self.folder, exist_ok=True)
+        self.fs.pipe_file(f"{self.folder}/{token}-e{epoch}.json",
+                          json.dumps({"epoch": epoch, "addresses": list(addresses)}).encode())
+
+    def done(self, token: str, epoch: int) -> bool:
+        """Whether every row of ``epoch`` was sent."""
+        try:
+            return bool(self.fs.exists(f"{self.folder}/{token}-e{epoch}.done"))
+        except OSError:
+            return False
+
+    def failure(self) -> Optional[str]:
+        """Why the driver could not feed the rows, if it could not."""
+        try:
+            return self.fs.cat_file(f"{self.folder}/{FAILED}").decode("utf-8", "replace")
+        except (FileNotFoundError, OSError):
+            return None
+
+    # -- the driver's side ------------------------------------------------------------------
+    def open(self) -> None:
+        self.fs.makedirs(self.folder, exist_ok=True)
+
+    def requests(self) -> List[Tuple[str, int, List[str]]]:
+        """The requests not seen before: ``[(token, epoch, addresses)]``."""
+        try:
+            self.fs.invalidate_cache(self.folder)
+            names = sorted(n for n in self.fs.ls(self.folder, detail=False)
+                           if n.endswith(".json"))
+        except (FileNotFoundError, OSError):
+            return []
+        found = []
+        for name in names:
+            if name in self.seen:
+                continue
+            self.seen.add(name)
+            try:
+                request = json.loads(self.fs.cat_file(name))
+            except (FileNotFoundError, OSError, ValueError):
+                continue
+            token = name.rsplit("/", 1)[-1].split("-e", 1)[0]
+            found.append((token, int(request["epoch"]), list(request["addresses"])))
+        return found
+
+    def answer_done(self, token: str, epoch: int) -> None:
+        self.fs.pipe_file(f"{self.folder}/{token}-e{epoch}.done", b"")
+
+    def answer_failed(self, text: str) -> None:
+        try:
+            self.fs.pipe_file(f"{self.folder}/{FAILED}", text[-20000:].encode())
+        except OSError:
+            pass
+
+    def remove(self) -> None:
+        try:
+            self.fs.rm(self.folder, recursive=True)
+        except (FileNotFoundError, OSError):
+            pass
+
 
 #: rows dealt to one rank at a time
 CHUNK_ROWS = 1024
