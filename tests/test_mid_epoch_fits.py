@@ -163,3 +163,74 @@ def test_a_rank_killed_inside_an_epoch_resumes_there(spark, regression_df, store
     # then 2 x (40 - start_step): the retry trained only the rest of epoch 2
     assert _lines(beats) <= 2 * (STEPS + 16) + 2 * (STEPS - resumed["start_step"]) + 4
     assert len(model.getHistory()["loss"]) == 2
+
+
+class RecordIds(Beats):
+    """``Beats`` that writes each batch's ``id`` column (one line a batch, in training
+    order: the rank's batches are transformed in its training thread, just before each
+    trains)."""
+
+    def __call__(self, batch):
+        if _in_rank():
+            while os.path.exists(self.path + ".stop"):
+                time.sleep(0.5)
+            with open(self.path, "a") as f:
+                f.write(" ".join(str(int(i)) for i in batch["id"].ravel()) + "\n")
+            time.sleep(self.seconds)
+        return batch
+
+
+def _id_lines(path: str):
+    with open(path) as f:
+        return [[int(v) for v in line.split()] for line in f if line.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_ctrl_c_inside_a_reread_epoch_resumes_with_exactly_the_rows_left(
+        spark, regression_df, store, tmp_path):
+    """Rows fed beside the rank and read again every epoch (a cache_limit below the shard):
+    the resumed epoch trains exactly the rows the interrupted one had not, by id (the rows
+    arrive in another order each time they are fed, so a count of batches would not say
+    which)."""
+    import torch
+    from pyspark.sql import functions as F
+
+    from sparktrain import TorchEstimator
+
+    class IgnoreId(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+
+        def forward(self, ids, features):
+            return self.linear(features)
+
+    df = regression_df.select("features", "label").withColumn(
+        "id", F.monotonically_increasing_id())
+    ids = {r["id"] for r in df.select("id").collect()}
+
+    def estimator(path, epochs, seconds=0.0):
+        torch.manual_seed(0)
+        net = IgnoreId()
+        return TorchEstimator(
+            num_proc=1, model=net, optimizer=torch.optim.SGD(net.parameters(), 0.01),
+            loss=torch.nn.MSELoss(), feature_cols=["id", "features"], label_cols=["label"],
+            batch_size=BATCH, epochs=epochs, input_mode="stream", cache_limit=4096,
+            checkpoint_steps=EVERY, run_id="mid-epoch-reread", store=store, random_seed=1,
+            verbose=1, transformation_fn=RecordIds(path, seconds))
+
+    steps = len(ids) // BATCH  # one rank: 80 batches an epoch
+    beats = str(tmp_path / "beats")
+    _interrupt_when(beats, steps + 30)  # about 40% into epoch 2
+    with pytest.raises(KeyboardInterrupt):
+        estimator(beats, 2, 0.03).fit(df)
+    _quiet(beats)
+    latest = _latest(store, "mid-epoch-reread")
+    assert latest.epochs_done == 1 and latest.step and latest.meta["positions"], latest.meta
+    before = _id_lines(beats)[steps:steps + latest.step]  # epoch 2 up to the checkpoint
+    after = str(tmp_path / "after")
+    estimator(after, 2).fit(df)
+    rest = _id_lines(after)
+    trained = [i for line in before + rest for i in line]
+    assert len(trained) == len(set(trained)) and set(trained) == ids  # each row once

@@ -177,3 +177,88 @@ def test_a_shuffle_window_gives_every_row_once_in_a_new_order(as_columns):
                 batch = batch["id"]
             drawn.extend(batch.tolist())
     assert sorted(drawn) == list(range(1000)) and drawn != sorted(drawn)
+
+
+class _Gather:
+    """The ranks' all_gather for ranks in threads of this process (rank order)."""
+
+    def __init__(self, ranks):
+        self.barrier, self.texts, self.lock = threading.Barrier(ranks), {}, threading.Lock()
+
+    def of(self, rank):
+        def gather(text):
+            with self.lock:
+                self.texts[rank] = text
+            self.barrier.wait(30)
+            return [self.texts[r] for r in sorted(self.texts)]
+        return gather
+
+
+def _ranks(tmp_path, partitions, world, cache_limit):
+    """``world`` FedRows of one fit (in threads: they gather their addresses)."""
+    gather, made = _Gather(world), {}
+    spec = _spec(tmp_path, {"train": partitions}, cache_limit=cache_limit)
+    threads = [threading.Thread(target=lambda r=r: made.__setitem__(
+        r, FedRows(spec, r, world, gather.of(r)))) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return [made[r] for r in range(world)]
+
+
+def _read(shards, **epoch):
+    """Each shard's batches of epoch 0 (``take`` of them when given), read at once."""
+    take = epoch.pop("take", None)
+    out = {}
+
+    def read(rank, shard):
+        batches = shard.epoch(0, **epoch)
+        out[rank] = [next(batches) for _ in range(take)] if take else list(batches)
+
+    threads = [threading.Thread(target=read, args=(r, s)) for r, s in enumerate(shards)]
+    for thread in threads:
+        thread.start()
+    return threads, out
+
+
+@pytest.mark.parametrize("cache_limit", [None, 16.0], ids=["cached", "re_read"])
+def test_an_epoch_resumed_with_fewer_ranks_trains_exactly_the_rows_left(tmp_path, cache_limit):
+    """3 ranks train 4 batches of an epoch and write their positions; 2 ranks resume it from
+    them: every row of the epoch trained exactly once over the two (as a set: a rank short of
+    the most repeats a few of its own), whoever had it."""
+    from sparktrain.data.sources.trained_rows import TrainedRows
+
+    partitions = [700, 0, 1234]
+    expected = {p * 10**6 + i for p, n in enumerate(partitions) for i in range(n)}
+    three = _ranks(tmp_path / "a", partitions, 3, cache_limit)
+    shards = [rows.readers["train"] for rows in three]
+    try:
+        threads, before = _read(shards, take=4)
+        _feed(three[0], 0, partitions)
+        for thread in threads:
+            thread.join(30)
+        positions = [shard.position(4) for shard in shards]
+    finally:
+        for shard in shards:
+            shard.close()
+    trained = TrainedRows.union(positions)
+    first = [i for rank in before.values() for i in _ids(rank)]
+    assert trained.count() == len(set(first)) == 3 * 4 * 64
+    two = _ranks(tmp_path / "b", partitions, 2, cache_limit)
+    shards = [rows.readers["train"] for rows in two]
+    blob = trained.to_bytes()
+    try:
+        steps = shards[0].resumed_steps(blob)
+        assert steps == shards[1].resumed_steps(blob)
+        assert (1934 - 768) / 2 <= steps * 64 < (1934 - 768) / 2 + 2 * 100  # chunks of 100
+        threads, after = _read(shards, skip=4, trained=blob)
+        _feed(two[0], 0, partitions)
+        for thread in threads:
+            thread.join(30)
+    finally:
+        for shard in shards:
+            shard.close()
+    assert [len(after[r]) for r in (0, 1)] == [steps, steps]  # every rank steps alike
+    rest = {i for rank in after.values() for i in _ids(rank)}
+    assert not rest & set(first) and rest | set(first) == expected

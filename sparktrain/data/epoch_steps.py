@@ -19,12 +19,15 @@ Batch = Dict[str, np.ndarray]
 
 
 def take_steps(reader: "RowReader", epoch: int, steps: Optional[int], skip: int = 0,
-               order: Optional[str] = None) -> Iterator[Batch]:
+               order: Optional[str] = None, trained: Optional[bytes] = None
+               ) -> Iterator[Batch]:
     """``steps`` batches of ``reader`` for ``epoch`` (one whole pass when ``None``); more steps
     than a pass has continue into further passes, each shuffled afresh (Horovod's
     ``train_steps_per_epoch``). ``skip``: the first ``skip`` of them left out (an epoch
     resumed inside), the rest as they would have been; ``order``: the resumed epoch's
-    ``reader.order`` (see :meth:`sparktrain.data.reader.ShardReader.epoch`).
+    ``reader.order`` (see :meth:`sparktrain.data.reader.ShardReader.epoch`); ``trained``: its
+    position (every rank's rows trained before it), for a reader that knows rows by where
+    they came from: the epoch is then the rows left, whatever their count (``steps`` unset).
 
     Example::
 
@@ -32,7 +35,8 @@ def take_steps(reader: "RowReader", epoch: int, steps: Optional[int], skip: int 
             ...
     """
     def epoch_of(number: int, skipped: int) -> Iterator[Batch]:
-        return reader.epoch(number, skip=skipped, order=order if skipped else None)
+        return reader.epoch(number, skip=skipped, order=order if skipped else None,
+                            trained=trained if skipped else None)
 
     if steps is None:
         yield from epoch_of(epoch, skip)

@@ -143,8 +143,8 @@ class ShardReader:
     def __len__(self) -> int:
         return self.steps
 
-    def epoch(self, epoch: int = 0, skip: int = 0, order: Optional[str] = None
-              ) -> Iterator[Batch]:
+    def epoch(self, epoch: int = 0, skip: int = 0, order: Optional[str] = None,
+              trained: Optional[bytes] = None) -> Iterator[Batch]:
         """The ``self.steps`` batches of ``epoch`` (shuffled per epoch when ``shuffle``):
         ``steps - 1`` batches of ``batch_size`` rows, then the rest of the shard.
 
@@ -353,6 +353,14 @@ class ShardReader:
         while len(self._handles) > self.open_files:
             _close(*self._handles.popitem(last=False)[1])
         return handle
+
+    def position(self, batches_done: int) -> Optional[bytes]:
+        """None: a shard's order is a pure function of the seed, the epoch and the rank, so
+        ``skip`` and ``order`` resume it exactly with as many ranks."""
+        return None
+
+    def resumed_steps(self, trained: bytes) -> int:
+        raise ValueError("a store shard resumes by its skip and order, not by rows")
 
     def close(self) -> None:
         """Close open files, drop the in-memory cache and remove the local one."""

@@ -7,6 +7,8 @@ Layout under ``<store>/runs/<run_id>/checkpoints/``::
     epoch-000003.json    {"epochs_done": 3, "history": {...}, "attempts": [...]}: written last
     epoch-000003-step-00000120.ckpt   inside epoch 4: 3 epochs done and 120 steps of the 4th
     epoch-000003-step-00000120.json   {"epochs_done": 3, "step": 120, ...}
+    epoch-000003-step-00000120.rows-1 rank 1's position in epoch 4: the rows it had trained
+                                      (streamed rows, sparktrain.data.sources.trained_rows)
 
 Checkpoints order by ``(epochs_done, step)`` (an epoch's end is step 0 of the next), so
 :meth:`Checkpoints.latest` and :meth:`Checkpoints.latest_intact` return the newest whichever
@@ -134,6 +136,19 @@ class Checkpoints:
                 f"fit with a new run_id")
         return None, None
 
+    def write_rows(self, epochs_done: int, step: int, rank: int, position: bytes) -> None:
+        """Rank ``rank``'s position inside the epoch (the rows it trained), beside the
+        checkpoint after ``epochs_done`` epochs and ``step`` steps; written before rank 0
+        writes that checkpoint, so a checkpoint that exists has every rank's."""
+        self.fs.makedirs(self.root, exist_ok=True)
+        put_file(self.fs, self._path((epochs_done, step), f"rows-{rank}"), position)
+
+    def read_rows(self, checkpoint: Checkpoint, ranks: int) -> List[bytes]:
+        """The positions ranks ``0..ranks-1`` wrote beside ``checkpoint``
+        (``FileNotFoundError`` when one is missing)."""
+        key = (checkpoint.epochs_done, checkpoint.step)
+        return [self.fs.cat_file(self._path(key, f"rows-{rank}")) for rank in range(ranks)]
+
     def write(self, epochs_done: int, payload: bytes, meta: Dict[str, Any], step: int = 0
               ) -> Checkpoint:
         """Write the checkpoint after ``epochs_done`` epochs and ``step`` steps of the next
@@ -163,6 +178,12 @@ class Checkpoints:
                     self.fs.rm_file(self._path(old, suffix))
                 except FileNotFoundError:
                     pass
+            if old[1]:  # a checkpoint inside an epoch: the ranks' positions too
+                for path in self.fs.glob(self._path(old, "rows-*")):
+                    try:
+                        self.fs.rm_file(path)
+                    except FileNotFoundError:
+                        pass
         return Checkpoint(epochs_done, meta, self._path(key, "ckpt"), step)
 
 

@@ -137,15 +137,20 @@ class InEpoch:
     * ``skip``: batches of it trained before the checkpoint this attempt resumed from (read
       the epoch without them: ``take_steps(reader, epoch, steps, skip=within.skip)``) and
       ``partial``: the statistics' sums over all ranks of those batches (rank 0 starts from
-      them, the others from zeros) or ``None``;
+      them, the others from zeros) or ``None``; ``trained``: the rows every rank had trained
+      then, where its reader knows rows by where they came from (streamed rows: a reader
+      given it trains exactly the others, ``RowReader.epoch`` of
+      :mod:`sparktrain.data.sources.contract`), else ``None``;
     * :meth:`after_steps`: call it on every rank after each optimizer step inside the epoch
       (not after the last batch: the epoch's end checkpoints anyway); it writes a checkpoint
       when one is due."""
 
     def __init__(self, driver: "EpochDriver", training: "EpochTraining", epoch: int, skip: int,
-                 partial: Optional[List[float]], order: Optional[str] = None) -> None:
+                 partial: Optional[List[float]], order: Optional[str] = None,
+                 trained: Optional[bytes] = None) -> None:
         self.driver, self.training, self.epoch = driver, training, epoch
         self.skip, self.partial, self.order = skip, partial, order
+        self.trained = trained  # every rank's rows trained before the checkpoint, where known
 
     def after_steps(self, batches_done: int, steps: int, sums: Callable[[], Sequence[float]],
                     order: Optional[str] = None) -> None:
@@ -233,6 +238,11 @@ class EpochTraining(Protocol):
         metadata, ``None`` on the other ranks. Inside an epoch it is called as
         ``checkpoint(epoch, {}, mid_epoch=True)`` (the model as it is; no epoch-end work)."""
 
+    def position(self, batches_done: int) -> Optional[bytes]:
+        """This rank's position in the epoch after ``batches_done`` batches: the rows it
+        trained, where its reader knows them (``RowReader.position`` of
+        :mod:`sparktrain.data.sources.contract`), else ``None``."""
+
 
 class EpochDriver:
     """Runs the epochs of one rank; see the module docstring for what it owns."""
@@ -262,6 +272,8 @@ class EpochDriver:
         # resumed inside epoch `first`: the batches of it trained before the checkpoint
         self.resume_step: int = self.resume.step if self.resume is not None else 0
         self.skip = self.resume_step  # in this attempt's batches (start() may rescale it)
+        # every rank's rows trained before the checkpoint inside the epoch, where written
+        self.resume_rows: Optional[bytes] = self._resume_rows()
         self.history: Dict[str, List[float]] = {
             k: list(v) for k, v in self.meta.get("history", {}).items()}
         self.generation = generation
@@ -308,6 +320,20 @@ class EpochDriver:
         except CheckpointError as exc:
             raise mark_user_error(exc, "the run's checkpoints (damaged)") from None
 
+    def _resume_rows(self) -> Optional[bytes]:
+        """The union of the positions the checkpoint's ranks wrote inside its epoch."""
+        if self.resume is None or not self.resume_step or not self.meta.get("positions"):
+            return None
+        from sparktrain.data.sources.trained_rows import TrainedRows
+
+        try:
+            blobs = self.checkpoints.read_rows(self.resume, int(self.meta["world_size"]))
+            return TrainedRows.union(blobs).to_bytes()
+        except (FileNotFoundError, ValueError) as exc:
+            self.log(f"{WARNING}the positions of the checkpoint inside epoch "
+                     f"{self.first + 1} cannot be read ({exc}): resuming after as many steps")
+            return None
+
     def resume_bytes(self) -> Optional[bytes]:
         """The checkpoint this attempt resumes from (the framework's bytes, read once), or
         ``None``."""
@@ -343,6 +369,8 @@ class EpochDriver:
         many steps on as many ranks as when it was written; else (an elastic generation of
         another size) the same share of the epoch, which then holds other rows."""
         written, ranks = self.meta.get("steps"), self.meta.get("world_size")
+        if self.resume_rows is not None:  # the reader trains exactly the rows left
+            return self.resume_step
         if written == steps and ranks == self.world_size:
             return min(self.resume_step, steps)
         share = self.resume_step / max(int(written or steps), 1)
@@ -376,7 +404,8 @@ class EpochDriver:
         resumed = epoch == self.first and self.skip > 0
         partial = self.meta.get("partial") if resumed and self.rank == 0 else None
         self.within = InEpoch(self, training, epoch, self.skip if resumed else 0, partial,
-                              self.meta.get("order") if resumed else None)
+                              self.meta.get("order") if resumed else None,
+                              self.resume_rows if resumed else None)
         logs = dict(training.train_epoch(epoch, reporter))
         logs.update(training.evaluate(epoch))
         if self.generation is not None:
@@ -441,6 +470,9 @@ class EpochDriver:
             return
         started = time.perf_counter()
         local = [float(v) for v in sums()]
+        position = within.training.position(batches_done)
+        if position is not None:  # every rank's, before the collective: then rank 0's marker
+            self.checkpoints.write_rows(within.epoch, batches_done, self.rank, position)
         summed = within.training.all_reduce_sum(local + trigger.timing())
         saved = within.training.checkpoint(within.epoch, {}, mid_epoch=True)
         if self.rank == 0 and saved is not None:
@@ -448,7 +480,8 @@ class EpochDriver:
             self.checkpoints.write(within.epoch, payload, {
                 "history": self.history, "attempts": self.attempts, **self.extra_meta, **meta,
                 "partial": summed[:len(local)], "steps": self.steps,
-                "world_size": self.world_size, "order": order}, step=batches_done)
+                "world_size": self.world_size, "order": order,
+                "positions": position is not None}, step=batches_done)
             if self.verbose >= 2 or self.lead:
                 self.log(f"checkpoint at step {batches_done}/{self.steps} of epoch "
                          f"{within.epoch + 1} ({len(payload) / 2**20:.1f} MiB, "

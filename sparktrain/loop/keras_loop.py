@@ -331,6 +331,9 @@ class _KerasEpochs:
                 callback.on_epoch_end(epoch, dict(logs))
         return bool(getattr(self.model, "stop_training", False))
 
+    def position(self, batches_done: int) -> Optional[bytes]:
+        return self.train_reader.position(batches_done)
+
     def checkpoint(self, epoch: int, logs: Dict[str, float], mid_epoch: bool = False
                    ) -> Optional[Tuple[bytes, Dict]]:
         if self.spec.rank != 0:

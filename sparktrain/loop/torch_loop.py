@@ -223,10 +223,12 @@ class _TorchEpochs:
         self.driver = driver
 
     def batches(self, split: str, epoch: int, steps: Optional[int], skip: int = 0,
-                order: Optional[str] = None) -> Iterator[Dict]:
+                order: Optional[str] = None, trained: Optional[bytes] = None
+                ) -> Iterator[Dict]:
         """The epoch's batches of ``split`` (``steps`` of them when given; the first ``skip``
-        left out, in the reader's ``order``), transformed."""
-        return self.feed(take_steps(self.readers[split], epoch, steps, skip, order), split, epoch)
+        left out, in the reader's ``order``, or the rows not in ``trained``), transformed."""
+        return self.feed(take_steps(self.readers[split], epoch, steps, skip, order, trained),
+                         split, epoch)
 
     def train_begin(self, history: Dict[str, List[float]]) -> None:
         """The callbacks' ``on_train_begin`` (a resumed run's history so far)."""
@@ -245,14 +247,20 @@ class _TorchEpochs:
     def all_reduce_sum(self, values: Sequence[float]) -> List[float]:
         return _all_reduce(self.dist, self.device, values)
 
+    def position(self, batches_done: int) -> Optional[bytes]:
+        return self.readers["train"].position(batches_done)
+
     def train_epoch(self, epoch: int, reporter: Optional[StepReporter]) -> Logs:
         reader = self.readers["train"]
         steps = self.spec.train_steps or len(reader)
         within = self.driver.within if self.driver is not None else None
         skip, order = (within.skip, within.order) if within is not None else (0, None)
+        trained = within.trained if within is not None and not self.spec.train_steps else None
+        if trained is not None:  # exactly the rows left: as many batches as they fill
+            steps = skip + reader.resumed_steps(trained)
         sums, names, self.shapes = _run_epoch(
             self.trained, self.forward,
-            self.batches("train", epoch, self.spec.train_steps, skip, order),
+            self.batches("train", epoch, self.spec.train_steps, skip, order, trained),
             steps, self.to_tensors, self.compute_loss, self.metrics, self.spec.label_cols,
             self.step_rule, self.autocast, reporter, within,
             lambda: getattr(reader, "order", None))

@@ -32,18 +32,27 @@ class RowReader(Protocol):
     """What a rank loop reads one split of its rows through, whatever the source.
 
     ``len(reader)`` is the batches of an epoch (the same on every rank); ``epoch(n, skip,
-    order)`` yields epoch ``n``'s batches from batch ``skip`` on (the ones before it trained
-    before a mid-epoch checkpoint), ``order`` being how the resumed epoch ordered its rows
-    (the reader's ``order`` when the checkpoint was written; ``None`` where the source has one
-    order only); ``close()`` lets its files and connections go.
+    order, trained)`` yields epoch ``n``'s batches from batch ``skip`` on (the ones before it
+    trained before a mid-epoch checkpoint), ``order`` being how the resumed epoch ordered its
+    rows (the reader's ``order`` when the checkpoint was written; ``None`` where the source
+    has one order only). The position a checkpoint records: ``order`` and ``skip``, and where
+    the reader knows rows by where they came from (streamed rows: partition and offset),
+    ``position(batches_done)``, the rows this rank trained (``None`` elsewhere); every rank's,
+    joined, is ``trained``: the resumed epoch is exactly the rows left, in
+    ``resumed_steps(trained)`` batches, whatever ranks had them before. ``close()`` lets its
+    files and connections go.
     """
 
     order: Optional[str]
 
     def __len__(self) -> int: ...
 
-    def epoch(self, epoch: int = 0, skip: int = 0, order: Optional[str] = None
-              ) -> Iterator[Batch]: ...
+    def epoch(self, epoch: int = 0, skip: int = 0, order: Optional[str] = None,
+              trained: Optional[bytes] = None) -> Iterator[Batch]: ...
+
+    def position(self, batches_done: int) -> Optional[bytes]: ...
+
+    def resumed_steps(self, trained: bytes) -> int: ...
 
     def close(self) -> None: ...
 

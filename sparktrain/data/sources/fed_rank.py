@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -44,6 +44,7 @@ from sparktrain.data.columns import ColumnSpec
 from sparktrain.data.rank_cache import RankCache, cache_root, cacheable, disk_full, row_bytes
 from sparktrain.data.shuffle_window import ShuffleWindow, joined_rows, row_count, taken_rows
 from sparktrain.data.sources.fed_wire import FeedFolder, Receiver, share
+from sparktrain.data.sources.trained_rows import EpochTrack, TrainedRows
 from sparktrain.faults import mark_user_error
 from sparktrain.options.spec import LoopSpec
 
@@ -56,6 +57,7 @@ WINDOW_BYTES = 16 << 20
 #: decoded chunks a re-read split's queue holds before the feeders wait
 QUEUE_CHUNKS = 64
 _NOTHING_YET = object()  # no row has arrived yet (a reader that does not wait)
+ROW_ID = "__sparktrain_row__"  # a fed chunk's global row numbers, beside its columns
 WAIT_SECONDS = 1.0  # how often a rank waiting for rows looks for a failed feed
 
 
@@ -72,7 +74,7 @@ class FedRows:
                  all_gather: Optional[Callable[[str], List[str]]],
                  say: Optional[Callable[[str], None]] = None) -> None:
         plan = spec.rows
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.chunk = rank, world_size, plan.chunk
         self.folder = FeedFolder(plan.feed_dir, spec.storage_options) if plan.feed_dir else None
         columns = [ColumnSpec.from_json(c) for c in spec.columns]
         self.error: Optional[BaseException] = None
@@ -90,8 +92,8 @@ class FedRows:
                     f"has too few rows for num_proc={world_size}; use fewer ranks or "
                     f"input_mode='store'")
             size, shuffle = options[split]
-            self.readers[split] = FedShard(self, split, columns, shares, most, size, shuffle,
-                                           spec.seed, plan.cache_limit)
+            self.readers[split] = FedShard(self, split, columns, counts, shares, most, size,
+                                           shuffle, spec.seed, plan.cache_limit)
         if "train" not in self.readers:
             raise ValueError("input_mode='stream': the DataFrame reached the ranks without rows")
         for reader in self.readers.values():
@@ -119,6 +121,17 @@ class FedRows:
     def _shares(self, counts: List[int], rank: int, chunk: int) -> List[int]:
         """Rank ``rank``'s rows of each partition, as they are dealt (:func:`.fed_wire.share`)."""
         return [share(c, p, self.world_size, rank, chunk) for p, c in enumerate(counts)]
+
+    def offsets(self, partition: int, index: np.ndarray) -> np.ndarray:
+        """The offsets in ``partition`` of this rank's rows ``index`` of it (dealt in turns of
+        ``chunk`` rows: :func:`.fed_wire.dealt`)."""
+        turn, within = np.divmod(index, self.chunk)
+        first = (self.rank - partition) % self.world_size
+        return (first + turn * self.world_size) * self.chunk + within
+
+    def owners(self, partition: int, offsets: np.ndarray, world_size: int) -> np.ndarray:
+        """The rank each of ``partition``'s rows at ``offsets`` is dealt to."""
+        return (offsets // self.chunk + partition) % world_size
 
     def _on_batch(self, header: Dict[str, Any], start: int, batch: Any) -> None:
         reader = self.readers.get(header.get("split", "train"))
@@ -165,10 +178,16 @@ class FedShard:
     as :class:`~sparktrain.data.reader.ShardReader` does (see the module docstring)."""
 
     def __init__(self, rows_of: FedRows, split: str, columns: Sequence[ColumnSpec],
-                 shares: List[int], most: int, batch_size: int, shuffle: bool,
-                 seed: Optional[int], cache_limit: Optional[float]) -> None:
+                 counts: List[int], shares: List[int], most: int, batch_size: int,
+                 shuffle: bool, seed: Optional[int], cache_limit: Optional[float]) -> None:
         self.parent, self.split, self.columns = rows_of, split, list(columns)
         self.shares, self.bases = shares, np.concatenate([[0], np.cumsum(shares)[:-1]])
+        # every partition's rows (all ranks'), and the global number of each one's first row
+        self.counts = list(counts)
+        self.firsts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self.all_rows = int(sum(counts))
+        self.track: Optional[EpochTrack] = None  # the epoch being handed out
+        self.resumed: Optional[Tuple[int, TrainedRows]] = None  # (epoch, rows it had trained)
         self.rows, self.most = int(sum(shares)), most
         self.batch_size, self.shuffle = batch_size, shuffle
         self.seed, self.rank = 0 if seed is None else seed, rows_of.rank
@@ -206,7 +225,15 @@ class FedShard:
             first = int(self.bases[partition]) + start + skip
             self._write(first, chunk)
         else:
-            self._queue(epoch).put(chunk)  # blocks while the window is full: flow control
+            numbers = self.firsts[partition] + self.parent.offsets(
+                partition, np.arange(start + skip, start + stop))
+            chunk[ROW_ID] = numbers
+            resumed = self.resumed
+            if resumed is not None and resumed[0] == epoch:  # trained before the resume
+                keep = ~resumed[1].mask[numbers]
+                chunk = {name: array[keep] for name, array in chunk.items()}
+            if len(chunk[ROW_ID]):
+                self._queue(epoch).put(chunk)  # blocks while the window is full: flow control
         with self.lock:
             self.received[(key, partition)] = start + stop
             self.total[key] = self.total.get(key, 0) + stop - skip
@@ -245,43 +272,100 @@ class FedShard:
 
     order: Optional[str] = None  # one order per epoch (RowReader's ``order``: not needed)
 
-    def epoch(self, epoch: int = 0, skip: int = 0, order: Optional[str] = None
-              ) -> Iterator[Batch]:
-        """The epoch's batches from step ``skip`` on (the first ``skip`` already trained)."""
+    def epoch(self, epoch: int = 0, skip: int = 0, order: Optional[str] = None,
+              trained: Optional[bytes] = None) -> Iterator[Batch]:
+        """The epoch's batches from step ``skip`` on (the first ``skip`` already trained);
+        with ``trained`` (the position of a checkpoint inside the epoch, every rank's: see
+        :meth:`position`), exactly the rows none of them had trained, in
+        :meth:`resumed_steps` batches, whatever ranks dealt them then."""
+        if trained is not None:
+            self.resumed = (epoch, TrainedRows.from_bytes(trained))
+        elif self.resumed is not None and self.resumed[0] != epoch:
+            self.resumed = None
         if self.split == "train":
             self.parent.request(epoch)
         rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
+        done = self.resumed[1] if self.resumed is not None else None
+        self.track = EpochTrack(self.all_rows, skip, done) if self.split == "train" else None
+        if done is not None:
+            if self.cached:
+                self._settle()
+                return self._permuted(rng, 0, done)
+            return self._windowed(epoch, rng, 0, done)
         if self.cached and (self.complete() or skip or self.split != "train"):
             self._settle()
             return self._permuted(rng, skip)
         return self._windowed(epoch, rng, skip)
 
-    def _permuted(self, rng: Optional[np.random.Generator], skip: int) -> Iterator[Batch]:
+    def resumed_steps(self, trained: bytes) -> int:
+        """The batches of an epoch resumed at position ``trained``: its untrained rows on
+        the rank with the most of them, in batches (the same on every rank)."""
+        return math.ceil(self._untrained(TrainedRows.from_bytes(trained))[1] / self.batch_size)
+
+    def _untrained(self, done: TrainedRows) -> Tuple[int, int]:
+        """``(this rank's untrained rows, the most any rank has)`` after ``done``."""
+        per_rank = np.zeros(self.parent.world_size, np.int64)
+        for partition, count in enumerate(self.counts):
+            first = int(self.firsts[partition])
+            offsets = np.flatnonzero(~done.mask[first:first + count])
+            owners = self.parent.owners(partition, offsets, self.parent.world_size)
+            per_rank += np.bincount(owners, minlength=self.parent.world_size)
+        return int(per_rank[self.rank]), int(per_rank.max())
+
+    def position(self, batches_done: int) -> Optional[bytes]:
+        """The rows of this epoch's first ``batches_done`` batches on this rank, with those
+        an epoch it resumed had trained (bytes for a checkpoint: :class:`.trained_rows.
+        TrainedRows`)."""
+        return self.track.position(batches_done) if self.track is not None else None
+
+    def _numbers(self, positions: np.ndarray) -> np.ndarray:
+        """The global numbers of the rows at ``positions`` of this rank's shard."""
+        partitions = np.searchsorted(self.bases, positions, side="right") - 1
+        numbers = np.empty(len(positions), np.int64)
+        for partition in np.unique(partitions):
+            here = partitions == partition
+            index = positions[here] - self.bases[partition]
+            numbers[here] = self.firsts[partition] + self.parent.offsets(int(partition), index)
+        return numbers
+
+    def _handed_out(self, numbers: np.ndarray) -> None:
+        if self.track is not None:
+            self.track.handed_out(numbers)
+
+    def _permuted(self, rng: Optional[np.random.Generator], skip: int,
+                  done: Optional[TrainedRows] = None) -> Iterator[Batch]:
         kind = np.int32 if self.rows < 2**31 else np.int64  # 4 bytes a row: big shards
         order = np.arange(self.rows, dtype=kind)
+        most = self.most
+        if done is not None:  # the rows not trained yet, by any rank before the resume
+            order = order[~done.mask[self._numbers(order)]]
+            most = self._untrained(done)[1]
         if rng is not None:
             rng.shuffle(order)
         if self.valid is not None:  # fewer rows came than counted: the ones that did
-            order = self.valid[order]
-        if self.most != len(order):  # a rank short of the most repeats from the start
-            order = np.resize(order, self.most)
-        for start in range(skip * self.batch_size, self.most, self.batch_size):
+            order = order[np.isin(order, self.valid)] if done is not None else self.valid[order]
+        if most != len(order) and len(order):  # a rank short of the most repeats some
+            order = np.resize(order, most)
+        for start in range(skip * self.batch_size, most if len(order) else 0, self.batch_size):
             rows = order[start:start + self.batch_size]
             if rng is not None:
                 rows = np.sort(rows)  # nearby rows together: fewer pages; a batch is a set
+            self._handed_out(self._numbers(rows))
             yield self.cache.batch(rows)
 
-    def _windowed(self, epoch: int, rng: Optional[np.random.Generator], skip: int
-                  ) -> Iterator[Batch]:
+    def _windowed(self, epoch: int, rng: Optional[np.random.Generator], skip: int,
+                  done: Optional[TrainedRows] = None) -> Iterator[Batch]:
         """Batches drawn from a window of arrived rows (shuffled) until this rank's rows are
-        all in and drawn; then, if it is short of the most, rows drawn again."""
+        all in and drawn; then, if it is short of the most, rows drawn again. ``done``: rows
+        trained before a resume, dropped as they arrive (read again: not cached)."""
         window = ShuffleWindow(self.window + self.batch_size)
         taken, last = 0, None
         key = None if self.cached else epoch
         minimum = min(self.window, 4 * self.batch_size)  # waited for; more only if already in
-        for step in range(self.steps):
-            size = min(self.batch_size, self.most - step * self.batch_size)
-            while window.size < self.window and taken < self.rows:
+        mine, most = (self.rows, self.most) if done is None else self._untrained(done)
+        for step in range(math.ceil(most / self.batch_size)):
+            size = min(self.batch_size, most - step * self.batch_size)
+            while window.size < self.window and taken < mine:
                 got = self._next_arrivals(key, self.window - window.size, window.size < minimum)
                 if got is None or got is _NOTHING_YET:
                     break
@@ -299,7 +383,13 @@ class FedShard:
             last = rows
             if step < skip:
                 continue
-            yield self.cache.batch(np.sort(rows)) if self.cached else rows
+            if self.cached:
+                rows = np.sort(rows)
+                self._handed_out(self._numbers(rows))
+                yield self.cache.batch(rows)
+            else:
+                self._handed_out(rows[ROW_ID])
+                yield {name: array for name, array in rows.items() if name != ROW_ID}
         with self.lock:
             self.chunks.pop(epoch, None)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+import numpy as np
+
 from sparktrain.data.columns import SPLIT_COL
 from sparktrain.data.rank_cache import cache_root, disk_full, row_bytes
 from sparktrain.data.sources.fed_rank import FedRows
@@ -70,6 +72,12 @@ class OwnRows(FedRows):
 
     def _shares(self, counts: List[int], rank: int, chunk: int) -> List[int]:
         return [c if p == rank else 0 for p, c in enumerate(counts)]
+
+    def offsets(self, partition: int, index: np.ndarray) -> np.ndarray:
+        return np.asarray(index, np.int64)  # the whole partition, in its order
+
+    def owners(self, partition: int, offsets: np.ndarray, world_size: int) -> np.ndarray:
+        return np.full(len(offsets), partition, np.int64)  # partition r is rank r's
 
     def _start(self, all_gather: Optional[Callable[[str], List[str]]]) -> None:
         """Take the partition into the cache on a thread; it can be read once only, so

@@ -141,8 +141,8 @@ class StreamShard:
 
     order: Optional[str] = None  # one order only: a pure function of seed, epoch and rank
 
-    def epoch(self, epoch: int = 0, skip: int = 0, order: Optional[str] = None
-              ) -> Iterator[Batch]:
+    def epoch(self, epoch: int = 0, skip: int = 0, order: Optional[str] = None,
+              trained: Optional[bytes] = None) -> Iterator[Batch]:
         """Every row of the shard once (shuffled when ``shuffle``), then as many of them again
         as this rank is short of the most rows a rank has; from batch ``skip`` on (the ones
         before it trained before a mid-epoch checkpoint: the same order, so exactly)."""
@@ -162,6 +162,13 @@ class StreamShard:
                 else self.cache.batch(rows)
         part = self.table.take(rows)
         return {c.name: arrow_to_numpy(part.column(c.name), c) for c in self.columns}
+
+    def position(self, batches_done: int) -> Optional[bytes]:
+        """None: the order is a pure function of the seed, the epoch and the rank."""
+        return None
+
+    def resumed_steps(self, trained: bytes) -> int:
+        raise ValueError("a spooled shard resumes by its skip, not by rows")
 
     def close(self) -> None:
         """Let the files go; the spooled folder is removed once no reader holds it."""
