@@ -62,7 +62,7 @@ def free_port() -> int:
 
 def time_sparktrain(ranks: int) -> float:
     from sparktrain.launch.local_ranks import run_places
-    from sparktrain.launch.rank_run import Place
+    from sparktrain.launch.rank_context import Place
 
     places = [Place(i, ranks, ["127.0.0.1"] * ranks, 1, {"gpu": [str(i)]}, 0, i, ranks)
               for i in range(ranks)]

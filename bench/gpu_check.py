@@ -192,7 +192,7 @@ def train_rank(env: Env, spec: Any, payload: bytes) -> Tuple[Dict[str, Any], Dic
     """``torch_loop.train`` as rank 0 of 1 on ``env``'s device; ``(its result, what the Probe
     saw)``. The task's GPU comes as Spark hands it (``resources``), the rendezvous through the
     one-rank barrier (``TorchDDP`` opens its own ``TCPStore``: no MASTER_ADDR/PORT)."""
-    from sparktrain.launch.barrier import RankContext
+    from sparktrain.launch.rank_context import RankContext
     from sparktrain.loop.torch_loop import train
 
     job = rank_loops._OneRank()
@@ -676,7 +676,7 @@ def check_local_ranks(env: Env) -> Dict[str, Any]:
     task with ``spark.task.resource.gpu.amount=N`` does; on the CPU, two ranks on fake GPUs
     (gloo)."""
     from sparktrain.launch.local_ranks import run_places
-    from sparktrain.launch.rank_run import Place
+    from sparktrain.launch.rank_context import Place
 
     count = torch.cuda.device_count() if env.gpu else 2
     gpus = [str(i) for i in range(count)]

@@ -5,8 +5,8 @@ import math
 import pytest
 
 from sparktrain.data.reader import shard_range, steps_per_epoch
-from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.elastic import ElasticPlan, Generation, Regroup, for_rank
+from sparktrain.launch.rank_context import RankContext
 from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.loop.epochs import EpochDriver
 

@@ -146,7 +146,7 @@ def test_a_gpu_torch_cannot_use_fails_once_not_retried(monkeypatch):
         pytest.skip("this machine's torch has CUDA")
     from sparktrain.faults import is_user_error
     from sparktrain.launch.gpus import GpuUnavailableError
-    from sparktrain.launch.rank_run import RankContext
+    from sparktrain.launch.rank_context import RankContext
     from sparktrain.loop.torch_batch import select_device
 
     monkeypatch.delenv("SPARKTRAIN_FAKE_GPUS", raising=False)

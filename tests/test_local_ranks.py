@@ -9,7 +9,8 @@ import time
 import pytest
 
 from sparktrain.launch.local_ranks import run_places
-from sparktrain.launch.rank_run import FAILURE_TAG, Place
+from sparktrain.launch.rank_context import Place
+from sparktrain.launch.rank_run import FAILURE_TAG
 
 
 def places(gpus, host="127.0.0.1"):

@@ -148,7 +148,7 @@ def torch_payload(callbacks: List[Any] = ()) -> bytes:
 
 def train_torch(spec: Any, payload: bytes):
     """``torch_loop.train`` as rank 0 of 1; ``(its result, the rank's log/progress)``."""
-    from sparktrain.launch.barrier import RankContext
+    from sparktrain.launch.rank_context import RankContext
     from sparktrain.loop.torch_loop import train
 
     job = _OneRank()

@@ -268,9 +268,8 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                                        f"{store.run_path(run_id)}/_feed/{uuid.uuid4().hex[:8]}",
                                        gpus, claim)
             raise_if_interrupted()
-            result = self._train(FitRun(dataset.sparkSession, data, store, gpus.use_gpu,
-                                        run_id, progress, time.time(), elastic, profile,
-                                        gpus.ranks_per_task))
+            result = self._train(FitRun(dataset.sparkSession, data, store, gpus, run_id,
+                                        progress, time.time(), elastic, profile))
             listener.trained(result)
             progress.close()
             log.info("fit done in %.1fs (materialize %.1fs%s); run %s",

@@ -19,6 +19,7 @@ from sparktrain.data.sources.contract import RowSource
 from sparktrain.data.store import Store, StoredBytes
 from sparktrain.estimators.progress import FitProgress
 from sparktrain.launch.elastic import ElasticPlan, run_elastic
+from sparktrain.launch.gpus import GpuPlan
 
 
 @dataclass
@@ -28,17 +29,25 @@ class FitRun:
     spark: SparkSession
     data: RowSource
     store: Store
-    use_gpu: bool
+    gpus: GpuPlan  # how the training stage gets its GPUs (launch.gpus.plan_gpus)
     run_id: str
     progress: FitProgress
     started: float  # time.time() when fit began: max_time counts from here, across retries
     elastic: ElasticPlan  # how many ranks (num_proc, min_num_proc: launch.elastic)
-    # the training stage's ResourceProfile (stage-level scheduling) and ranks per task (one
-    # per GPU: launch.local_ranks), from launch.gpus.plan_gpus
+    # the training stage's ResourceProfile (stage-level scheduling: the plan's, or the user's)
     profile: Any = None
-    ranks_per_task: int = 1
     # one fit, whatever its attempts: an early stop it checkpointed holds for its retries only
     fit_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def use_gpu(self) -> bool:
+        return self.gpus.use_gpu
+
+    @property
+    def ranks_per_task(self) -> int:
+        """Ranks each barrier task runs (one process per GPU: :mod:`~sparktrain.launch.
+        local_ranks`)."""
+        return self.gpus.ranks_per_task
 
     @property
     def run_path(self) -> str:

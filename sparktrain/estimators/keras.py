@@ -32,9 +32,9 @@ from sparktrain.estimators.base import EstimatorBase
 from sparktrain.estimators.fit_run import FitRun
 from sparktrain.estimators.model import ModelBase
 from sparktrain.launch import KERAS_BACKENDS, backends_with, load_backend
-from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.elastic import for_rank
 from sparktrain.launch.environment import rank_environment
+from sparktrain.launch.rank_context import RankContext
 from sparktrain.loop.keras_inputs import in_feature_order, keras_inputs
 from sparktrain.loop.keras_saving import keras_module as _keras
 from sparktrain.loop.keras_saving import load_model as _load_model

@@ -32,8 +32,8 @@ from sparktrain.estimators.base import EstimatorBase
 from sparktrain.estimators.fit_run import FitRun
 from sparktrain.estimators.torch_model import TorchModel
 from sparktrain.launch import TORCH_BACKENDS, load_backend
-from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.environment import rank_environment
+from sparktrain.launch.rank_context import RankContext
 from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.loop.torch_forward import takes_labels
 from sparktrain.loop.torch_losses import named_metrics

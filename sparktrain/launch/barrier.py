@@ -34,7 +34,7 @@ import re
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import cloudpickle
 from pyspark.sql import DataFrame, SparkSession
@@ -43,9 +43,10 @@ from sparktrain.data.sources.contract import StageInput
 from sparktrain.errors import TrainingError, spark_disk_full
 from sparktrain.fs import DEFAULT_LAUNCH_DIR, filesystem
 from sparktrain.launch.events import EventWatcher
-from sparktrain.launch.rank_run import FAILURE_TAG, RankContext, run_rank
+from sparktrain.launch.rank_context import LaunchSite, RankContext
+from sparktrain.launch.rank_run import FAILURE_TAG, run_rank
 from sparktrain.session.interrupts import raise_if_interrupted
-from sparktrain.session.slots import task_slots
+from sparktrain.session.slots import rank_slots
 from sparktrain.session.spark_api import (
     cancel_tag,
     conf_value,
@@ -110,8 +111,7 @@ def check_slots(spark: SparkSession, num_proc: int, wait_seconds: Optional[float
     tasks = -(-num_proc // ranks_per_task)
 
     def count() -> Optional[int]:
-        slots = task_slots(spark, profile)
-        return None if slots is None else slots * ranks_per_task
+        return rank_slots(spark, profile, ranks_per_task)
 
     slots = count()
     if slots is None:
@@ -185,7 +185,7 @@ def run_barrier(spark: SparkSession, num_proc: int, task: Callable[[RankContext]
     tag = tag or f"sparktrain-{uuid.uuid4().hex[:12]}"
     launch_dir = f"{(workdir or DEFAULT_LAUNCH_DIR).rstrip('/')}/{tag}"
     failures = _FailureLog(spark, tag, attempts, when_exhausted)
-    where = (launch_dir, storage_options, not is_local_master(spark), attempts)
+    where = LaunchSite(launch_dir, storage_options, not is_local_master(spark), attempts)
     fs = filesystem(launch_dir, storage_options)[0]
     try:
         with EventWatcher(f"{launch_dir}/events", storage_options, echo=echo_logs,
@@ -257,7 +257,7 @@ def _collect(spark: SparkSession, frame: DataFrame, tag: str, description: str,
 
 
 def _barrier_frame(spark: SparkSession, num_proc: int, task: Callable[[RankContext], Any],
-                   where: Sequence, stage_input: Optional[StageInput], profile: Any = None,
+                   where: LaunchSite, stage_input: Optional[StageInput], profile: Any = None,
                    ranks_per_task: int = 1) -> DataFrame:
     """The barrier stage as a DataFrame of the ranks' results (one row each)."""
     tasks = num_proc // ranks_per_task
@@ -271,12 +271,13 @@ def _barrier_frame(spark: SparkSession, num_proc: int, task: Callable[[RankConte
         else:
             task_input = take(batches)
         if ranks_per_task == 1:
-            yield _rank_result_batch(*run_rank(task, where, task_input), where[0], where[1])
+            yield _rank_result_batch(*run_rank(task, where, task_input), where.folder,
+                                     where.storage_options)
             return
         from sparktrain.launch.local_ranks import run_local_ranks
 
         for rank, result in run_local_ranks(task, where, ranks_per_task, task_input):
-            yield _rank_result_batch(rank, result, where[0], where[1])
+            yield _rank_result_batch(rank, result, where.folder, where.storage_options)
 
     # One partition a task: the rows the stage takes, or just the tasks' numbers.
     source = stage_input.frame(tasks) if stage_input is not None \

@@ -182,10 +182,9 @@ class _SlotCount:
     def now(self) -> Optional[int]:
         """The ranks the cluster can run at once: its task slots (of the training stage's
         profile) times the ranks each task runs."""
-        from sparktrain.session.slots import task_slots
+        from sparktrain.session.slots import rank_slots
 
-        slots = task_slots(self.spark, self.profile)
-        slots = None if slots is None else slots * self.per_task
+        slots = rank_slots(self.spark, self.profile, self.per_task)
         if not self.remote:
             return slots
         return min(self.plan.num_proc if slots is None else slots, self.most)

@@ -37,8 +37,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.engine import TorchEngine
+from sparktrain.launch.rank_context import RankContext
 from sparktrain.launch.torch_ddp import interface_for
 
 

@@ -43,7 +43,8 @@ import cloudpickle
 
 from sparktrain.data.sources.contract import TaskInput
 from sparktrain.launch.gpus import gpu_environment
-from sparktrain.launch.rank_run import FAILURE_TAG, Place, RankContext, run_rank
+from sparktrain.launch.rank_context import Place, RankContext
+from sparktrain.launch.rank_run import FAILURE_TAG, run_rank
 from sparktrain.launch.zygote import die_with_parent
 
 STOP_SECONDS = 10.0  # a failed rank's peers get this long to exit after SIGTERM
@@ -74,7 +75,7 @@ def rank_environment(place: Place) -> Dict[str, str]:
             "LOCAL_RANK": str(place.local_rank), "LOCAL_WORLD_SIZE": str(place.local_size)}
 
 
-def run_local_ranks(task: Callable[[RankContext], Any], where: Sequence, ranks_per_task: int,
+def run_local_ranks(task: Callable[[RankContext], Any], where: Sequence[Any], ranks_per_task: int,
                     task_input: Optional[TaskInput] = None) -> List[Tuple[int, Any]]:
     """Run ``task`` as this barrier task's ``ranks_per_task`` ranks, one process each;
     ``[(rank, result)]``. ``task_input``: the rows the task took, dealt to its ranks.

@@ -1,5 +1,6 @@
-"""A rank's side of a launch: its :class:`RankContext`, its output and errors sent to the
-client, its place in the job (its barrier task's, or a local rank's: :mod:`.local_ranks`).
+"""A rank's side of a launch: its output and errors sent to the client, its
+:class:`~.rank_context.RankContext` made from its place in the job (its barrier task's, or a
+local rank's: :mod:`.local_ranks`).
 
 :func:`run_rank` runs in a barrier task (one rank per task) or in a local rank's process (one
 per GPU of a task holding several); either way the rank's lines, progress and traceback reach
@@ -17,61 +18,24 @@ import sys
 import threading
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
 from sparktrain.faults import lost_rank_text, user_error_source
 from sparktrain.fs import filesystem
 from sparktrain.launch.events import RankEvents
+from sparktrain.launch.rank_context import (
+    LaunchSite,
+    Place,
+    RankContext,
+    barrier_place,
+    rank_context,
+)
 from sparktrain.launch.rank_gather import NO_SERVER, GatherServer, RankGather, connect, publish
 
 FAILURE_TAG = "sparktrain-rank-failure"
 # A peer's death makes rank 0's collective fail at once, and rank 0's gather server sees the
 # death a moment later: within this, it is reported (events.CAUSE_SECONDS takes it as the cause).
 SETTLE_SECONDS = 1.0
-
-
-@dataclass
-class RankContext:
-    """What a training function learns about its place in the job (executor side)."""
-
-    rank: int
-    world_size: int
-    hosts: List[str]
-    cpus: int
-    resources: Dict[str, List[str]]
-    barrier: Any = field(repr=False)  # the pyspark BarrierTaskContext (None: a local rank)
-    client: Optional[RankEvents] = field(default=None, repr=False)
-    attempt: int = 0  # 0 on the first run of the stage, n on Spark's n-th retry
-    generation: Any = None  # an elastic fit's generation (sparktrain.launch.elastic)
-    # rows its barrier task took (run_barrier's ``stage_input``): a data.sources.contract.TaskInput
-    task_input: Any = field(default=None, repr=False)
-    # the ranks' own gather (rank_gather.RankGather); None: Spark's allGather
-    gather: Any = field(default=None, repr=False)
-    # several ranks in one task (one per GPU, :mod:`.local_ranks`): this one's place there
-    local_rank: int = 0
-    local_size: int = 1
-
-    def log(self, text: str) -> None:
-        """Send ``text`` to the client's log as ``[rank N] text``."""
-        if self.client is not None:
-            self.client.log(text)
-
-    def progress(self, **event: Any) -> None:
-        """Send a progress event (plain JSON values) to the client's progress display."""
-        if self.client is not None:
-            self.client.progress(event)
-
-    def all_gather(self, message: str) -> List[str]:
-        """Every rank's ``message``, in rank order: through rank 0's gather server (a few ms),
-        or Spark's ``allGather`` (about 1 s: :mod:`.rank_gather`) where there is none."""
-        if self.gather is not None:
-            return self.gather(message)
-        if self.barrier is None:
-            raise RuntimeError("the ranks of a task with several GPUs exchange messages through "
-                               "rank 0's gather server, which could not start (see rank 0's "
-                               "log)")
-        return list(self.barrier.allGather(message))
 
 
 class _LineTee(io.TextIOBase):
@@ -140,44 +104,12 @@ def _give_up(client: RankEvents, rank: int, limit: int) -> None:
     raise _GaveUp(f"{FAILURE_TAG} rank={rank}\n{text}\n{FAILURE_TAG} end")
 
 
-@dataclass(frozen=True)
-class Place:
-    """Where a rank sits in the job, decided before its :class:`RankContext` exists: by its
-    barrier task (:func:`barrier_place`) or, for a local rank, by its task's process
-    (:mod:`.local_ranks`)."""
-
-    rank: int
-    world_size: int
-    hosts: List[str]  # every rank's executor host, in rank order
-    cpus: int
-    resources: Dict[str, List[str]]
-    stage: int  # the barrier stage's id: names the stage's gather-server file
-    local_rank: int = 0
-    local_size: int = 1
-
-
-def barrier_place(barrier: Any) -> Place:
-    """The place of the rank that its barrier task runs itself (one rank per task)."""
-    infos = barrier.getTaskInfos()
-    hosts = [info.address.rsplit(":", 1)[0] for info in infos]
-    resources = {name: list(info.addresses) for name, info in barrier.resources().items()}
-    return Place(barrier.partitionId(), len(infos), hosts, int(barrier.cpus()), resources,
-                 barrier.stageId())
-
-
-def rank_context(place: Place, barrier: Any = None,
-                 client: Optional[RankEvents] = None) -> RankContext:
-    return RankContext(rank=place.rank, world_size=place.world_size, hosts=list(place.hosts),
-                       cpus=place.cpus, resources=dict(place.resources), barrier=barrier,
-                       client=client, local_rank=place.local_rank, local_size=place.local_size)
-
-
-def run_rank(task: Callable[[RankContext], Any], where: Sequence,
+def run_rank(task: Callable[[RankContext], Any], where: Sequence[Any],
              task_input: Any = None, place: Optional[Place] = None
              ) -> Tuple[int, Any]:
     """Executor entry point: build the :class:`RankContext`, run ``task``, report failures.
-    ``where`` is ``(launch directory, storage_options, mirror output to the executor log,
-    the most attempts to start)``; ``task_input``: the rows its task took
+    ``where`` is a :class:`~.rank_context.LaunchSite` (or the same
+    values as a tuple); ``task_input``: the rows its task took
     (:class:`~sparktrain.data.sources.contract.TaskInput`), if any; ``place``: a
     local rank's place (default: the barrier task's own)."""
     barrier = None
@@ -187,7 +119,8 @@ def run_rank(task: Callable[[RankContext], Any], where: Sequence,
         barrier = BarrierTaskContext.get()
         place = barrier_place(barrier)
     rank = place.rank
-    client = RankEvents(f"{where[0]}/events", where[1], rank)
+    site = LaunchSite(*where)
+    client = RankEvents(f"{site.folder}/events", site.storage_options, rank)
     started = client.start()
     if client.stopped():  # an earlier attempt failed in user code: Spark's re-run is moot
         client.close()
@@ -196,16 +129,16 @@ def run_rank(task: Callable[[RankContext], Any], where: Sequence,
     server = gather = None
     settle = 0.0  # on a fault, how long rank 0's server may take to see a peer's death
     try:
-        with _captured_output(client, mirror=where[2]):
+        with _captured_output(client, mirror=site.mirror):
             context = rank_context(place, barrier, client)
             context.task_input = task_input
-            server, gather = _rank_gather(place.stage, context, where)
+            server, gather = _rank_gather(place.stage, context, site)
             context.gather = gather
             # every rank counted its own starts; agree on one number (the largest)
             context.attempt = max(int(a) for a in context.all_gather(str(started)))
             client.attempt = context.attempt
-            if len(where) > 3 and context.attempt >= where[3]:
-                _give_up(client, rank, where[3])
+            if site.attempts is not None and context.attempt >= site.attempts:
+                _give_up(client, rank, site.attempts)
             return rank, task(context)
     except _GaveUp:
         raise
@@ -231,13 +164,13 @@ def run_rank(task: Callable[[RankContext], Any], where: Sequence,
         client.close()
 
 
-def _rank_gather(stage: int, context: RankContext, where: Sequence
+def _rank_gather(stage: int, context: RankContext, site: LaunchSite
                  ) -> Tuple[Optional[GatherServer], Optional[RankGather]]:
     """Rank 0's gather server (on rank 0) and this rank's connection to it, found through the
     launch folder (:mod:`.rank_gather`); no connection where rank 0 could not start a server
     (the ranks then use Spark's allGather)."""
-    fs = filesystem(where[0], where[1])[0]
-    path = f"{where[0]}/gather-{stage}"
+    fs = filesystem(site.folder, site.storage_options)[0]
+    path = f"{site.folder}/gather-{stage}"
 
     def on_lost(rank: int) -> None:  # a rank's process died without a word: say so
         if context.client is not None:

@@ -33,9 +33,9 @@ from typing import IO, Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 from sparktrain.faults import killed_text, mark_user_error
 from sparktrain.launch import zygote
-from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.engine import KerasEngine
 from sparktrain.launch.gpus import gpu_environment, worker_gpus
+from sparktrain.launch.rank_context import RankContext
 from sparktrain.launch.tf_protocol import (
     ERROR_FILE,
     PROGRESS_PREFIX,

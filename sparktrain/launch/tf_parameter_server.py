@@ -36,7 +36,7 @@ from dataclasses import replace
 from typing import Any, List, Optional
 
 from sparktrain.faults import mark_user_error
-from sparktrain.launch.barrier import RankContext
+from sparktrain.launch.rank_context import RankContext
 from sparktrain.launch.tf_multiworker import TFTask, start_tf_child
 from sparktrain.launch.tf_protocol import (
     ERROR_FILE,

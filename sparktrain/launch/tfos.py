@@ -45,10 +45,11 @@ from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from sparktrain.launch import import_quietly
-from sparktrain.launch.barrier import RankContext, run_barrier, stage_attempts
+from sparktrain.launch.barrier import run_barrier, stage_attempts
 from sparktrain.launch.engine import KerasEngine
 from sparktrain.launch.environment import rank_environment
 from sparktrain.launch.gpus import worker_gpus
+from sparktrain.launch.rank_context import RankContext
 from sparktrain.launch.tf_multiworker import spawn_keras_worker
 from sparktrain.options.spec import KerasTrainSpec
 from sparktrain.session.spark_jvm import hadoop_conf

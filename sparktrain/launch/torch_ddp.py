@@ -39,8 +39,8 @@ from typing import Any, Deque, Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.engine import TorchEngine
+from sparktrain.launch.rank_context import RankContext
 
 TIMEOUT = timedelta(minutes=30)
 _GLOO_IFNAME_VARS = ("TORCH_GLOO_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")

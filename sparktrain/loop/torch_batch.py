@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from sparktrain.faults import mark_user_error
-from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.gpus import GpuUnavailableError, cuda_ordinal, fake_gpus, rank_gpu
+from sparktrain.launch.rank_context import RankContext
 from sparktrain.options.spec import TorchTrainSpec
 
 

@@ -34,8 +34,8 @@ from sparktrain.data.sources.contract import RowReader
 from sparktrain.data.transform_stage import BatchFeed
 from sparktrain.faults import mark_user_error, user_code
 from sparktrain.launch import TORCH_BACKENDS, load_backend
-from sparktrain.launch.barrier import RankContext
 from sparktrain.launch.elastic import for_rank, scaling_ranks
+from sparktrain.launch.rank_context import RankContext
 from sparktrain.loop.epochs import EpochDriver, InEpoch, Logs, StepReporter
 from sparktrain.loop.torch_batch import (
     Batches,

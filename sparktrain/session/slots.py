@@ -96,6 +96,14 @@ def task_slots(spark: SparkSession, profile: Any = None) -> Optional[int]:
     return max_concurrent_tasks(spark.sparkContext, profile)
 
 
+def rank_slots(spark: SparkSession, profile: Any = None, ranks_per_task: int = 1
+               ) -> Optional[int]:
+    """Ranks the cluster can run at once: its task slots (of ``profile``) times the ranks each
+    task runs (one per GPU of a task holding several); ``None`` where it cannot say."""
+    slots = task_slots(spark, profile)
+    return None if slots is None else slots * ranks_per_task
+
+
 def _gpu_slots_from_conf(spark: SparkSession, profile: Any) -> Optional[int]:
     """Tasks of ``profile`` the settings promise on a Connect session: per executor, as many
     as its GPUs and its cores allow (``None`` when the settings do not say)."""
