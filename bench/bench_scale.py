@@ -5,19 +5,24 @@ a 2-rank TorchEstimator fit in both input modes (issue #44).
     .venv/bin/python bench/bench_scale.py                          # 1M, 4M, 16M, 64M rows
     .venv/bin/python bench/bench_scale.py --rows 1M,4M             # a short run (~5 min here)
     .venv/bin/python bench/bench_scale.py --rows 16M --modes stream --scratch /mnt/tmpfs
+    .venv/bin/python bench/bench_scale.py --rows 1M,16M --starts cold,warm  # issue #50's
 
 The tables are generated once by pyarrow under --data (files of --rows-per-file rows, row groups
 of --row-group-rows, snappy: a data lake's table; ``features`` array<float> x 32, ``label``
 int64 0/1, linearly separable) and reused by later runs. Every (rows, mode) then runs in a fresh
 Python process of its own (memory peaks do not mix): a ``local[4]`` session (2 ranks and 2 free
 task slots, as GPU machines have more cores than GPUs) whose SPARK_LOCAL_DIRS, TMPDIR and
-java.io.tmpdir are folders under --scratch, a 1-epoch warm-up fit on 32K rows (so the figures
-are not the session's cold start; --cold skips it), then the measured fit: the MLP 32-64-2, SGD
+java.io.tmpdir are folders under --scratch, for a *warm* start a 1-epoch warm-up fit on 32K
+rows (so the figures are not the session's cold start), for a *cold* one none (the measured
+fit is the process's first, as the first fit of a ``spark-submit`` job; --starts picks, both
+by default, each in its own process), then the measured fit: the MLP 32-64-2, SGD
 lr 0.1, batch 1,024 a rank, shuffled, --epochs epochs, on ``spark.read.parquet`` of the table.
 
 Per fit, in the wall clock of the machine:
   first step     fit() called -> the later of the 2 ranks' first loss computation (the loss
                  module marks its first call in each rank process)
+  session        the Spark session's own start in that process (local_spark() returning):
+                 a cold start's target is first step <= 2 x the warm one + this
   before it      preflight (fit() -> the run named) | data (-> the ranks' stage submitted:
                  store: materialized; stream: the plan) | launch (-> the payload unpickled in
                  both ranks) | readers (-> on_train_begin: the rank's readers, process group and
@@ -348,10 +353,12 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
 
     work, mode = spec["work"], spec["mode"]
     scratch = [os.environ["SPARK_LOCAL_DIRS"], os.environ["TMPDIR"]]
+    started = time.perf_counter()
     spark = local_spark(spec["master"], "sparktrain-bench-scale", conf={
         "spark.driver.memory": spec["driver_memory"], "spark.ui.enabled": "false",
         "spark.local.dir": os.environ["SPARK_LOCAL_DIRS"],
         "spark.driver.extraJavaOptions": f"-Djava.io.tmpdir={os.environ['TMPDIR']}"})
+    session_seconds = time.perf_counter() - started
     driver: Dict[str, float] = {}
 
     class Listener(FitListener):
@@ -404,7 +411,8 @@ def child(spec: Dict[str, Any]) -> Dict[str, Any]:
         out = timeline(marks, driver, t_call, t_done)
         epoch_lines = fit_log.find(r"^\[rank 0\] epoch \d+/\d+ .*\(([\d.]+)s\)$")
         out.update(
-            rows=spec["rows"], mode=mode, epochs_logged=[float(m.group(1)) for m in epoch_lines],
+            rows=spec["rows"], mode=mode, start=spec["start"], session=session_seconds,
+            epochs_logged=[float(m.group(1)) for m in epoch_lines],
             materialize_logged=float(materialize[-1].group(1)) if materialize else None,
             failed_attempts=[line for _, line in fit_log.lines if " failed on attempt " in line],
             start_event=driver["start_event"] - t_call if "start_event" in driver else None,
@@ -436,17 +444,18 @@ def _yielding(listener: Any) -> Any:
     return hook()
 
 
-def run_fit(args: argparse.Namespace, rows: int, mode: str, table: str) -> Record:
-    """One (rows, mode) in a fresh process; its record, or ``{"error": ...}`` with the output's
-    tail verbatim."""
-    work = os.path.join(args.scratch, f"{label(rows)}-{mode}")
+def run_fit(args: argparse.Namespace, rows: int, mode: str, table: str, start: str) -> Record:
+    """One (rows, mode, start) in a fresh process; its record, or ``{"error": ...}`` with the
+    output's tail verbatim."""
+    work = os.path.join(args.scratch, f"{label(rows)}-{mode}-{start}")
     shutil.rmtree(work, ignore_errors=True)
     local, tmp = os.path.join(work, "spark-local"), os.path.join(work, "tmp")
     os.makedirs(local)
     os.makedirs(tmp)
     result = os.path.join(work, "result.json")
     spec = {"rows": rows, "mode": mode, "table": table, "work": work, "master": args.master,
-            "epochs": args.epochs, "cold": args.cold, "interval": args.interval,
+            "epochs": args.epochs, "cold": start == "cold", "start": start,
+            "interval": args.interval,
             "driver_memory": args.driver_memory, "result": result}
     env = {**os.environ, "SPARK_LOCAL_DIRS": local, "TMPDIR": tmp}
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child",
@@ -478,7 +487,8 @@ def run_fit(args: argparse.Namespace, rows: int, mode: str, table: str) -> Recor
                 return json.load(f)
         why = "timed out" if proc.returncode is None or proc.returncode < 0 else \
             f"exit code {proc.returncode}"
-        return {"rows": rows, "mode": mode, "error": f"{why}:\n" + "\n".join(tail)}
+        return {"rows": rows, "mode": mode, "start": start,
+                "error": f"{why}:\n" + "\n".join(tail)}
     finally:
         if args.keep_tmp:
             progress(f"kept {work}")
@@ -502,21 +512,23 @@ PHASES = (("preflight", "preflight"), ("data", "data"), ("launch", "launch"),
 
 
 def markdown(records: List[Record]) -> str:
-    head = ("| rows (decoded) | mode | first step | epochs | whole fit | peak local disk "
-            "(/ decoded) | + store | store after | anon memory: start → peak | Pss_Anon peak "
-            "| before the first step (s) |")
-    lines = [head, "|" + "---|" * 11]
+    head = ("| rows (decoded) | mode | start (session s) | first step | epochs | whole fit | "
+            "peak local disk (/ decoded) | + store | store after | anon memory: start → peak | "
+            "Pss_Anon peak | before the first step (s) |")
+    lines = [head, "|" + "---|" * 12]
     for r in records:
         rows = f"{label(r['rows'])} ({gib(r['rows'] * ROW_BYTES)})"
+        start = r.get("start", "warm")
         if "error" in r:
-            lines.append(f"| {rows} | {r['mode']} | FAILED (below) |" + " |" * 8)
+            lines.append(f"| {rows} | {r['mode']} | {start} | FAILED (below) |" + " |" * 8)
             continue
+        start = f"{start} ({r['session']:.1f})" if r.get("session") is not None else start
         decoded = r["rows"] * ROW_BYTES
         disk = r["peak_scratch_above_start"]
         before = ", ".join(f"{name} {r['before_first_step'][key]:.1f}" for key, name in PHASES
                            if key in r["before_first_step"])
         lines.append(
-            f"| {rows} | {r['mode']} | **{secs(r['first_step'])}** | "
+            f"| {rows} | {r['mode']} | {start} | **{secs(r['first_step'])}** | "
             f"{' + '.join(f'{s:.1f}' for s in r['epochs'])} s | {secs(r['fit'])} | "
             f"{gib(disk)} ({disk / decoded:.2f}×) | {gib(r['peak_disk_above_start'])} | "
             f"{gib(r['store_bytes'])} | {gib(r['at_start']['anon'])} → "
@@ -526,11 +538,12 @@ def markdown(records: List[Record]) -> str:
 
 def targets(records: List[Record]) -> List[Record]:
     """Issue #44's done-when figures, between the smallest size of each mode and 16M rows (the
-    issue's sizes), or the largest run where there is no 16M one."""
-    out = []
+    issue's sizes), or the largest run where there is no 16M one (warm starts); issue #50's:
+    a cold first step against the warm one plus the session's start, at each size."""
+    out = cold_targets(records)
     for mode in MODES:
-        ok = sorted((r for r in records if r["mode"] == mode and "error" not in r),
-                    key=lambda r: r["rows"])
+        ok = sorted((r for r in records if r["mode"] == mode and "error" not in r
+                     and r.get("start", "warm") == "warm"), key=lambda r: r["rows"])
         if len(ok) < 2:
             continue
         at_16m = [r for r in ok if r["rows"] == 16_000_000]
@@ -555,6 +568,24 @@ def targets(records: List[Record]) -> List[Record]:
     return out
 
 
+def cold_targets(records: List[Record]) -> List[Record]:
+    """Each (rows, mode) measured both ways: cold first step <= 2 x warm + the session's."""
+    out = []
+    done = {(r["rows"], r["mode"], r.get("start", "warm")): r for r in records
+            if "error" not in r and r.get("first_step") is not None}
+    for (rows, mode, start), cold in sorted(done.items()):
+        warm = done.get((rows, mode, "warm"))
+        if start != "cold" or warm is None:
+            continue
+        bound = 2 * warm["first_step"] + cold["session"]
+        out.append({"figure": f"{mode} cold first step at {label(rows)} (warm "
+                              f"{warm['first_step']:.1f} s, session {cold['session']:.1f} s)",
+                    "value": cold["first_step"], "text": f"{cold['first_step']:.1f} s",
+                    "target": f"≤ 2 × warm + session = {bound:.1f} s",
+                    "met": cold["first_step"] <= bound})
+    return out
+
+
 def draw(records: List[Record], path: str, title: str) -> None:
     """Four panels against rows (log x), one line per mode."""
     import matplotlib
@@ -573,8 +604,14 @@ def draw(records: List[Record], path: str, title: str) -> None:
     colors = {"store": "tab:blue", "stream": "tab:orange"}
     all_rows = sorted({r["rows"] for r in records})
     for mode in MODES:
-        ok = sorted((r for r in records if r["mode"] == mode and "error" not in r),
-                    key=lambda r: r["rows"])
+        cold = sorted((r for r in records if r["mode"] == mode and "error" not in r
+                       and r.get("start") == "cold"), key=lambda r: r["rows"])
+        if cold:  # the first step of a fresh process's first fit, beside the warm one
+            axes[0][0].plot([r["rows"] for r in cold], [r["first_step"] for r in cold],
+                            color=colors[mode], marker="s", linestyle=":",
+                            label=f"{mode}, cold start")
+        ok = sorted((r for r in records if r["mode"] == mode and "error" not in r
+                     and r.get("start", "warm") == "warm"), key=lambda r: r["rows"])
         if not ok:
             continue
         x = [r["rows"] for r in ok]
@@ -633,8 +670,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--interval", type=float, default=0.2,
                         help="seconds between samples of memory and disk")
     parser.add_argument("--driver-memory", default="4g")
-    parser.add_argument("--cold", action="store_true",
-                        help="no warm-up fit: the measured fit is the session's first")
+    parser.add_argument("--starts", default="warm,cold",
+                        help="warm (a warm-up fit first), cold (the measured fit is the "
+                             "process's first), or both, comma-separated")
+    parser.add_argument("--cold", action="store_true", help="the same as --starts cold")
     parser.add_argument("--fit-timeout", type=float, default=3600.0,
                         help="seconds one (rows, mode) process may take (killed after)")
     parser.add_argument("--out", "--json-out", dest="out",
@@ -646,6 +685,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.rows = sorted({parse_rows(r) for r in args.rows.split(",") if r.strip()})
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.starts = ["cold"] if args.cold else \
+        [t.strip() for t in args.starts.split(",") if t.strip()]
+    if set(args.starts) - {"warm", "cold"} or not args.starts:
+        parser.error("--starts: warm, cold or both")
     if set(args.modes) - set(MODES) or not args.modes:
         parser.error(f"--modes: some of {list(MODES)}")
     if not args.rows or args.rows[0] < WARMUP_ROWS or args.epochs < 1:
@@ -660,14 +703,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     for rows in args.rows:
         table = ensure_table(args.data, rows, args.rows_per_file, args.row_group_rows,
                              args.seed)
-        for mode in args.modes:
-            progress(f"== {label(rows)} rows, {mode} ==")
-            r = run_fit(args, rows, mode, table)
+        for mode, start in ((m, t) for m in args.modes for t in args.starts):
+            progress(f"== {label(rows)} rows, {mode}, {start} start ==")
+            r = run_fit(args, rows, mode, table, start)
             records.append(r)
             if "error" in r:
-                progress(f"{label(rows)} {mode} FAILED: {r['error'][-2000:]}")
+                progress(f"{label(rows)} {mode} {start} FAILED: {r['error'][-2000:]}")
             else:
-                progress(f"{label(rows)} {mode}: first step {r['first_step']:.1f}s, fit "
+                progress(f"{label(rows)} {mode} {start}: session {r['session']:.1f}s, first "
+                         f"step {r['first_step']:.1f}s, fit "
                          f"{r['fit']:.1f}s, epochs {[round(s, 1) for s in r['epochs']]}, peak "
                          f"disk {gib(r['peak_scratch_above_start'])}, peak anon "
                          f"{gib(r['peak']['anon'])}"
@@ -684,12 +728,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"- {c['figure']}: {c['text']} (target {c['target']}: "
               f"{'met' if c['met'] else 'NOT met'})")
     for r in (r for r in records if "error" in r):
-        print(f"\n{label(r['rows'])} {r['mode']} FAILED:\n{r['error']}")
+        print(f"\n{label(r['rows'])} {r['mode']} {r.get('start')} FAILED:\n{r['error']}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": {**{k: getattr(args, k) for k in (
             "rows", "modes", "epochs", "master", "data", "scratch", "rows_per_file",
-            "row_group_rows", "seed", "interval", "cold", "driver_memory")},
+            "row_group_rows", "seed", "interval", "starts", "driver_memory")},
             "batch": BATCH, "row_bytes": ROW_BYTES, "series_columns": SERIES,
             **load_meta(load_before), **versions()},
             "targets": checks, "fits": records}, f, indent=1)
