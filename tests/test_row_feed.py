@@ -262,3 +262,37 @@ def test_an_epoch_resumed_with_fewer_ranks_trains_exactly_the_rows_left(tmp_path
     assert [len(after[r]) for r in (0, 1)] == [steps, steps]  # every rank steps alike
     rest = {i for rank in after.values() for i in _ids(rank)}
     assert not rest & set(first) and rest | set(first) == expected
+
+
+def test_an_own_partition_epoch_resumes_with_exactly_the_rows_left(tmp_path):
+    """Each rank its own partition (cached as it is read): 2 ranks train 3 batches, and the
+    resumed epoch, from the positions both wrote, trains every other row once."""
+    from sparktrain.data.sources.own_partition import OwnRows
+    from sparktrain.data.sources.trained_rows import TrainedRows
+
+    partitions = [500, 430]
+    expected = {p * 10**6 + i for p, n in enumerate(partitions) for i in range(n)}
+    spec = _spec(tmp_path, {"train": partitions})
+    spec.rows.way, spec.rows.feed_dir = "own", ""
+
+    def ranks():
+        return [OwnRows(spec, r, 2, iter(_batches(r, partitions[r], 97))) for r in (0, 1)]
+
+    first, positions = [], []
+    for rows in ranks():
+        shard = rows.readers["train"]
+        batches = shard.epoch(0)
+        first += _ids([next(batches) for _ in range(3)])
+        positions.append(shard.position(3))
+        shard.close()
+    blob = TrainedRows.union(positions).to_bytes()
+    rest, steps = [], set()
+    for rows in ranks():
+        shard = rows.readers["train"]
+        steps.add(shard.resumed_steps(blob))
+        got = list(shard.epoch(0, skip=3, trained=blob))
+        assert len(got) == shard.resumed_steps(blob)
+        rest += _ids(got)
+        shard.close()
+    assert steps == {-(-(500 - 3 * 64) // 64)}  # the rank with the most rows left decides
+    assert not set(rest) & set(first) and set(rest) | set(first) == expected
