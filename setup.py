@@ -53,10 +53,10 @@ HF = ["transformers>=4.40", "tokenizers>=0.15", "peft>=0.10", "safetensors>=0.4"
 BENCH = ["datasets>=2.14", "ray[train]>=2.9"] + HF
 # The demos' data (scikit-learn's bundled digits: no download) and images (Pillow).
 EXAMPLES = ["scikit-learn>=1.4", "pillow>=10"]
-# ruff: the linter .ci/run runs (pyproject.toml configures it)
+# ruff and mypy: the linter and the type checker .ci/run runs (pyproject.toml configures them)
 TEST = ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "packaging", "psutil",
         "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25", "ipywidgets>=8",
-        "ruff>=0.8"] + EXAMPLES + PLOT
+        "ruff>=0.8", "mypy>=1.10"] + EXAMPLES + PLOT
 
 setup(
     name="sparktrain",
@@ -66,6 +66,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10,<3.14",
     packages=find_packages(include=["sparktrain", "sparktrain.*"]),
+    package_data={"sparktrain": ["py.typed"]},  # PEP 561: the package's type hints are its API
     install_requires=CORE,
     extras_require={
         "torch": TORCH,

@@ -16,7 +16,7 @@
 #                                 # (~40 s and 180 MiB once per Java and Spark; each JVM start
 #                                 # then takes about half the CPU: worth it for many starts)
 #   ./scripts/setup.sh --tests    # everything the tests need: --all, --horovod, --jvm-archive,
-#                                 # the test tools (pytest, ruff) and .venv-mlflow (the tests'
+#                                 # the test tools (pytest, ruff, mypy) and .venv-mlflow (the tests'
 #                                 # MLflow tracking server)
 #   SPARKTRAIN_STACK=spark35 ./scripts/setup.sh ...   # the classic stack (pyspark 3.5,
 #                                 # pyarrow 14, NumPy 1.26; --all adds Petastorm) in .venv-spark35

@@ -13,9 +13,32 @@ its module when first used, and each framework loads only with its estimator.
 from __future__ import annotations
 
 import importlib
-from typing import Any, List
+from typing import TYPE_CHECKING, Any, List
 
 __version__ = "0.4.0"
+
+if TYPE_CHECKING:
+    # What type checkers and IDEs see (`X as X`: an explicit re-export); at run time
+    # __getattr__ below imports each name when first used.
+    from sparktrain.data.store import Store as Store
+    from sparktrain.errors import CheckpointError as CheckpointError
+    from sparktrain.errors import ExecutorEnvironmentError as ExecutorEnvironmentError
+    from sparktrain.errors import IgnoredParamWarning as IgnoredParamWarning
+    from sparktrain.errors import LocalDiskFullError as LocalDiskFullError
+    from sparktrain.errors import PreflightError as PreflightError
+    from sparktrain.errors import RunInUseError as RunInUseError
+    from sparktrain.errors import StoreFullError as StoreFullError
+    from sparktrain.errors import TrainingError as TrainingError
+    from sparktrain.estimators.keras import KerasEstimator as KerasEstimator
+    from sparktrain.estimators.keras import KerasModel as KerasModel
+    from sparktrain.estimators.torch import TorchEstimator as TorchEstimator
+    from sparktrain.estimators.torch_model import TorchModel as TorchModel
+    from sparktrain.loop.callbacks import Callback as Callback
+    from sparktrain.loop.callbacks import EarlyStopping as EarlyStopping
+    from sparktrain.mlflow.tracking import MlflowLoggingWarning as MlflowLoggingWarning
+    from sparktrain.session.local import ConnectServer as ConnectServer
+    from sparktrain.session.local import local_spark as local_spark
+    from sparktrain.session.local import remote_spark as remote_spark
 
 #: public name -> the module that defines it
 _EXPORTS = {

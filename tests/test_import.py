@@ -48,11 +48,23 @@ def _modules():
     return found
 
 
-def _imports(name, path):
-    """Every module ``name`` imports, at the top or inside a function (both run on a rank)."""
+def _type_checking_only(tree):
+    """The ids of the nodes inside ``if TYPE_CHECKING:`` blocks (for type checkers: never run)."""
+    return {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If)
+            and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+            for statement in node.body for inner in ast.walk(statement)}
+
+
+def _imports(name, path, runtime_only=False):
+    """Every module ``name`` imports, at the top or inside a function (both run on a rank);
+    with ``runtime_only``, not those in ``if TYPE_CHECKING:`` blocks."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_only(tree) if runtime_only else set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -69,10 +81,24 @@ def _graph():
     modules = _modules()
     edges = {}
     for name, path in modules.items():
-        found = _imports(name, path)
+        # the package's exports are imported lazily (__getattr__); its TYPE_CHECKING block
+        # names them for type checkers only
+        found = _imports(name, path, runtime_only=name == PACKAGE_ROOT)
         edges[name] = {m for m in found if m in modules and m != name}
         edges[name] |= {m for m in found if m.startswith("pyspark.ml")}
     return modules, edges
+
+
+def test_type_checkers_see_every_export():
+    """The package's ``if TYPE_CHECKING:`` block imports each public name from the module
+    ``_EXPORTS`` says (what type checkers and IDEs see of the lazy exports)."""
+    import sparktrain
+
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    skipped = _type_checking_only(tree)
+    seen = {alias.asname or alias.name: node.module for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and id(node) in skipped for alias in node.names}
+    assert seen == sparktrain._EXPORTS
 
 
 def test_no_import_circles():

@@ -37,6 +37,7 @@ from sparktrain.pickling import dumps
 
 if TYPE_CHECKING:
     import pandas as pd
+    from matplotlib.figure import Figure
 
 
 def _family(kind: str) -> str:
@@ -91,7 +92,7 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
         self._history = {k: list(v) for k, v in value.items()}
         return self
 
-    def plot_history(self, metrics: Optional[Sequence[str]] = None):
+    def plot_history(self, metrics: Optional[Sequence[str]] = None) -> Figure:
         """A matplotlib Figure with one panel per metric (training and validation curves).
 
         Example: ``model.plot_history()`` in a notebook, or ``.savefig("history.png")``.

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import posixpath
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Protocol, Tuple, Type
 from urllib.parse import unquote
 
 import cloudpickle
+from pyspark.ml.param import Params
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 from pyspark.sql import SparkSession
 
@@ -40,10 +41,6 @@ from sparktrain.model_files import ModelFile
 from sparktrain.options.params import json_params, object_params
 from sparktrain.pickling import dumps
 from sparktrain.session.spark_api import is_remote
-
-if TYPE_CHECKING:
-    from sparktrain.estimators.base import EstimatorBase
-    from sparktrain.estimators.model import ModelBase
 
 PREDICT_FN_FILE = "model/predict_transformation_fn.pkl"
 
@@ -161,7 +158,7 @@ class EstimatorReader(MLReader):
     """Reads what :class:`EstimatorWriter` wrote. Unpickles ``objects.pkl``, which runs code:
     load only trusted paths."""
 
-    def __init__(self, cls: Type[EstimatorBase]) -> None:
+    def __init__(self, cls: Type[Params]) -> None:
         super().__init__()
         self.cls = cls
 
@@ -198,11 +195,17 @@ class ModelWriter(_Writer):
             write_file(root, PREDICT_FN_FILE, dumps(transform))
 
 
+class SavedModelClass(Protocol):
+    """What :class:`ModelReader` needs of a model class (``ModelBase`` has it)."""
+
+    def _from_saved(self, metadata: Dict[str, Any], files: Dict[str, ModelFile]) -> Params: ...
+
+
 class ModelReader(MLReader):
     """Reads what :class:`ModelWriter` wrote; the framework's files may be pickles (a torch
     model's architecture, Keras custom objects), which run code: load only trusted paths."""
 
-    def __init__(self, cls: Type[ModelBase]) -> None:
+    def __init__(self, cls: SavedModelClass) -> None:
         super().__init__()
         self.cls = cls
 

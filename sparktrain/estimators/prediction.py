@@ -9,7 +9,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pandas as pd
 from pyspark.sql import Column, DataFrame
@@ -20,13 +20,16 @@ from sparktrain.data.batch import arrow_to_numpy, model_ready, values_to_numpy
 from sparktrain.data.columns import ARRAY, SCALAR, VECTOR, ColumnSpec
 from sparktrain.data.prepare import stored_value
 
+if TYPE_CHECKING:
+    import numpy as np
+
 
 def feature_expr(spec: ColumnSpec) -> Column:
     """A feature column in the form the prediction UDF reads (what training read)."""
     return stored_value(spec)
 
 
-def series_values(series: Any, spec: ColumnSpec):
+def series_values(series: Any, spec: ColumnSpec) -> np.ndarray:
     """A pandas feature column from Arrow in the numpy form a ``transformation_fn`` gets in
     training (:mod:`sparktrain.data.batch`); struct columns (images) arrive as DataFrames."""
     if isinstance(series, pd.DataFrame):
@@ -36,12 +39,12 @@ def series_values(series: Any, spec: ColumnSpec):
     return values_to_numpy(list(series.to_numpy()), spec)
 
 
-def as_model_input(value: Any):
+def as_model_input(value: np.ndarray) -> np.ndarray:
     """Scalar columns as ``(rows, 1)``, the shape training fed the model."""
     return value.reshape(-1, 1) if value.ndim == 1 else value
 
 
-def series_to_numpy(series: pd.Series, spec: ColumnSpec):
+def series_to_numpy(series: pd.Series, spec: ColumnSpec) -> np.ndarray:
     """A pandas numeric feature column from Arrow as training fed it to the model (scalars as
     ``(rows, 1)``)."""
     return as_model_input(series_values(series, spec))
@@ -58,7 +61,7 @@ def predict_columns(predict: Callable[[List[Any]], List[Any]], columns: Sequence
     return predict_batch(predict, batch, specs, transform, batch_size, n_outputs, feature_names)
 
 
-def arrow_values(array: Any, spec: ColumnSpec):
+def arrow_values(array: Any, spec: ColumnSpec) -> np.ndarray:
     """An Arrow feature column in the numpy form training fed it (no pandas in between)."""
     if spec.kind in (VECTOR, ARRAY) and not (spec.shape or spec.size):
         # a model built by hand, its sizes unknown: the values tell (as series_values does)

@@ -39,7 +39,7 @@ def _uids(estimator: Any) -> List[str]:
     return uids + [u for stage in stages for u in _uids(stage)]
 
 
-def _wrap(original, logged: Callable[[], bool]):
+def _wrap(original: Callable[..., Any], logged: Callable[[], bool]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _fit(self, dataset):
         if not logged():

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Type, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Type, TypeVar
 
 from sparktrain.options.declarations import COMMON, KERAS, TORCH, UNSET, Option
 
@@ -114,6 +114,9 @@ class LoopSpec:
     train_decode_workers: int = 2
     val_decode_workers: int = 2
     mp_start_method: Optional[str] = None
+
+    if TYPE_CHECKING:  # the option fields (option_fields) are added when the class is made
+        def __getattr__(self, name: str) -> Any: ...
 
     def model_columns(self) -> List[str]:
         """The batch columns the model, the loss and the sample weighting read."""
