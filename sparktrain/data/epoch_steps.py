@@ -56,5 +56,7 @@ def take_steps(reader: "RowReader", epoch: int, steps: Optional[int], skip: int 
                 if done == steps:
                     return
         finally:
-            batches.close()
+            close = getattr(batches, "close", None)  # a generator: its reader's files go
+            if close is not None:
+                close()
         extra += 1

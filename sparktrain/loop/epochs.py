@@ -233,7 +233,8 @@ class EpochTraining(Protocol):
     def epoch_end(self, epoch: int, logs: Logs) -> bool:
         """The user's end-of-epoch callbacks; ``True`` when one asks to stop."""
 
-    def checkpoint(self, epoch: int, logs: Logs) -> Optional[Tuple[bytes, Dict[str, Any]]]:
+    def checkpoint(self, epoch: int, logs: Logs, mid_epoch: bool = False
+                   ) -> Optional[Tuple[bytes, Dict[str, Any]]]:
         """Called on every rank (it may be a collective): rank 0's checkpoint bytes and extra
         metadata, ``None`` on the other ranks. Inside an epoch it is called as
         ``checkpoint(epoch, {}, mid_epoch=True)`` (the model as it is; no epoch-end work)."""
@@ -322,7 +323,8 @@ class EpochDriver:
 
     def _resume_rows(self) -> Optional[bytes]:
         """The union of the positions the checkpoint's ranks wrote inside its epoch."""
-        if self.resume is None or not self.resume_step or not self.meta.get("positions"):
+        if self.resume is None or self.checkpoints is None or not self.resume_step \
+                or not self.meta.get("positions"):
             return None
         from sparktrain.data.sources.trained_rows import TrainedRows
 
@@ -338,7 +340,7 @@ class EpochDriver:
         """The checkpoint this attempt resumes from (the framework's bytes, read once), or
         ``None``."""
         data, self._resume_bytes = self._resume_bytes, None
-        if data is None and self.resume is not None:
+        if data is None and self.resume is not None and self.checkpoints is not None:
             data = self.checkpoints.read(self.resume)
         return data
 
@@ -465,19 +467,20 @@ class EpochDriver:
         """:meth:`InEpoch.after_steps`: a checkpoint inside the epoch when one is due. One
         all-reduce (the epoch's statistics so far and the step times), then the framework's
         checkpoint (a collective under FSDP); rank 0 writes it."""
-        trigger = self.trigger
-        if trigger is None or not trigger.advance(steps, within.training.all_reduce_sum):
+        trigger, checkpoints = self.trigger, self.checkpoints
+        if trigger is None or checkpoints is None \
+                or not trigger.advance(steps, within.training.all_reduce_sum):
             return
         started = time.perf_counter()
         local = [float(v) for v in sums()]
         position = within.training.position(batches_done)
         if position is not None:  # every rank's, before the collective: then rank 0's marker
-            self.checkpoints.write_rows(within.epoch, batches_done, self.rank, position)
+            checkpoints.write_rows(within.epoch, batches_done, self.rank, position)
         summed = within.training.all_reduce_sum(local + trigger.timing())
         saved = within.training.checkpoint(within.epoch, {}, mid_epoch=True)
         if self.rank == 0 and saved is not None:
             payload, meta = saved
-            self.checkpoints.write(within.epoch, payload, {
+            checkpoints.write(within.epoch, payload, {
                 "history": self.history, "attempts": self.attempts, **self.extra_meta, **meta,
                 "partial": summed[:len(local)], "steps": self.steps,
                 "world_size": self.world_size, "order": order,

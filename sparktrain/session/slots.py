@@ -69,9 +69,9 @@ def slots_from_conf(spark: SparkSession) -> Optional[int]:
     local = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\s*\d+)?\])?", value)
     if local:
         threads = local.group(1)
-        cores = 1 if threads is None else \
+        threads_count = 1 if threads is None else \
             _server_cpu_count(spark) if threads == "*" else int(threads)
-        return cores // task_cpus
+        return threads_count // task_cpus
     cluster = re.fullmatch(r"local-cluster\[(\d+),\s*(\d+),\s*\d+\]", value)
     if cluster:
         return int(cluster.group(1)) * int(cluster.group(2)) // task_cpus

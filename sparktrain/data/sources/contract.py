@@ -17,7 +17,18 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Protocol, Tuple, TypeVar
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    TypeVar,
+)
 
 import numpy as np
 
@@ -106,7 +117,7 @@ class TaskInput(Protocol):
     """The rows one barrier task took (executor side)."""
 
     def for_local_ranks(self, folder: str, ranks: int,
-                        all_gather: Callable[[str], List[str]]) -> List["TaskInput"]:
+                        all_gather: Callable[[str], List[str]]) -> Sequence["TaskInput"]:
         """Dealt to the task's ``ranks`` local ranks (files under ``folder``), agreeing with
         the other tasks through ``all_gather``: one input per local rank, picklable."""
         ...

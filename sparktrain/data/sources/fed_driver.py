@@ -188,7 +188,10 @@ def _feeder(names: List[str], epoch: int, addresses: List[str]) -> Any:
         import pyarrow as pa
         from pyspark import TaskContext
 
-        partition = TaskContext.get().partitionId()
+        context = TaskContext.get()
+        if context is None:
+            raise RuntimeError("the feeding function runs in a Spark task only")
+        partition = context.partitionId()
         sent = send_partition(batches, {"epoch": epoch, "partition": partition}, addresses,
                               names, split_col=SPLIT_COL)
         yield pa.RecordBatch.from_pydict({"rows": [sum(sent.values())]})

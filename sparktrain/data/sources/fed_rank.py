@@ -251,12 +251,19 @@ class FedShard:
                             "or repartition it by a column", self.rank, self.split)
             self.dropped += rows
 
+    def _cached_rows(self) -> RankCache:
+        """The rank cache of a cached split (closed only when the fit is over)."""
+        if self.cache is None:
+            raise RuntimeError(f"rank {self.rank}'s {self.split} rows: the cache is closed")
+        return self.cache
+
     def _write(self, first: int, chunk: Batch) -> None:
+        cache = self._cached_rows()
         try:
-            for name, array in self.cache.arrays.items():
+            for name, array in cache.arrays.items():
                 array[first:first + len(chunk[name])] = chunk[name]
         except OSError as exc:  # the disk filled up after the cache was allocated
-            self.parent.error = disk_full(self.cache.folder, "caching the rank's rows", exc)
+            self.parent.error = disk_full(cache.folder, "caching the rank's rows", exc)
             raise self.parent.error from None
 
     def _queue(self, epoch: int) -> "queue.Queue[Batch]":
@@ -351,7 +358,7 @@ class FedShard:
             if rng is not None:
                 rows = np.sort(rows)  # nearby rows together: fewer pages; a batch is a set
             self._handed_out(self._numbers(rows))
-            yield self.cache.batch(rows)
+            yield self._cached_rows().batch(rows)
 
     def _windowed(self, epoch: int, rng: Optional[np.random.Generator], skip: int,
                   done: Optional[TrainedRows] = None) -> Iterator[Batch]:
@@ -383,10 +390,11 @@ class FedShard:
             last = rows
             if step < skip:
                 continue
+            assert rows is not None  # drawn, or repeated from the last batch's (else raised)
             if self.cached:
                 rows = np.sort(rows)
                 self._handed_out(self._numbers(rows))
-                yield self.cache.batch(rows)
+                yield self._cached_rows().batch(rows)
             else:
                 self._handed_out(rows[ROW_ID])
                 yield {name: array for name, array in rows.items() if name != ROW_ID}

@@ -122,10 +122,11 @@ class StreamShard:
         self.steps = max(1, math.ceil(rows_per_epoch / batch_size))
         self.spooled: Any = None  # the rank's spool folder (removed once no reader holds it)
         self.cache = RankCache.create(self.columns, self.rows, label=f"rank {rank}'s rows")
+        self.table: Any = None  # the rows where the cache has no room for them
         offset = 0
         for batch in table.to_batches() if self.cache is not None else ():
             chunk = {c.name: arrow_to_numpy(batch.column(c.name), c) for c in self.columns}
-            if not self.cache.write(offset, chunk):
+            if self.cache is None or not self.cache.write(offset, chunk):
                 self.cache = None
                 break
             offset += batch.num_rows
@@ -147,10 +148,10 @@ class StreamShard:
         as this rank is short of the most rows a rank has; from batch ``skip`` on (the ones
         before it trained before a mid-epoch checkpoint: the same order, so exactly)."""
         rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
-        order = rng.permutation(self.rows) if rng is not None else np.arange(self.rows)
-        order = np.resize(order, self.rows_per_epoch)  # repeats from the start when short
+        shard = rng.permutation(self.rows) if rng is not None else np.arange(self.rows)
+        shard = np.resize(shard, self.rows_per_epoch)  # repeats from the start when short
         for start in range(skip * self.batch_size, self.rows_per_epoch, self.batch_size):
-            rows = order[start:start + self.batch_size]
+            rows = shard[start:start + self.batch_size]
             if rng is not None:
                 rows = np.sort(rows)  # nearby rows together: fewer pages; a batch is a set
             yield self._rows(rows)
@@ -263,7 +264,7 @@ class ShuffledRows:
         return streamed_readers(spec, files, rank, spooled)
 
     def for_local_ranks(self, folder: str, ranks: int,
-                        all_gather: Callable[[str], List[str]]) -> List["SpooledRows"]:
+                        all_gather: Callable[[str], List[str]]) -> Sequence["SpooledRows"]:
         """Spooled into ``folder``, each record batch dealt in equal slices to the task's
         ``ranks`` ranks; the tasks agree on the rows per epoch through ``all_gather``
         (Spark's, between the tasks)."""
