@@ -26,7 +26,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
@@ -134,7 +134,7 @@ def _hint(value: Any) -> str:
     return "return numeric numpy arrays from transformation_fn"
 
 
-def _stacked(value: np.ndarray):
+def _stacked(value: np.ndarray) -> Optional[np.ndarray]:
     """An object array as a numeric array: one array per row of one shape, or plain numbers;
     ``None`` when it holds anything else."""
     items = list(value.reshape(-1))

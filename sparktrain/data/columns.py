@@ -56,7 +56,11 @@ class ColumnSpec:
         if self.kind == SCALAR:
             return ()
         if self.shape:
-            return tuple(int(d) for d in self.shape)
+            dims = [d for d in self.shape if d is not None]
+            if len(dims) != len(self.shape):  # what int(None) raised before: a TypeError
+                raise TypeError(f"column {self.name!r} has an unknown size in its shape "
+                                f"{self.shape}; expected it sized from the first row")
+            return tuple(int(d) for d in dims)
         return (int(self.size),) if self.size else ()
 
     def to_json(self) -> Dict:

@@ -77,6 +77,7 @@ def work(index: int, fn_bytes: bytes, seed: int, prefix: str, tasks: Any, result
         elif load_error is not None:
             answer = ("error", task) + load_error
         else:
+            assert fn is not None  # loaded: load_error is None
             answer = _run(fn, body, task, epoch, number, seed, f"{prefix}{task:x}")
         del body
         try:

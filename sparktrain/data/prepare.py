@@ -128,10 +128,11 @@ def _shaped(spec: ColumnSpec, shape: List[int]) -> ColumnSpec:
     size = 1
     for dim in shape:
         size *= dim
-    return ColumnSpec(spec.name, spec.kind, spec.dtype, size, shape)
+    dims: List[Optional[int]] = list(shape)
+    return ColumnSpec(spec.name, spec.kind, spec.dtype, size, dims)
 
 
-def _shape_ok(col: Column, dims: Sequence[int]) -> Column:
+def _shape_ok(col: Column, dims: Sequence[Optional[int]]) -> Column:
     """True when a nested array has exactly the shape ``dims`` at every level."""
     if len(dims) == 1:
         return F.size(col) == F.lit(dims[0])
@@ -220,6 +221,7 @@ def length_ranges(df: DataFrame, names: Sequence[str]) -> Dict[str, Tuple[int, i
     for name in names:
         aggs += [F.min(F.size(F.col(f"`{name}`"))), F.max(F.size(F.col(f"`{name}`")))]
     row = df.agg(*aggs).first()
+    assert row is not None  # an aggregation without groupBy has exactly one row
     return {name: (int(row[2 * i] or 0), int(row[2 * i + 1] or 0))
             for i, name in enumerate(names)}
 

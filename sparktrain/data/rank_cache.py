@@ -218,7 +218,7 @@ class RankCache:
         self._finalizer()
 
 
-def disk_full(folder: str, doing: str, exc: BaseException) -> BaseException:
+def disk_full(folder: str, doing: str, exc: OSError) -> BaseException:
     """The named, not-retried error for a full local disk while ``doing``."""
     from sparktrain.errors import LocalDiskFullError
     from sparktrain.faults import mark_user_error

@@ -190,6 +190,7 @@ class ShardReader:
         carry: List[Batch] = []  # rows left over from earlier chunks (fewer than a batch)
         carry_rows = 0
         chunks = self._chunks(order_)
+        batch: Optional[Batch]  # dropped once yielded
         while True:
             chunk = None  # let the previous row group go before waiting for the next one
             chunk = next(chunks, None)
@@ -235,11 +236,15 @@ class ShardReader:
         def groups() -> Iterator[List[Batch]]:
             for start in range(min(skip * size, rows), rows, group):
                 stop = min(start + group, rows)
+                local = self._local
+                if local is None:
+                    raise RuntimeError("ShardReader: closed during an epoch read from its local "
+                                       "cache")
                 if order is None:
-                    batch = self._local.slice(start, stop)
+                    batch = local.slice(start, stop)
                 else:  # each batch's rows sorted (file order touches fewer pages; a batch is a
                     # set anyway), gathered in one call
-                    batch = self._local.batch(np.concatenate(
+                    batch = local.batch(np.concatenate(
                         [np.sort(order[i:min(i + size, stop)]) for i in range(start, stop, size)]))
                 yield [_part(batch, None, i, min(i + size, stop - start))
                        for i in range(0, stop - start, size)]

@@ -19,7 +19,10 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Sequence, Set, Tuple
+
+if TYPE_CHECKING:
+    from _collections_abc import dict_items, dict_keys, dict_values
 
 #: columns looked at beyond which no column is tried without (each try is one call)
 MAX_TRIES = 64
@@ -57,15 +60,15 @@ class _Reads(dict):
         self._all()
         return super().__iter__()
 
-    def keys(self):  # type: ignore[override]
+    def keys(self) -> dict_keys[Any, Any]:
         self._all()
         return super().keys()
 
-    def items(self):  # type: ignore[override]
+    def items(self) -> dict_items[Any, Any]:
         self._all()
         return super().items()
 
-    def values(self):  # type: ignore[override]
+    def values(self) -> dict_values[Any, Any]:
         self._all()
         return super().values()
 

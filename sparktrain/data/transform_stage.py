@@ -94,6 +94,7 @@ class BatchFeed:
         if pool is None:
             from sparktrain.data.workers import DecodePool
 
+            assert self.transform is not None  # pools only with processes, so a transform
             pool = self._pools[split] = DecodePool(
                 self.transform, self.workers.get(split, 2), seed=self.seed,
                 max_bytes=self.queue_bytes, start_method=self.start_method,

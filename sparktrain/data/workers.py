@@ -58,12 +58,29 @@ import threading
 import time
 from collections import deque
 from multiprocessing import connection
-from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, NoReturn, Optional, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Deque,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    NoReturn,
+    Optional,
+    Tuple,
+    Union,
+    cast,
+)
 
 from sparktrain.data.decode_worker import HEADER, work
 from sparktrain.data.shm_blocks import SHM_PREFIX, discard_block, unpack
 from sparktrain.data.worker_errors import DecodeWorkerError, TransformationFailed, worker_ended
 from sparktrain.pickling import dumps_code
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext, SpawnContext
 
 Batch = Dict[str, Any]
 
@@ -145,6 +162,7 @@ class DecodePool:
         source = iter(batches)
         first = want = self._next_task
         exhausted = False
+        batch: Optional[Batch]  # dropped once dispatched
         try:
             while True:
                 if self._generation != generation:
@@ -247,7 +265,9 @@ class DecodePool:
         except Exception as exc:
             raise TypeError(f"{self.name} cannot be sent to decode worker processes (it is "
                             f"pickled with cloudpickle): {type(exc).__name__}: {exc}") from exc
-        ctx = multiprocessing.get_context(self.start_method)
+        # typeshed: a BaseContext for a str; _start_method gives "forkserver" or "spawn"
+        ctx = cast("Union[ForkServerContext, SpawnContext]",
+                   multiprocessing.get_context(self.start_method))
         if self.start_method == "forkserver":
             # imported once in the server, so each forked worker starts without importing them
             # (no effect when this process's fork server is already running)
@@ -306,7 +326,8 @@ class DecodePool:
                 if item in readers:
                     index = readers[item]
                     try:
-                        message = item.recv()
+                        # typeshed: wait() returns any of the kinds it takes; these are Pipe ends
+                        message = cast(connection.Connection, item).recv()
                     except (EOFError, OSError):  # the worker's end closed: it is gone
                         self._lost(index)
                     self._file(index, message)

@@ -37,7 +37,7 @@ from sparktrain.estimators.prediction import check_profiles, takes_profiles
 from sparktrain.estimators.preflight import run_preflight, transformation_columns
 from sparktrain.estimators.progress import FitProgress, TqdmLogHandler, interval_from_conf
 from sparktrain.fit_hooks import FitListener, fit_hooks
-from sparktrain.launch import check_backend
+from sparktrain.launch import Entry, check_backend
 from sparktrain.launch.barrier import check_slots
 from sparktrain.launch.elastic import ElasticPlan
 from sparktrain.launch.executor_env import RANK_MODULES, check_executors
@@ -78,7 +78,7 @@ class _FitLogging:
             log.addHandler(self.handler)
             log.setLevel(logging.INFO)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.handler is not None:
             log.removeHandler(self.handler)
             log.setLevel(self._level)
@@ -87,8 +87,9 @@ class _FitLogging:
 class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
     """Framework-independent ``fit``; see the module docstring."""
 
-    #: backend name -> ("module:Class", requirement), set by each framework's estimator
-    backends: Dict[str, Tuple[str, str]] = {}
+    #: backend name -> ("module:Class" or the class, requirement), set by each framework's
+    #: estimator
+    backends: Dict[str, Tuple[Entry, str]] = {}
     #: what the framework's checkpoints are tagged with ("torch", "keras")
     framework = ""
     #: the estimator's options (sparktrain.options.declarations): its Params and keywords
@@ -132,7 +133,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         getters' values) and of ``run``; the framework adds what it derives. Without ``run``:
         the preflight's, with no dataset and no run directory."""
         fields = {o.spec_name: getattr(self, f"get{camel(o.name)}")()
-                  for o in self.options if o.rank}
+                  for o in self.options if o.spec_name is not None}  # None: not o.rank
         if run is None:
             return dict(fields, columns=[], **horovod_params.reader_options(self))
         max_time = self.getMaxTime()
@@ -206,6 +207,7 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         if created:  # and the DataFrame columns the transformation reads to make them
             present = [spec.name for spec in specs]
             inputs = transformation_columns(df, fn, wanted, keep=present)
+            assert inputs is not None  # it returns a list on every path
             specs += [spec for spec in inputs if spec.name not in present]
         return specs
 

@@ -88,6 +88,7 @@ class GpuPlan:
             return None
         from pyspark.resource import ResourceProfileBuilder, TaskResourceRequests
 
+        assert self.profile_cpus is not None  # needs_profile
         requests = TaskResourceRequests().cpus(self.profile_cpus).resource("gpu", 1)
         return ResourceProfileBuilder().require(requests).build
 
@@ -124,6 +125,7 @@ def stage_scheduling_gap(master: str, spark_version: str, conf: Dict[str, str],
     when it can (Spark's stage-level scheduling: TaskResourceProfile, SPARK-39853 for
     standalone in 3.4, SPARK-45495 for YARN and Kubernetes in 3.5.1)."""
     version = _version(spark_version)
+    needed: Tuple[int, ...]
     if master.startswith(("spark://", "local-cluster")):
         needed, manager = (3, 4), "standalone"
     elif master.startswith(("yarn", "k8s://")):
@@ -191,6 +193,7 @@ def plan_gpus(conf: Dict[str, str], master: str, spark_version: str,
             f"the training stage only (stage-level scheduling); here it cannot: {gap}. Set "
             f"{TASK_GPUS}=1 for the application, pass resource_profile= (a ResourceProfile "
             f"with a GPU per task), or use_gpu=False to train on CPUs")
+    assert executor_amount is not None  # required by _required_keys, checked above
     executor_gpus = float(executor_amount)
     if executor_gpus < 1:
         raise ValueError(f"{EXECUTOR_GPUS}={executor_amount}: expected the whole number of "

@@ -83,6 +83,8 @@ class RendezvousServer:
         from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
         class Handler(RendezvousHandler):
+            path: str  # BaseHTTPRequestHandler's request path (horovod's base is untyped)
+
             def _authorized(self) -> bool:
                 prefix = self.server.path_prefix.encode()
                 path = self.path.encode("utf-8", "replace")

@@ -109,7 +109,7 @@ def run_places(task: Callable[[RankContext], Any], where: Sequence, ranks: Seque
         return [(place.rank, _result(folder, place.rank)) for place in ranks]
 
 
-def _with_input(task: Callable[[RankContext], Any], inputs: List[TaskInput],
+def _with_input(task: Callable[[RankContext], Any], inputs: Sequence[TaskInput],
                 ctx: RankContext) -> Any:
     ctx.task_input = inputs[ctx.local_rank]
     return task(ctx)

@@ -34,7 +34,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 _HEADER = struct.Struct("!I")  # a frame: its length, then that many bytes of UTF-8
 CONNECT_SECONDS = 60.0  # how long a rank tries to reach rank 0's server
@@ -113,11 +113,14 @@ class GatherServer:
         self._listener.close()
 
     def _serve(self) -> None:
-        ranks, pending, gone = self._ranks, {}, set()
+        ranks = self._ranks
+        pending: Dict[int, str] = {}
+        gone: Set[int] = set()
         try:
             self._accept()
+            joined = self._joined()
             with selectors.DefaultSelector() as selector:
-                for rank, sock in enumerate(ranks):
+                for rank, sock in enumerate(joined):
                     selector.register(sock, selectors.EVENT_READ, rank)
                 selector.register(self._wake, selectors.EVENT_READ, None)
                 while len(gone) < self.world_size:
@@ -127,32 +130,38 @@ class GatherServer:
                             self._goodbye()
                             return
                         try:
-                            text = _receive(ranks[rank])
+                            text = _receive(joined[rank])
                         except OSError:  # ConnectionError: no goodbye
                             if not self._closed.is_set():
                                 self._lost(rank)
                             return
                         if text == BYE or gone:  # a gather after a goodbye cannot complete
                             gone.add(rank)
-                            selector.unregister(ranks[rank])
+                            selector.unregister(joined[rank])
                             continue
                         pending[rank] = text
                     if len(pending) == self.world_size:
                         answer = json.dumps([pending[r] for r in range(self.world_size)])
                         pending.clear()
-                        for sock in ranks[1:] + ranks[:1]:  # rank 0 (this process) last
+                        for sock in joined[1:] + joined[:1]:  # rank 0 (this process) last
                             _send(sock, answer)
         except OSError:  # close(), or a rank gone while it was answered
             pass
         finally:
             self._listener.close()
             self._wake.close()
-            for sock in ranks:
-                if sock is not None:
-                    sock.close()
+            for end in ranks:  # those that joined
+                if end is not None:
+                    end.close()
+
+    def _joined(self) -> List[socket.socket]:
+        """The ranks' sockets, once :meth:`_accept` has returned."""
+        joined = [sock for sock in self._ranks if sock is not None]
+        assert len(joined) == self.world_size  # _accept() returns once every rank joined
+        return joined
 
     def _goodbye(self) -> None:
-        for sock in self._ranks:
+        for sock in self._joined():
             try:
                 _send(sock, BYE)
             except OSError:

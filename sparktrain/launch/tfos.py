@@ -77,6 +77,7 @@ def cluster_template(num_nodes: int) -> Dict[str, list]:
 def _default_fs(sc: Any) -> str:
     """``fs.defaultFS`` as TFCluster.run passes it to the nodes (``TFNodeContext.defaultFS``)."""
     fs = hadoop_conf(sc, "fs.defaultFS")
+    assert fs is not None  # Hadoop's core-default.xml sets it (file:///)
     return fs[:-1] if fs.startswith("file://") and len(fs) > 7 and fs.endswith("/") else fs
 
 

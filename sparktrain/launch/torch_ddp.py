@@ -127,7 +127,7 @@ def has_state_buffers(model: torch.nn.Module) -> bool:
     return any(name in state for name, _ in model.named_buffers())
 
 
-def _buffer_options(model: torch.nn.Module) -> Dict[str, bool]:
+def _buffer_options(model: torch.nn.Module) -> Dict[str, Any]:
     """DDP's keyword that turns off the buffer broadcast before every forward, for a model
     whose buffers are all constants (:func:`has_state_buffers`); ``{}`` (DDP's defaults) for a
     model without buffers or with state buffers. torch >= 2.13 renamed the per-forward half of
@@ -160,7 +160,7 @@ class TorchDDP(TorchEngine):
         with _gloo_interface(ctx.hosts[ctx.rank]):
             dist.init_process_group(backend, store=store, rank=ctx.rank,
                                     world_size=ctx.world_size, timeout=TIMEOUT)
-        self._store = store  # rank 0's store server must outlive the group
+        self._store: Optional[dist.PrefixStore] = store  # rank 0's server must outlive the group
 
     def wrap(self, model: torch.nn.Module, optimizer: Any, backward_passes_per_step: int = 1,
              compression: Optional[str] = None, broadcast: bool = True
@@ -185,9 +185,9 @@ class TorchDDP(TorchEngine):
         # buffer, frozen ones included (torch's DistributedDataParallel docs); a torch without
         # the option broadcasts, which costs memory, not correctness
         skip = not broadcast and "init_sync" in _DDP_OPTIONS
+        sync: Dict[str, Any] = {"init_sync": False} if skip else {}
         ddp = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=ids, **_buffer_options(model),
-            **({"init_sync": False} if skip else {}))
+            model, device_ids=ids, **_buffer_options(model), **sync)
         if compression == "fp16":
             # PyTorch's built-in DDP communication hook: casts each gradient bucket to float16,
             # all-reduces it (divided by the world size) and casts the result back.

@@ -134,7 +134,7 @@ def forward_stats(tf: Any, model: Any, loss_fn: Any, metrics: List[Tuple[str, An
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     y = [_match_label(tf, o, label, not keep_label_shapes)
          for o, label in zip(outputs, y, strict=True)]
-    per_row = 0.0
+    per_row: Any = 0.0  # a tensor once the first loss is added
     for i, (o, label) in enumerate(zip(outputs, y, strict=True)):
         value = loss_fn(label, o)
         if loss_weights:

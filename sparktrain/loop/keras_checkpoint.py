@@ -59,8 +59,10 @@ def checkpoint_settings(callback: Any, validation: Any) -> Optional[Dict[str, An
         raise ValueError(f"checkpoint_callback monitors {monitor!r}, but there is no validation "
                          f"data: pass validation=<fraction or column>, or monitor 'loss'")
     baseline = getattr(callback, "best", None)
-    finite = isinstance(baseline, (int, float)) and math.isfinite(baseline)
-    return {"monitor": monitor, "mode": mode, "baseline": float(baseline) if finite else None}
+    if not (isinstance(baseline, (int, float)) and math.isfinite(baseline)):
+        baseline = None
+    return {"monitor": monitor, "mode": mode,
+            "baseline": float(baseline) if baseline is not None else None}
 
 
 class BestModel:

@@ -23,7 +23,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, TypeVar, Union
+from typing import Any, Dict, List, Optional, Sequence, TypeVar, Union, cast
 
 T = TypeVar("T")
 
@@ -56,9 +56,10 @@ def input_names(model: Any) -> Optional[List[str]]:
     if isinstance(struct, dict):
         key_of = {id(tensor): key for key, tensor in struct.items()}
         names = [key_of.get(id(tensor)) for tensor in inputs]
-        return names if all(isinstance(n, str) for n in names) else None  # nested: unknown
+        # nested: unknown; the cast only narrows the list checked to hold str
+        return cast(List[str], names) if all(isinstance(n, str) for n in names) else None
     names = [getattr(tensor, "name", None) for tensor in inputs]
-    return names if all(isinstance(n, str) for n in names) else None
+    return cast(List[str], names) if all(isinstance(n, str) for n in names) else None
 
 
 def fed_by_name(model: Any, feature_cols: Sequence[str]) -> bool:

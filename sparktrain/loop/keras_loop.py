@@ -32,7 +32,7 @@ import shutil
 import sys
 import traceback
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -77,8 +77,8 @@ STACKED_BYTES = 64 << 20
 def auto_steps_per_execution(tensors: Tuple[List[Any], List[Any], Any]) -> int:
     """Steps per call for batches like ``tensors`` (one batch's ``(x, y, w)``)."""
     x, y, w = tensors
-    tensors = x + y + ([] if w is None else [w])
-    size = sum(int(t.shape.num_elements() or 0) * t.dtype.size for t in tensors)
+    flat = x + y + ([] if w is None else [w])
+    size = sum(int(t.shape.num_elements() or 0) * t.dtype.size for t in flat)
     return max(1, min(MAX_STEPS_PER_EXECUTION, STACKED_BYTES // max(size, 1)))
 
 
@@ -111,7 +111,8 @@ def _checkpoint_bytes(model_file: str, optimizer: Any) -> bytes:
     import numpy as np
 
     with open(model_file, "rb") as f:
-        arrays = {"model_keras": np.frombuffer(f.read(), dtype=np.uint8)}
+        # Any: savez's stub would match an ndarray **kwarg against its allow_pickle: bool
+        arrays: Dict[str, Any] = {"model_keras": np.frombuffer(f.read(), dtype=np.uint8)}
     for i, variable in enumerate(optimizer.variables):
         arrays[f"optimizer_{i:05d}"] = np.asarray(variable.numpy())
     buffer = io.BytesIO()
@@ -192,6 +193,7 @@ class _KerasEpochs:
         model_bytes, optimizer_state = self.payload.model, None
         resumed = self.driver.resume_bytes()
         if resumed is not None:
+            assert self.driver.resume is not None  # resume_bytes() read driver.resume's bytes
             try:
                 model_bytes, optimizer_state = _read_checkpoint(resumed)
             except Exception as exc:  # a damaged file written before fingerprints
@@ -426,6 +428,7 @@ def train(spec: KerasTrainSpec, payload: KerasPayload, workdir: str) -> Dict[str
     if spec.seed is not None:
         keras.utils.set_random_seed(spec.seed)
     custom = loading_objects(keras, payload.custom_objects)
+    assert payload.strategy is not None  # KerasEstimator._payload always sets it
     strategy = payload.strategy(spec)
     distributed = strategy.distribute(tf)
     driver = EpochDriver.for_spec(
@@ -455,10 +458,11 @@ def main(workdir: str) -> int:
         with open(os.path.join(workdir, PAYLOAD_FILE), "rb") as f:
             payload = KerasPayload.loads(f.read())
         if spec.role:  # serves the strategy's cluster until its task kills it
+            assert payload.strategy is not None  # KerasEstimator._payload always sets it
             payload.strategy(spec).serve(payload, workdir, batch_tensors)
             return 0
         try:
-            result = train(spec, payload, workdir)
+            result: Union[Dict[str, Any], str] = train(spec, payload, workdir)
         except Regroup:  # an elastic fit's generation ends after this epoch's checkpoint
             result = REGROUP
         with open(os.path.join(workdir, RESULT_FILE), "wb") as f:

@@ -90,7 +90,7 @@ class LossComputer:
 
     def __call__(self, outputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
                  weights: Optional[torch.Tensor]) -> torch.Tensor:
-        total = 0
+        total: Any = 0  # a tensor once the first loss is added
         terms = zip(self.losses, outputs, labels, strict=True)
         for index, (fn, output, label) in enumerate(terms):
             value = fn(output, label)

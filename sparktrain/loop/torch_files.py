@@ -17,7 +17,7 @@ Example::
 from __future__ import annotations
 
 import pickle
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Literal, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -221,6 +221,7 @@ class ShippedModule:
              ) -> Tuple[torch.nn.Module, Any]:
         """``(module, optimizer)``, their tensors from ``state`` or else the weights file."""
         if state is None:
+            assert self.weights is not None  # only the driver's checks ship none; they pass state
             state = load_weights(self.weights.local_path())
         module, optimizer = loads_with_weights(self.trainer, state)
         return module, make_optimizer(optimizer, module)
@@ -291,12 +292,14 @@ class BuiltModule(ShippedModule):
         self.build = build
         self.optimizer = optimizer
 
-    def load(self, state: Optional[Mapping[str, torch.Tensor]] = None
+    def load(self, state: Union[Mapping[str, torch.Tensor], Literal["meta"], None] = None
              ) -> Tuple[torch.nn.Module, Any]:
+        """``state="meta"``: built on the meta device (the driver's checks)."""
         module = build_on_meta(self.build) if state == "meta" else \
             build_module(self.build, "on this rank")
-        if module is None:
-            return None, None
+        if module is None:  # the driver checked it builds there before passing "meta"
+            raise RuntimeError(f"the model callable {builder_name(self.build)!r} cannot build "
+                               f"on the meta device")
         return module, make_optimizer(self.optimizer, module)
 
 

@@ -23,7 +23,7 @@ import contextlib
 import uuid
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -146,7 +146,7 @@ def _run_epoch(model: torch.nn.Module, forward: ForwardRule, batches: Iterator[D
             features, labels, weights = to_tensors(batch)
             loss = None
             with casting:
-                if training and step_rule.minibatch_fn is not None:
+                if step_rule is not None and step_rule.minibatch_fn is not None:  # training
                     with user_code("train_minibatch_fn"):
                         outputs, loss = step_rule.minibatch(model, features, labels, weights,
                                                             step, compute_loss)
@@ -165,7 +165,7 @@ def _run_epoch(model: torch.nn.Module, forward: ForwardRule, batches: Iterator[D
                               for o, label in zip(outputs, labels, strict=True)]
                     if loss is None:
                         loss = compute_loss(outputs, labels, weights)
-            if training:
+            if step_rule is not None:  # training
                 with user_code("the backward pass or the optimizer step"):
                     step_rule.backward(model, loss, step, steps)
             rows = features[0].shape[0]
@@ -184,7 +184,7 @@ def _run_epoch(model: torch.nn.Module, forward: ForwardRule, batches: Iterator[D
             if training and within is not None and (step + 1) % passes == 0 \
                     and step + 1 < steps:
                 within.after_steps(step + 1, 1, lambda: sums.cpu().tolist(), order())
-    if training:
+    if step_rule is not None:  # training
         with user_code("the optimizer step"):
             step_rule.end_epoch()
     return sums, names, shapes
@@ -384,6 +384,8 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     # the engine the estimator resolved (so one registered only on the driver works)
     engine = shipped.payload.engine or load_backend(TORCH_BACKENDS, spec.backend)
     dist = engine(ctx, device)
+    trained: Optional[torch.nn.Module]
+    epochs: Optional[_TorchEpochs]
     try:
         driver.agree(lambda values: _all_reduce(dist, device, values))
         strategy, trained, step_rule = _set_up(spec, ctx, shipped, driver, dist, device)
@@ -423,8 +425,10 @@ def _set_up(spec: TorchTrainSpec, ctx: RankContext, shipped: _Loaded, driver: Ep
     scaled) and set up by the strategy: the strategy, the module training and the step rule."""
     model, optimizer, payload = shipped.model, shipped.optimizer, shipped.payload
     resumed = driver.resume_bytes()
-    state = restore(resumed, model, optimizer, driver.resume.payload_path) \
-        if resumed is not None else {}
+    state: Dict[str, Any] = {}
+    if resumed is not None:
+        assert driver.resume is not None  # resume_bytes() read driver.resume's bytes
+        state = restore(resumed, model, optimizer, driver.resume.payload_path)
     if resumed is None and spec.scale_learning_rate:
         factor = scaling_ranks(spec, ctx.world_size) * spec.backward_passes_per_step
         for group in optimizer.param_groups:
@@ -471,12 +475,13 @@ def _all_reduce(dist: Any, device: torch.device, values: Sequence[float]) -> Lis
 
 
 def check_batch(spec: TorchTrainSpec, blob: bytes, batch: Dict[str, np.ndarray],
-                state: Dict[str, torch.Tensor]) -> None:
+                state: Union[Dict[str, torch.Tensor], Literal["meta"]]) -> None:
     """Driver-side preflight (see :mod:`sparktrain.estimators.preflight`): what one validation
     step of training runs (``transformation_fn``, the batch's tensors, the forward pass, the
     loss and the metrics) on ``batch``, on the CPU without gradients, with the model unpickled
     from the training payload ``blob`` around the driver's tensors ``state`` (no copy of the
-    weights; nothing writes them without gradients).
+    weights; nothing writes them without gradients), or built on the meta device for a model
+    callable (``state="meta"``).
 
     Raises what training would raise; ``PreflightError`` is built from it by the caller.
     """

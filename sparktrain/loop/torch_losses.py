@@ -9,7 +9,7 @@ Example::
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, Collection, List, Tuple
 
 
 def build_losses(constructors: Any, n_labels: int, **context: Any) -> Any:
@@ -21,7 +21,8 @@ def build_losses(constructors: Any, n_labels: int, **context: Any) -> Any:
     losses = []
     for make in items:
         try:
-            parameters = inspect.signature(make).parameters.values()
+            parameters: Collection[inspect.Parameter] = \
+                inspect.signature(make).parameters.values()
         except (TypeError, ValueError):
             parameters = []
         if any(p.kind == p.VAR_KEYWORD for p in parameters):

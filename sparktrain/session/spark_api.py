@@ -18,9 +18,12 @@ import logging
 import os
 import re
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, cast
 
 from pyspark.sql import DataFrame, SparkSession
+
+if TYPE_CHECKING:
+    from pyspark.sql.connect.dataframe import DataFrame as ConnectDataFrame
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +126,8 @@ def job_tag(spark: SparkSession, tag: str, description: str = "") -> Iterator[No
     finally:
         sc.removeJobTag(tag)
         sc.setInterruptOnCancel(False)
-        sc.setLocalProperty("spark.job.description", None)
+        # pyspark types value as str; its docs: None unsets the property
+        sc.setLocalProperty("spark.job.description", None)  # type: ignore[arg-type]
 
 
 def cancel_tag(spark: SparkSession, tag: str) -> None:
@@ -146,7 +150,8 @@ def plan_fingerprint(df: DataFrame) -> str:
         from sparktrain.session import spark_jvm
 
         return spark_jvm.plan_fingerprint(df)
-    text = df._explain_string(extended=True)
+    # a Connect DataFrame here (typed as the classic one, whose __getattr__ gives a Column)
+    text = cast("ConnectDataFrame", df)._explain_string(extended=True)
     match = re.search(r"== Analyzed Logical Plan ==\n(.*?)\n== ", text, re.S)
     analyzed = match.group(1) if match else text
     return f"{re.sub(r'#[0-9]+L?', '', analyzed)}|{df.semanticHash()}"
