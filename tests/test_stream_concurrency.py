@@ -156,3 +156,20 @@ def test_two_threads_each_fit_a_streamed_num_proc_2_on_local_4(tmp_path):
     assert len(losses) == 2
     for _, _, first, last in losses:
         assert float(last) < float(first) / 4, out
+
+
+def test_slot_claims_leave_a_feeding_slot_to_one_fit_where_there_is_one(spark):
+    """local[2]: a fit of 1 rank may feed from the second slot; a second fit at once may not
+    (its rows go through its training stage), nor a first fit of 2 ranks; claims end with
+    their fits."""
+    from sparktrain.session.slots import claim_slots, fits_holding_slots
+
+    with claim_slots(spark, ranks=1, feeders=True) as first:
+        assert first.spare and first.slots == 2 and first.held == 2
+        with claim_slots(spark, ranks=1, feeders=True) as second:
+            assert not second.spare and second.busy == 2 and fits_holding_slots(spark) == 2
+    with claim_slots(spark, ranks=2, feeders=True) as wide:
+        assert not wide.spare and wide.held == 2
+    with claim_slots(spark, ranks=1, feeders=False) as stored:
+        assert not stored.spare and fits_holding_slots(spark) == 1
+    assert fits_holding_slots(spark) == 0

@@ -159,7 +159,9 @@ def claim_slots(spark: SparkSession, ranks: int, feeders: bool) -> Iterator[Slot
         slots = task_slots(spark)
         claimed = sum(c.held for c in _CLAIMS.get(key, {}).values())
         busy = max(claimed, running_tasks(spark) or 0)
-        spare = feeders and (slots is None or slots - busy > ranks)
+        # a cluster that cannot say its size (dynamic allocation without a bound): one fit of
+        # the driver at a time may feed beside its ranks, as the first fit finds it
+        spare = feeders and (slots - busy > ranks if slots is not None else not claimed)
         claim = SlotClaim(ranks, spare, slots, busy)
         number = next(_IDS)
         _CLAIMS.setdefault(key, {})[number] = claim
