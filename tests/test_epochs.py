@@ -211,3 +211,34 @@ def test_an_early_stop_holds_for_the_fits_retries_but_not_for_a_new_fit(tmp_path
     next_fit, _, _ = driver(tmp_path, fit_id="fit-2")
     assert next_fit.run(Scripted()) is None
     assert next_fit.history["loss"] == [1.0, 0.5, 1 / 3, 0.25]
+
+
+def test_a_resume_inside_an_epoch_joins_every_ranks_position_whatever_the_world_size(tmp_path):
+    """3 ranks wrote the rows they trained beside a checkpoint inside epoch 2; a driver of 2
+    ranks resumes with their union (what its reader then leaves out) and skips by it, not by
+    a share of steps."""
+    import numpy as np
+
+    from sparktrain.data.sources.trained_rows import TrainedRows
+
+    run = str(tmp_path / "run")
+    checkpoints = Checkpoints(run)
+    parts = []
+    for rank in range(3):
+        done = TrainedRows(90)
+        done.add(np.arange(rank * 30, rank * 30 + 8))
+        parts.append(done.mask.copy())
+        checkpoints.write_rows(1, 4, rank, done.to_bytes())
+    checkpoints.write(1, b"state", {"history": {"loss": [1.0]}, "steps": 10, "world_size": 3,
+                                    "positions": True}, step=4)
+    resumed, _, lines = driver(tmp_path, world_size=2)
+    assert resumed.first == 1 and resumed.resume_step == 4
+    joined = TrainedRows.from_bytes(resumed.resume_rows)
+    assert (joined.mask == np.logical_or.reduce(parts)).all() and joined.count() == 24
+    resumed.start(steps=14, description="2 ranks")
+    assert resumed.skip == 4 and not any("same share" in line for line in lines)
+    # a checkpoint without positions (store rows): the same share of the epoch, as before
+    checkpoints.write(1, b"state", {"history": {}, "steps": 10, "world_size": 3}, step=6)
+    later, _, lines = driver(tmp_path, world_size=2)
+    later.start(steps=14, description="2 ranks")
+    assert later.resume_rows is None and later.skip == 8 and any("same share" in x for x in lines)
