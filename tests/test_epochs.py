@@ -242,3 +242,16 @@ def test_a_resume_inside_an_epoch_joins_every_ranks_position_whatever_the_world_
     later, _, lines = driver(tmp_path, world_size=2)
     later.start(steps=14, description="2 ranks")
     assert later.resume_rows is None and later.skip == 8 and any("same share" in x for x in lines)
+
+
+def test_positions_go_with_their_checkpoint_inside_an_epoch(tmp_path):
+    checkpoints = Checkpoints(str(tmp_path / "run"))
+    for step in (4, 8):
+        for rank in range(2):
+            checkpoints.write_rows(1, step, rank, b"rows")
+        checkpoints.write(1, b"state", {"positions": True}, step=step)
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert [n for n in names if ".rows-" in n] == ["epoch-000001-step-00000008.rows-0",
+                                                   "epoch-000001-step-00000008.rows-1"]
+    checkpoints.write(2, b"state", {})  # the epoch's end: the last positions go too
+    assert not [p for p in (tmp_path / "run" / "checkpoints").iterdir() if ".rows-" in p.name]
