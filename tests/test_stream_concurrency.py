@@ -4,10 +4,10 @@ ever (``CrossValidator(parallelism=2)``, two threads), and a feeding job that ge
 fails the fit within a minute, naming what holds the slots."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -107,69 +107,42 @@ def test_a_feed_that_gets_no_slot_fails_the_fit_within_a_minute_naming_the_holde
     assert took < 60, took
 
 
-TWO_THREADS = textwrap.dedent('''
-    import sys, threading
-    sys.path.insert(0, {tests!r})
-    from support.helpers import linear_estimator
-    from sparktrain import local_spark
-    import numpy as np
-    from pyspark.ml.linalg import Vectors
-
-    spark = local_spark("local[4]", conf={{"spark.ui.enabled": "false"}})
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(2000, 4))
-    y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
-    df = spark.createDataFrame([(Vectors.dense(a.tolist()), float(b)) for a, b in zip(x, y)],
-                               ["features", "label"]).repartition(3).cache()
-    results, errors = {{}}, []
-
-    def fit(name):
-        try:
-            est = linear_estimator({store!r} + name, num_proc=2, epochs=4, batch_size=50,
-                                   input_mode="stream", lr=0.05)
-            results[name] = est.fit(df).getHistory()["loss"]
-        except BaseException as exc:
-            errors.append(repr(exc))
-
-    threads = [threading.Thread(target=fit, args=(n,)) for n in ("a", "b")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
-    print("ERRORS", errors, flush=True)
-    for name, loss in sorted(results.items()):
-        print("LOSS", name, loss[0], loss[-1], flush=True)
-''')
+@pytest.fixture(scope="module")
+def local4(tmp_path_factory):
+    """The scenarios of tests/support/local4_fits.py, run once in a process with its own
+    local[4] session: ``{scenario: result}``."""
+    store = str(tmp_path_factory.mktemp("local4")) + "/s-"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "support",
+                                                        "local4_fits.py"), store],
+                          capture_output=True, text=True, timeout=420, cwd=ROOT)
+    results = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+            results[result.pop("scenario")] = result
+    assert done.returncode == 0 and len(results) == 2, done.stdout[-3000:] + done.stderr[-4000:]
+    return results
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(360)
-def test_two_threads_each_fit_a_streamed_num_proc_2_on_local_4(tmp_path):
+@pytest.mark.timeout(480)
+def test_two_threads_each_fit_a_streamed_num_proc_2_on_local_4(local4):
     """local[4], two fits of 2 ranks at once: one feeds its ranks from the spare slots, the
     other takes its rows through its training stage; both finish and learn."""
-    script = TWO_THREADS.format(tests=os.path.join(ROOT, "tests"), store=str(tmp_path / "s-"))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=330, cwd=ROOT)
-    out = done.stdout
-    assert done.returncode == 0 and "ERRORS []" in out, out + done.stderr[-4000:]
-    losses = [line.split() for line in out.splitlines() if line.startswith("LOSS")]
-    assert len(losses) == 2
-    for _, _, first, last in losses:
-        assert float(last) < float(first) / 4, out
+    threads = local4["threads"]
+    assert not threads["errors"] and sorted(threads["losses"]) == ["a", "b"], threads
+    for loss in threads["losses"].values():
+        assert loss[-1] < loss[0] / 4, loss
 
 
-def test_slot_claims_leave_a_feeding_slot_to_one_fit_where_there_is_one(spark):
-    """local[2]: a fit of 1 rank may feed from the second slot; a second fit at once may not
-    (its rows go through its training stage), nor a first fit of 2 ranks; claims end with
-    their fits."""
-    from sparktrain.session.slots import claim_slots, fits_holding_slots
-
-    with claim_slots(spark, ranks=1, feeders=True) as first:
-        assert first.spare and first.slots == 2 and first.held == 2
-        with claim_slots(spark, ranks=1, feeders=True) as second:
-            assert not second.spare and second.busy == 2 and fits_holding_slots(spark) == 2
-    with claim_slots(spark, ranks=2, feeders=True) as wide:
-        assert not wide.spare and wide.held == 2
-    with claim_slots(spark, ranks=1, feeders=False) as stored:
-        assert not stored.spare and fits_holding_slots(spark) == 1
-    assert fits_holding_slots(spark) == 0
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_an_epoch_resumed_with_fewer_ranks_trains_exactly_the_rows_left(local4):
+    """3 ranks fed rows that are read again every epoch, Ctrl-C'd inside the epoch; the fit
+    resumed with 2 ranks trains exactly the rows none of the 3 had trained (by id; a rank
+    short of the most repeats a few of its own)."""
+    run = local4["regrouped"]
+    assert run["interrupted"] and run["step"] and run["world_size"] == 3 and run["positions"]
+    before, after, ids = set(run["before"]), set(run["after"]), set(run["ids"])
+    assert len(run["before"]) == len(before)  # nothing twice before the checkpoint
+    assert not before & after and before | after == ids
