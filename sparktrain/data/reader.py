@@ -364,6 +364,9 @@ class ShardReader:
         ``skip`` and ``order`` resume it exactly with as many ranks."""
         return None
 
+    def resume_at(self, epoch: int, trained: bytes) -> None:
+        """Nothing to know ahead: resumed by its skip."""
+
     def resumed_steps(self, trained: bytes) -> int:
         raise ValueError("a store shard resumes by its skip and order, not by rows")
 

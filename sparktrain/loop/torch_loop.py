@@ -379,6 +379,10 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
 
     readers = rank_readers(spec, ctx.rank, ctx.world_size, ctx.task_input, ctx.all_gather,
                            ctx.log)
+    if driver.resume_rows is not None and not spec.train_steps:
+        # before the collective below: no rank's rows of the epoch arrive before it knows
+        # which were trained (rank 0 asks for every rank's)
+        readers["train"].resume_at(driver.first, driver.resume_rows)
     train_steps = spec.train_steps or len(readers["train"])
     feed = BatchFeed.for_spec(spec, shipped.payload.transformation_fn)
     # the engine the estimator resolved (so one registered only on the driver works)

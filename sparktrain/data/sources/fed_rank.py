@@ -285,8 +285,8 @@ class FedShard:
         with ``trained`` (the position of a checkpoint inside the epoch, every rank's: see
         :meth:`position`), exactly the rows none of them had trained, in
         :meth:`resumed_steps` batches, whatever ranks dealt them then."""
-        if trained is not None:
-            self.resumed = (epoch, TrainedRows.from_bytes(trained))
+        if trained is not None and (self.resumed is None or self.resumed[0] != epoch):
+            self.resume_at(epoch, trained)
         elif self.resumed is not None and self.resumed[0] != epoch:
             self.resumed = None
         if self.split == "train":
@@ -303,6 +303,12 @@ class FedShard:
             self._settle()
             return self._permuted(rng, skip)
         return self._windowed(epoch, rng, skip)
+
+    def resume_at(self, epoch: int, trained: bytes) -> None:
+        """Know before any row of ``epoch`` arrives which ones were trained before the
+        resume (rank 0 asks for the rows for every rank: a rank whose ``epoch`` has not begun
+        yet must already drop them)."""
+        self.resumed = (epoch, TrainedRows.from_bytes(trained))
 
     def resumed_steps(self, trained: bytes) -> int:
         """The batches of an epoch resumed at position ``trained``: its untrained rows on

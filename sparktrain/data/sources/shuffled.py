@@ -168,6 +168,9 @@ class StreamShard:
         """None: the order is a pure function of the seed, the epoch and the rank."""
         return None
 
+    def resume_at(self, epoch: int, trained: bytes) -> None:
+        """Nothing to know ahead: resumed by its skip."""
+
     def resumed_steps(self, trained: bytes) -> int:
         raise ValueError("a spooled shard resumes by its skip, not by rows")
 
