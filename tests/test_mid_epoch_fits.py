@@ -13,7 +13,7 @@ import pytest
 
 from sparktrain.data.store import Store
 from sparktrain.loop.checkpoint import Checkpoints
-from support.helpers import linear_estimator
+from support.helpers import id_net, linear_estimator
 
 # 2000 rows on 2 ranks, 25 a batch: 40 steps an epoch; a checkpoint every 4 (a tenth)
 STEPS, EVERY, BATCH = 40, 4, 25
@@ -198,21 +198,12 @@ def test_a_ctrl_c_inside_a_reread_epoch_resumes_with_exactly_the_rows_left(
 
     from sparktrain import TorchEstimator
 
-    class IgnoreId(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(4, 1)
-
-        def forward(self, ids, features):
-            return self.linear(features)
-
     df = regression_df.select("features", "label").withColumn(
         "id", F.monotonically_increasing_id())
     ids = {r["id"] for r in df.select("id").collect()}
 
     def estimator(path, epochs, seconds=0.0):
-        torch.manual_seed(0)
-        net = IgnoreId()
+        net = id_net()
         return TorchEstimator(
             num_proc=1, model=net, optimizer=torch.optim.SGD(net.parameters(), 0.01),
             loss=torch.nn.MSELoss(), feature_cols=["id", "features"], label_cols=["label"],

@@ -10,6 +10,8 @@ import os
 import numpy as np
 import pytest
 
+from support.helpers import id_net
+
 
 class _RecordIds:
     """A transformation_fn appending, on the ranks, the ids of every batch it sees."""
@@ -24,22 +26,6 @@ class _RecordIds:
         with open(os.path.join(self.folder, f"rank-{rank}"), "a") as f:
             f.write(" ".join(str(int(i)) for i in batch["id"].ravel()) + "\n")
         return batch
-
-
-def _net():
-    """A linear model of ``features`` that takes (and ignores) the ``id`` column too."""
-    import torch
-
-    class IgnoreId(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(4, 1)
-
-        def forward(self, ids, features):
-            return self.linear(features)
-
-    torch.manual_seed(0)
-    return IgnoreId()
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +57,7 @@ def test_a_stream_fit_trains_every_row_once_an_epoch_and_writes_no_dataset(
     seen = tmp_path / "seen"
     seen.mkdir()
     store = tmp_path / "store"
-    net = _net()
+    net = id_net()
     est = TorchEstimator(num_proc=num_proc, model=net,
                          optimizer=torch.optim.SGD(net.parameters(), 0.01),
                          loss=torch.nn.MSELoss(), feature_cols=["id", "features"],
@@ -104,7 +90,7 @@ def test_stream_input_errors_come_before_training(spark, id_frame, tmp_path):
     with pytest.raises(ValueError, match=r"input_mode must be one of \['store', 'stream'\], "
                                          r"got 'files'"):
         TorchEstimator(input_mode="files")
-    net = _net()
+    net = id_net()
     est = TorchEstimator(num_proc=2, model=net, optimizer=torch.optim.SGD(net.parameters(), 0.01),
                          loss=torch.nn.MSELoss(), feature_cols=["id", "features"],
                          label_cols=["label"], input_mode="stream", store=str(tmp_path),

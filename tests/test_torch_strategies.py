@@ -44,7 +44,7 @@ def _model_and_data():
 
 def _rank(rank, name, folder):
     from sparktrain.launch.torch_ddp import TorchDDP
-    from sparktrain.loop.torch_loop import _Step
+    from sparktrain.loop.torch_steps import StepRule
     from sparktrain.strategies.torch_strategy import StrategyConfig
 
     torch.set_num_threads(1)
@@ -58,7 +58,7 @@ def _rank(rank, name, folder):
                                 options={"fsdp_wrap": [torch.nn.Linear]} if name == "fsdp" else {})
         strategy = load_strategy(TORCH_STRATEGIES, name)(dist, torch.device("cpu"), config)
         trained, optimizer = strategy.setup(model, optimizer)
-        step = _Step(optimizer, strategy, PASSES)
+        step = StepRule(optimizer, strategy, PASSES)
         mine = x.shape[0] // WORLD
         rows_x, rows_y = x[rank * mine:(rank + 1) * mine], y[rank * mine:(rank + 1) * mine]
         for index in range(STEPS * PASSES):

@@ -19,7 +19,6 @@ Conventions (shared with :class:`~sparktrain.estimators.torch.TorchModel`):
 """
 from __future__ import annotations
 
-import contextlib
 import uuid
 import warnings
 from dataclasses import dataclass
@@ -32,16 +31,14 @@ from sparktrain.data.epoch_steps import take_steps
 from sparktrain.data.sources import rank_readers
 from sparktrain.data.sources.contract import RowReader
 from sparktrain.data.transform_stage import BatchFeed
-from sparktrain.faults import mark_user_error, user_code
+from sparktrain.faults import user_code
 from sparktrain.launch import TORCH_BACKENDS, load_backend
 from sparktrain.launch.elastic import for_rank, scaling_ranks
 from sparktrain.launch.rank_context import RankContext
-from sparktrain.loop.epochs import EpochDriver, InEpoch, Logs, StepReporter
+from sparktrain.loop.epochs import EpochDriver, Logs, StepReporter
 from sparktrain.loop.torch_batch import (
     Batches,
     LossComputer,
-    as_outputs,
-    match_label,
     select_device,
 )
 from sparktrain.loop.torch_board import TorchBoard
@@ -50,153 +47,12 @@ from sparktrain.loop.torch_files import BuiltModule, dumps_without_weights, save
 from sparktrain.loop.torch_forward import ForwardRule
 from sparktrain.loop.torch_losses import build_losses, named_metrics
 from sparktrain.loop.torch_schedule import Schedule
+from sparktrain.loop.torch_steps import StepRule, averaged, run_epoch
 from sparktrain.options.payload import TorchPayload
 from sparktrain.options.spec import TorchTrainSpec
 from sparktrain.strategies import TORCH_STRATEGIES, load_strategy
 from sparktrain.strategies.torch_blocks import blocks, checkpoint_activations
 from sparktrain.strategies.torch_strategy import StrategyConfig, TorchStrategy
-
-
-@dataclass
-class _Step:
-    """How one training step runs: gradient accumulation and (fp16) loss scaling."""
-
-    optimizer: Any
-    strategy: Optional[TorchStrategy] = None  # controls gradient sync while accumulating
-    passes: int = 1  # backward_passes_per_step
-    scaler: Any = None  # torch.amp.GradScaler for fp16
-    minibatch_fn: Any = None  # Horovod's train_minibatch_fn: owns backward and the steps
-    keep_label_shapes: bool = False  # label_shapes given: transform_outputs keeps them
-    schedule: Optional[Schedule] = None  # lr_scheduler, stepped after each optimizer step
-
-    def minibatch(self, model: Any, features: List[torch.Tensor], labels: List[torch.Tensor],
-                  weights: Optional[torch.Tensor], step: int, compute_loss: Any
-                  ) -> Tuple[List[torch.Tensor], torch.Tensor]:
-        """One training batch by the user's ``train_minibatch_fn`` (Horovod's signature and
-        contract, see ``TorchEstimator``): forward, loss, backward and the optimizer's
-        ``zero_grad``/``step`` at group boundaries are the function's."""
-        def transform_outputs(outputs: Any, labels: List[torch.Tensor]) -> Tuple[List, List]:
-            outputs = as_outputs(outputs)
-            return outputs, [match_label(o, label, not self.keep_label_shapes)
-                             for o, label in zip(outputs, labels, strict=True)]
-
-        outputs, loss = self.minibatch_fn(model, self.optimizer, transform_outputs, compute_loss,
-                                          features, labels, weights, self.passes, step)
-        return as_outputs(outputs), loss
-
-    def end_epoch(self) -> None:
-        """With a ``train_minibatch_fn``, one more ``optimizer.step()`` after the epoch's last
-        batch applies its last group's gradients (what Horovod's loop does)."""
-        if self.minibatch_fn is not None:
-            self.optimizer.step()
-
-    def backward(self, model: Any, loss: torch.Tensor, step: int, steps: int) -> None:
-        """Backward pass of ``step``; the optimizer steps after every ``passes`` batches (and
-        after the last). Each group's gradient is the mean of its batches' gradients."""
-        if self.minibatch_fn is not None:
-            return  # the user's train_minibatch_fn ran backward already
-        group_start = step - step % self.passes
-        group = min(self.passes, steps - group_start)
-        last = step + 1 == group_start + group
-        scaled = loss / group if group > 1 else loss
-        if self.scaler is not None:
-            scaled = self.scaler.scale(scaled)
-        sync = contextlib.nullcontext() if last or self.strategy is None \
-            else self.strategy.accumulating(model)
-        with sync:
-            scaled.backward()
-        if last:
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
-            self.optimizer.zero_grad()  # set_to_none by default in torch 2; Horovod takes no args
-            if self.schedule is not None:
-                with user_code("lr_scheduler's step"):
-                    self.schedule.after_step()
-
-
-def _run_epoch(model: torch.nn.Module, forward: ForwardRule, batches: Iterator[Dict], steps: int,
-               to_tensors: Batches, compute_loss: LossComputer,
-               metrics: List[Tuple[str, Callable]], label_cols: List[str],
-               step_rule: Optional[_Step] = None, autocast: Optional[torch.dtype] = None,
-               reporter: Optional[StepReporter] = None, within: Optional[InEpoch] = None,
-               order: Callable[[], Optional[str]] = lambda: None
-               ) -> Tuple[torch.Tensor, List[str], List]:
-    """One pass over ``steps`` batches (training when ``step_rule`` is given); returns summed
-    ``[rows, loss*rows, metric*rows...]`` and the output shapes. ``within``: the epoch's
-    position (``batches`` then start after ``within.skip`` of them) and its checkpoint hook,
-    called after every optimizer step; ``order``: how the reader orders the epoch's rows."""
-    training = step_rule is not None
-    model.train(training)
-    names = [f"{name}" if len(label_cols) == 1 else f"{label}_{name}"
-             for label in label_cols for name, _ in metrics]
-    sums = torch.zeros(2 + len(names), dtype=torch.float64, device=to_tensors.device)
-    skip = within.skip if within is not None else 0
-    if within is not None and within.partial and len(within.partial) == len(sums):
-        sums += torch.tensor(within.partial, dtype=sums.dtype, device=sums.device)
-    passes = step_rule.passes if step_rule is not None else 1
-    shapes: List = []
-    device = to_tensors.device
-    casting = contextlib.nullcontext() if autocast is None \
-        else torch.autocast(device_type=device.type, dtype=autocast)
-    with torch.set_grad_enabled(training):
-        for step, batch in enumerate(batches, start=skip):
-            features, labels, weights = to_tensors(batch)
-            loss = None
-            with casting:
-                if step_rule is not None and step_rule.minibatch_fn is not None:  # training
-                    with user_code("train_minibatch_fn"):
-                        outputs, loss = step_rule.minibatch(model, features, labels, weights,
-                                                            step, compute_loss)
-                else:
-                    with user_code("the model's forward pass"):
-                        result = forward.call(model, features, labels)
-                    outputs = forward.outputs(result)
-                    if forward.model_loss:
-                        loss = forward.loss(result)
-                if len(outputs) != len(labels):
-                    raise mark_user_error(ValueError(
-                        f"the model returned {len(outputs)} outputs for {len(labels)} label "
-                        f"columns {label_cols}"), "the model's outputs")
-                with user_code("the loss"):
-                    labels = [match_label(o, label, not to_tensors.spec.label_shapes)
-                              for o, label in zip(outputs, labels, strict=True)]
-                    if loss is None:
-                        loss = compute_loss(outputs, labels, weights)
-            if step_rule is not None:  # training
-                with user_code("the backward pass or the optimizer step"):
-                    step_rule.backward(model, loss, step, steps)
-            rows = features[0].shape[0]
-            values = [loss.detach().float()]
-            with torch.no_grad():
-                for output, label in zip(outputs, labels, strict=True):
-                    for name, fn in metrics:
-                        with user_code(f"metric {name!r}"):
-                            values.append(torch.as_tensor(fn(output.float(), label))
-                                          .detach().float().mean())
-            sums[0] += rows
-            sums[1:] += torch.stack([v.to(sums.dtype) for v in values]) * rows
-            shapes = [list(o.shape[1:]) for o in outputs]
-            if reporter is not None and reporter.due(step):
-                reporter.send(step, float(loss.detach()))
-            if training and within is not None and (step + 1) % passes == 0 \
-                    and step + 1 < steps:
-                within.after_steps(step + 1, 1, lambda: sums.cpu().tolist(), order())
-    if step_rule is not None:  # training
-        with user_code("the optimizer step"):
-            step_rule.end_epoch()
-    return sums, names, shapes
-
-
-def _averaged(dist: Any, sums: torch.Tensor, names: List[str], prefix: str) -> Dict[str, float]:
-    total = dist.all_reduce_sum(sums.clone()).cpu().tolist()
-    rows = max(total[0], 1.0)
-    result = {f"{prefix}loss": total[1] / rows}
-    result.update({f"{prefix}{name}": value / rows
-                   for name, value in zip(names, total[2:], strict=True)})
-    return result
 
 
 def _autocast_dtype(spec: TorchTrainSpec) -> Optional[torch.dtype]:
@@ -208,7 +64,7 @@ class _TorchEpochs:
 
     def __init__(self, spec: TorchTrainSpec, ctx: RankContext, dist: Any, device: torch.device,
                  strategy: TorchStrategy, model: torch.nn.Module, trained: torch.nn.Module,
-                 forward: ForwardRule, step_rule: _Step, compute_loss: LossComputer,
+                 forward: ForwardRule, step_rule: StepRule, compute_loss: LossComputer,
                  metrics: List[Tuple[str, Callable]], callbacks: List[Any], feed: BatchFeed,
                  readers: Dict[str, RowReader], shapes: List,
                  driver: Optional[EpochDriver] = None) -> None:
@@ -258,7 +114,7 @@ class _TorchEpochs:
         trained = within.trained if within is not None and not self.spec.train_steps else None
         if trained is not None:  # exactly the rows left: as many batches as they fill
             steps = skip + reader.resumed_steps(trained)
-        sums, names, self.shapes = _run_epoch(
+        sums, names, self.shapes = run_epoch(
             self.trained, self.forward,
             self.batches("train", epoch, self.spec.train_steps, skip, order, trained),
             steps, self.to_tensors, self.compute_loss, self.metrics, self.spec.label_cols,
@@ -267,18 +123,18 @@ class _TorchEpochs:
         if self.step_rule.schedule is not None:
             with user_code("lr_scheduler's step"):
                 self.step_rule.schedule.after_epoch()
-        return _averaged(self.dist, sums, names, "")
+        return averaged(self.dist, sums, names, "")
 
     def evaluate(self, epoch: int) -> Logs:
         reader = self.readers.get("val")
         if reader is None:
             return {}
-        sums, names, _ = _run_epoch(
+        sums, names, _ = run_epoch(
             self.trained, self.forward, self.batches("val", 0, self.spec.val_steps),
             self.spec.val_steps or len(reader), self.to_tensors, self.compute_loss, self.metrics,
             self.spec.label_cols, autocast=self.autocast)
         self.strategy.after_evaluation(self.model)
-        return _averaged(self.dist, sums, names, "val_")
+        return averaged(self.dist, sums, names, "val_")
 
     def epoch_end(self, epoch: int, logs: Logs) -> bool:
         asked = []
@@ -424,7 +280,7 @@ def _prepare_process(spec: TorchTrainSpec, ctx: RankContext) -> None:
 
 
 def _set_up(spec: TorchTrainSpec, ctx: RankContext, shipped: _Loaded, driver: EpochDriver,
-            dist: Any, device: torch.device) -> Tuple[TorchStrategy, torch.nn.Module, _Step]:
+            dist: Any, device: torch.device) -> Tuple[TorchStrategy, torch.nn.Module, StepRule]:
     """The model and optimizer resumed from the run's checkpoint (or with the learning rate
     scaled) and set up by the strategy: the strategy, the module training and the step rule."""
     model, optimizer, payload = shipped.model, shipped.optimizer, shipped.payload
@@ -449,7 +305,7 @@ def _set_up(spec: TorchTrainSpec, ctx: RankContext, shipped: _Loaded, driver: Ep
     schedule = Schedule.build(payload.lr_scheduler, optimizer, spec.lr_scheduler_interval)
     if schedule is not None and state.get("scheduler") is not None:
         schedule.restore(state["scheduler"])
-    step_rule = _Step(optimizer, strategy, spec.backward_passes_per_step, scaler,
+    step_rule = StepRule(optimizer, strategy, spec.backward_passes_per_step, scaler,
                       minibatch_fn=payload.train_minibatch_fn,
                       keep_label_shapes=bool(spec.label_shapes), schedule=schedule)
     return strategy, trained, step_rule
@@ -497,7 +353,7 @@ def check_batch(spec: TorchTrainSpec, blob: bytes, batch: Dict[str, np.ndarray],
         metrics = []  # metrics may read values (.item(), numpy), which meta tensors do not have
     compute_loss, forward = shipped.loss_and_forward(spec, shipped.optimizer, device, 0, 1)
     batches = BatchFeed(shipped.payload.transformation_fn, spec.model_columns())([batch])
-    _run_epoch(model, forward, batches, 1, Batches(spec, device), compute_loss,
+    run_epoch(model, forward, batches, 1, Batches(spec, device), compute_loss,
                named_metrics(metrics),
                spec.label_cols, autocast=_autocast_dtype(spec) if spec.mixed_precision == "bf16"
                else None)

@@ -189,3 +189,20 @@ def check_keras_pipeline(regression_df, path: str, **params: Any) -> None:
     a = fitted.transform(df).select("label__output").toPandas().to_numpy()
     b = loaded.transform(df).select("label__output").toPandas().to_numpy()
     np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def id_net(seed: int = 0):
+    """``Linear(4, 1)`` of ``features`` that takes (and ignores) an ``id`` column first, for
+    fits that record which rows they trained (``feature_cols=["id", "features"]``)."""
+    import torch
+
+    class IgnoreId(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+
+        def forward(self, ids, features):
+            return self.linear(features)
+
+    torch.manual_seed(seed)
+    return IgnoreId()

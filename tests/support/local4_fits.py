@@ -89,19 +89,11 @@ def regrouped(df, store: str) -> dict:
 
     from sparktrain import TorchEstimator
     from sparktrain.loop.checkpoint import Checkpoints
-
-    class IgnoreId(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.linear = torch.nn.Linear(4, 1)
-
-        def forward(self, ids, features):
-            return self.linear(features)
+    from support.helpers import id_net
 
     def estimator(num_proc, folder):
         os.makedirs(folder, exist_ok=True)
-        torch.manual_seed(0)
-        net = IgnoreId()
+        net = id_net()
         return TorchEstimator(
             num_proc=num_proc, model=net, optimizer=torch.optim.SGD(net.parameters(), 0.01),
             loss=torch.nn.MSELoss(), feature_cols=["id", "features"], label_cols=["label"],

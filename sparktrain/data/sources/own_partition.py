@@ -2,7 +2,7 @@
 slot, the DataFrame has one partition a rank, the fit is not elastic and every column is
 fixed-shape numeric): the training stage reads the DataFrame as it is partitioned, no
 shuffle, and rank ``r`` trains on partition ``r``, written into its rank-local cache as the
-rows come (:class:`~.fed_rank.FedShard`, as if fed): the first step comes with the first rows.
+rows come (:class:`~.fed_shard.FedShard`, as if fed): the first step comes with the first rows.
 The rows can be read once only there, so the shard must fit the local disk (else
 :class:`~sparktrain.errors.LocalDiskFullError`).
 
