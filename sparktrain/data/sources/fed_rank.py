@@ -10,9 +10,10 @@ Two ways to hold the rows, chosen per split:
 * **cached** (fixed-shape numeric columns, and the shard fits ``cache_limit`` and the local
   disk): arriving rows are written straight into the rank-local cache
   (:class:`~sparktrain.data.rank_cache.RankCache`) at their place in the shard. The first
-  epoch trains on them as they arrive, shuffled within a window of :data:`~.fed_shard.WINDOW_BYTES`; every
-  later epoch is a permutation of the whole shard (exact and repeatable: a resumed epoch skips
-  exactly the batches it had trained). One decoded copy on the local disk, nothing else.
+  epoch trains on them as they arrive, shuffled within a window of
+  :data:`~.fed_shard.WINDOW_BYTES`; every later epoch is a permutation of the whole shard
+  (exact and repeatable: a resumed epoch skips exactly the batches it had trained). One
+  decoded copy on the local disk, nothing else.
 * **re-read** (anything else): rows are kept only in a bounded in-memory window, and every
   epoch asks the driver to feed the DataFrame again (read again from its source), as
   TensorFlowOnSpark's InputMode.SPARK and Ray Data's ``streaming_split`` do. A resumed epoch
