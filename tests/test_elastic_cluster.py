@@ -70,3 +70,13 @@ def test_each_engine_survives_a_shrink(found, engine):
     assert outcome["history"]["num_proc"] == [3, 2, 2], outcome
     _sane_across_changes(outcome["history"])
     assert outcome["to_training"] < 90 and outcome["predicted"] == 20, outcome
+
+
+def test_a_shrink_inside_an_epoch_trains_each_of_its_rows_exactly_once(found):
+    """Rows shuffled into the training stage, a Worker killed inside epoch 2: the 3 ranks'
+    rows before the checkpoint and the 2 ranks' after it are every row, none twice."""
+    ids = found["stream"]["ids"]
+    assert ids["step"] > 0 and ids["stages"][0] == 3 and ids["stages"][-1] == 2, ids["stages"]
+    before, after = set(ids["before"]), set(ids["after"])
+    assert len(ids["before"]) == len(before)  # nothing twice before the checkpoint
+    assert not before & after and before | after == set(range(3000))

@@ -296,3 +296,88 @@ def test_an_own_partition_epoch_resumes_with_exactly_the_rows_left(tmp_path):
         shard.close()
     assert steps == {-(-(500 - 3 * 64) // 64)}  # the rank with the most rows left decides
     assert not set(rest) & set(first) and set(rest) | set(first) == expected
+
+
+def _shuffled_ranks(tmp_path, partitions, world, seed):
+    """``world`` ranks' readers of rows shuffled into the training stage: every row of
+    ``partitions`` with its ``monotonically_increasing_id`` (partition << 33 | offset), dealt
+    to the ranks at random (as a shuffle would), spooled in threads that gather."""
+    from sparktrain.data.sources.shuffled import ShuffledRows
+    from sparktrain.data.sources.trained_rows import ROW_ID
+
+    rng = np.random.default_rng(seed)
+    dealt_to = {r: [] for r in range(world)}
+    for p, n in enumerate(partitions):
+        for batch in _batches(p, n, per_batch=97):
+            offsets = batch.column("id").to_numpy() - p * 10**6
+            batch = batch.append_column(ROW_ID, pa.array((p << 33) + offsets))
+            owners = rng.integers(0, world, batch.num_rows)
+            for r in range(world):
+                dealt_to[r].append(batch.filter(pa.array(owners == r)))
+    spec = _spec(tmp_path, {})
+    spec.rows.way = "shuffled"
+    gather, made = _Gather(world), {}
+
+    def spool(rank):
+        made[rank] = ShuffledRows(iter(dealt_to[rank])).readers(spec, rank, world,
+                                                                gather.of(rank))["train"]
+    _in_threads(spool, range(world))
+    return [made[r] for r in range(world)], gather
+
+
+def _in_threads(work, items):
+    threads = [threading.Thread(target=work, args=(item,)) for item in items]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+
+def test_a_shuffled_epoch_resumed_with_fewer_ranks_trains_exactly_the_rows_left(tmp_path):
+    """Rows shuffled into the training stage know where they came from: 3 ranks train 4
+    batches and write their positions; 2 ranks, dealt the rows otherwise, resume the epoch and
+    train exactly the rows none of the 3 had, in as many steps each."""
+    from sparktrain.data.sources.trained_rows import TrainedRows
+
+    partitions = [700, 0, 1234]
+    expected = {p * 10**6 + i for p, n in enumerate(partitions) for i in range(n)}
+    three, _ = _shuffled_ranks(tmp_path / "a", partitions, 3, seed=1)
+    first, positions = [], []
+    for shard in three:
+        batches = shard.epoch(0)
+        first += _ids([next(batches) for _ in range(4)])
+        positions.append(shard.position(4))
+        shard.close()
+    assert len(first) == len(set(first)) == 3 * 4 * 64
+    blob = TrainedRows.union(positions).to_bytes()
+    two, _ = _shuffled_ranks(tmp_path / "b", partitions, 2, seed=2)
+    _in_threads(lambda shard: shard.resume_at(0, blob), two)  # one gather, every rank
+    steps = {shard.resumed_steps(blob) for shard in two}
+    rest = []
+    for shard in two:
+        got = list(shard.epoch(0, skip=4, trained=blob))
+        assert len(got) == shard.resumed_steps(blob)
+        rest += _ids(got)
+        # a checkpoint of the resumed epoch holds the rows trained before it too
+        assert TrainedRows.from_bytes(shard.position(4 + len(got))).count() >= len(first)
+        shard.close()
+    assert len(steps) == 1 and steps.pop() * 64 >= (1934 - len(first)) / 2
+    assert not set(rest) & set(first) and set(rest) | set(first) == expected
+
+
+def test_a_shuffled_resume_over_other_rows_fails_naming_the_change(tmp_path):
+    from sparktrain.data.sources.trained_rows import TrainedRows
+
+    ranks, _ = _shuffled_ranks(tmp_path, [300, 200], 2, seed=0)
+    other = TrainedRows(400).to_bytes()  # a checkpoint of a DataFrame with 400 rows
+    errors = []
+
+    def resume(shard):
+        try:
+            shard.resume_at(0, other)
+        except ValueError as exc:
+            errors.append(str(exc))
+    _in_threads(resume, ranks)
+    for shard in ranks:
+        shard.close()
+    assert len(errors) == 2 and "covers 400 rows and the DataFrame now has 500" in errors[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -102,7 +103,10 @@ def test_a_feed_that_gets_no_slot_fails_the_fit_within_a_minute_naming_the_holde
         if holder is not None:
             holder.join(30)
     text = str(failed.value)
-    assert "got no task slot in 10s" in text and "collectToPython" in text, text  # the holder
+    assert "got no task slot in 10s" in text, text
+    # The holder is named by its call site: Spark shows the Python line ("collect at
+    # tests/...py:58") where it could capture it, otherwise "collectToPython at <unknown>:0".
+    assert re.search(r'stage \d+ "collect(ToPython)? at ', text), text
     assert "not retried" in text and text.count("got no task slot") <= 2, text  # one attempt
     assert took < 60, took
 

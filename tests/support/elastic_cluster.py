@@ -14,6 +14,9 @@ and only those added here are killed (and stopped at the end).
 * ``too_few``: ``min_num_proc=3`` on the 2 Workers left fails at once, with the counts.
 * ``horovod``, ``fsdp`` and ``keras`` (multi-worker mirrored): back to 3 Workers, each through
   one shrink (a Worker killed after epoch 1).
+* ``stream``: rows shuffled into the training stage, a Worker killed inside epoch 2 (after a
+  checkpoint there): the 2 ranks left resume the epoch; the ids each generation trained are
+  recorded (``IdLog``) to show that the epoch trained every row exactly once.
 
 Epochs are paced by a callback (1 s each, until the changes a scenario waits for happened) so
 that the changes land mid-fit; a thread here watches the run's checkpoints, as an operator
@@ -33,6 +36,7 @@ TESTS = os.path.dirname(HERE)
 sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # support.*, sparktrain
 
 from sparktrain.loop.callbacks import Callback  # noqa: E402 - after sys.path is set
+from support.helpers import IdLog, id_net  # noqa: E402 - after sys.path is set
 from support.standalone import StandaloneCluster  # noqa: E402 - after sys.path is set
 
 
@@ -143,6 +147,35 @@ def num_proc_of(checkpoint) -> list:
     return checkpoint.meta["history"].get("num_proc", [])
 
 
+def _recording(params: dict, folder: str, paced_until: str) -> dict:
+    """``params`` for a fit that records its rows' ids (:class:`IdLog`), checkpoints every 5
+    steps, and whose epochs last a few seconds (a Worker can be killed inside one)."""
+    import torch
+
+    os.makedirs(folder, exist_ok=True)
+    log, net = IdLog(folder, pause=0.03), id_net()
+    return {**params, "model": net, "optimizer": torch.optim.SGD(net.parameters(), lr=0.02),
+            "feature_cols": ["id", "features"], "transformation_fn": log,
+            "callbacks": [Pace(1.0, paced_until), log], "checkpoint_steps": 5}
+
+
+def _trained_ids(folder: str, changes: Changes) -> dict:
+    """The ids epoch 2 trained: by the first generation before the checkpoint the second
+    resumed from (its step, from rank 0's log line), and by the second generation."""
+    import re
+
+    resumed = [re.search(r"after epoch 1 and step (\d+) of epoch 2", line)
+               for _, line in changes.seen]
+    step = next((int(m.group(1)) for m in resumed if m), 0)
+    stages: dict = {}
+    for name, epochs in IdLog.epochs(folder).items():
+        stages.setdefault(int(name[1:].split("-")[0]), []).append(epochs)
+    first, last = stages[min(stages)], stages[max(stages)]
+    return {"step": step, "stages": [len(ranks) for _, ranks in sorted(stages.items())],
+            "before": [i for rank in first for batch in rank[1][:step] for i in batch],
+            "after": [i for rank in last for batch in rank[0] for i in batch]}
+
+
 def main(workdir: str, master: str, cluster_dir: str) -> dict:
     from pyspark.sql import functions as F
 
@@ -163,7 +196,7 @@ def main(workdir: str, master: str, cluster_dir: str) -> dict:
             "spark.sparktrain.slotWaitSeconds": "60",
             "spark.sparktrain.elastic.growAfterSeconds": "2", **DAEMON_CONF})
         features = F.array(*[F.randn(seed=i) for i in range(4)]).alias("features")
-        df = spark.range(0, 3000, 1, 3).select(features)
+        df = spark.range(0, 3000, 1, 3).select("id", features)
         df = df.withColumn("label", F.expr(
             "features[0] - 2 * features[1] + 0.5 * features[2] + 3 * features[3] + 0.5")
             + 0.3 * F.randn(seed=9))  # noise: the loss settles near 0.09
@@ -224,7 +257,11 @@ def main(workdir: str, master: str, cluster_dir: str) -> dict:
                 marks["at"] = time.time()
                 cluster.kill_worker(victim)
 
-            shrink = act_when(store, name, lambda c: c.epochs_done >= 1, kill_one)
+            ready = lambda c: c.epochs_done >= 1  # noqa: E731
+            if name == "stream":  # inside epoch 2, after a checkpoint there
+                params = _recording(params, os.path.join(workdir, "ids"), done)
+                ready = lambda c: c.epochs_done == 1 and c.step > 0  # noqa: E731
+            shrink = act_when(store, name, ready, kill_one)
             started, changes.done_at = time.time(), "elastic generation 1:"
             if os.path.exists(done):
                 os.remove(done)
@@ -234,6 +271,8 @@ def main(workdir: str, master: str, cluster_dir: str) -> dict:
             found[name] = {"history": model.getHistory(), "seconds": time.time() - started,
                            "predicted": model.transform(df.limit(20)).count(),
                            **(recovery(changes, marks["at"]) if marks else {})}
+            if name == "stream":
+                found[name]["ids"] = _trained_ids(os.path.join(workdir, "ids"), changes)
         spark.stop()
     return found
 

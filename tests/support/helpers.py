@@ -206,3 +206,49 @@ def id_net(seed: int = 0):
 
     torch.manual_seed(seed)
     return IgnoreId()
+
+
+class IdLog:
+    """A ``transformation_fn`` and a callback that record which rows each rank trained: every
+    batch's ``id`` column as a line of ``folder/s{stage}-rank-{partition}`` (a file per
+    training stage, so per elastic generation), ``end`` at every epoch's end; each batch
+    waits ``pause`` seconds (a short epoch that a test can still act inside)."""
+
+    def __init__(self, folder: str, pause: float = 0.0) -> None:
+        self.folder, self.pause = folder, pause
+
+    def _write(self, line: str) -> None:
+        from pyspark import BarrierTaskContext
+
+        context = BarrierTaskContext.get()
+        if context is None:  # the driver's preflight
+            return
+        name = f"s{context.stageId()}-rank-{context.partitionId()}"
+        with open(os.path.join(self.folder, name), "a") as f:
+            f.write(line + "\n")
+
+    def __call__(self, batch):
+        import time
+
+        self._write(" ".join(str(int(i)) for i in batch["id"].ravel()))
+        time.sleep(self.pause)
+        return batch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._write("end")
+        return False
+
+    @staticmethod
+    def epochs(folder: str) -> dict:
+        """``{file: [[ids of each batch] for each epoch]}`` as recorded."""
+        found = {}
+        for name in sorted(os.listdir(folder)):
+            with open(os.path.join(folder, name)) as f:
+                epochs = [[]]
+                for line in f.read().split("\n"):
+                    if line == "end":
+                        epochs.append([])
+                    elif line:
+                        epochs[-1].append([int(v) for v in line.split()])
+            found[name] = epochs
+        return found

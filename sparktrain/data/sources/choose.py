@@ -92,8 +92,12 @@ def _streamed(df: "DataFrame", columns: Sequence[ColumnSpec],
                         chunk=CHUNK_ROWS, feed_dir=feed_dir or "", cache_limit=cache_limit)
         there = sum(counts.get("train", []))
     else:
+        from sparktrain.data.sources.trained_rows import ROW_ID
+
         plan = RowsPlan("shuffled")
         there = frame.limit(min_ranks).count()  # a cheap check that the ranks get rows
+        # each row's partition and offset before the shuffle: where a resume finds it
+        frame = frame.withColumn(ROW_ID, F.monotonically_increasing_id())
     if there < min_ranks:
         raise ValueError(f"input_mode='stream' gives each of the {min_ranks} ranks its own "
                          f"rows, and the DataFrame has fewer rows than that; use fewer ranks "

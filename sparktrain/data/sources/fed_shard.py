@@ -26,7 +26,7 @@ from sparktrain.data.batch import arrow_to_numpy
 from sparktrain.data.columns import ColumnSpec
 from sparktrain.data.rank_cache import RankCache, cache_root, cacheable, disk_full, row_bytes
 from sparktrain.data.shuffle_window import ShuffleWindow, joined_rows, row_count, taken_rows
-from sparktrain.data.sources.trained_rows import EpochTrack, TrainedRows
+from sparktrain.data.sources.trained_rows import ROW_ID, EpochTrack, TrainedRows
 
 log = logging.getLogger("sparktrain")
 
@@ -37,7 +37,6 @@ WINDOW_BYTES = 16 << 20
 #: decoded chunks a re-read split's queue holds before the feeders wait
 QUEUE_CHUNKS = 64
 _NOTHING_YET = object()  # no row has arrived yet (a reader that does not wait)
-ROW_ID = "__sparktrain_row__"  # a fed chunk's global row numbers, beside its columns
 WAIT_SECONDS = 1.0  # how often a rank waiting for rows looks for a failed feed
 
 

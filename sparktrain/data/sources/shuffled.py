@@ -13,6 +13,14 @@ rank's rows, every row once per epoch, a rank with fewer rows than the most repe
 its own so that every rank runs the same steps. A retried or regrouped stage streams the rows
 again.
 
+Each row carries Spark's ``monotonically_increasing_id`` of the frame before the shuffle (its
+partition and offset: :data:`~.trained_rows.ROW_ID`), and the ranks agree on every partition's
+extent when they spool, so a rank knows its rows by where they came from
+(:class:`~.trained_rows.RowNumbering`): a checkpoint inside an epoch records the rows each rank
+trained, and a resumed epoch, with the same ranks or others (an elastic generation, another
+``num_proc``), trains exactly the rows none of them had (:meth:`StreamShard.resume_at`). A Keras
+child reads without the ranks' gather and resumes by its skip.
+
 Example (on a rank)::
 
     readers = ctx.task_input.readers(spec, rank, world_size, ctx.all_gather)   # ShuffledRows
@@ -47,34 +55,46 @@ import numpy as np
 from sparktrain.data.batch import arrow_to_numpy
 from sparktrain.data.columns import SPLIT_COL, ColumnSpec
 from sparktrain.data.rank_cache import RankCache, cache_root, disk_full, owned_folder
+from sparktrain.data.sources.trained_rows import (
+    ROW_ID,
+    EpochTrack,
+    RowNumbering,
+    TrainedRows,
+    id_extents,
+    merged_extents,
+)
 from sparktrain.options.spec import LoopSpec
 
 Batch = Dict[str, np.ndarray]
 S = TypeVar("S")
 SPLITS = ("train", "val")
+Gather = Callable[[str], List[str]]
 
 
 def spool(batches: Iterable[Any], columns: Sequence[ColumnSpec], folder: str
-          ) -> Dict[str, Tuple[str, int]]:
+          ) -> Tuple[Dict[str, Tuple[str, int]], Dict[int, int]]:
     """Write the Arrow record ``batches`` into ``folder``, one IPC file per split:
-    ``{split: (path, rows)}`` for the splits that got rows."""
+    ``({split: (path, rows)} for the splits that got rows, the row ids' extents)``."""
     writer = _SpoolWriter(folder, [c.name for c in columns])
     try:
         for batch in batches:
             writer.write(batch)
     finally:
         files = writer.close()
-    return files
+    return files, writer.extents
 
 
 class _SpoolWriter:
-    """Record batches in (with their split column), one Arrow IPC file per split out."""
+    """Record batches in (with their split column), one Arrow IPC file per split out; the
+    rows' ids (:data:`~.trained_rows.ROW_ID`) are kept beside ``names`` and their extents
+    counted."""
 
     def __init__(self, folder: str, names: Optional[Sequence[str]] = None) -> None:
         os.makedirs(folder, exist_ok=True)
         self.folder, self.names = folder, names  # None: every column but the split
         self.counts = {split: 0 for split in SPLITS}
         self.writers: Dict[str, Any] = {}
+        self.extents: Dict[int, int] = {}  # partition -> most offset + 1 (row ids seen)
 
     def write(self, batch: Any) -> None:
         import pyarrow as pa
@@ -83,7 +103,11 @@ class _SpoolWriter:
         if not batch.num_rows:
             return
         split_of = batch.column(SPLIT_COL)
-        names = self.names or [n for n in batch.schema.names if n != SPLIT_COL]
+        names = list(self.names or [n for n in batch.schema.names if n != SPLIT_COL])
+        if ROW_ID in batch.schema.names:
+            self.extents = merged_extents([self.extents, id_extents(
+                batch.column(ROW_ID).to_numpy())])
+            names += [ROW_ID] if ROW_ID not in names else []
         for split in SPLITS:
             part = batch.filter(pc.equal(split_of, split))
             if not part.num_rows:
@@ -110,12 +134,24 @@ class StreamShard:
     slice or a gather of them); other columns are taken from the Arrow table."""
 
     def __init__(self, path: str, columns: Sequence[ColumnSpec], rows_per_epoch: int,
-                 batch_size: int, shuffle: bool, seed: Optional[int], rank: int) -> None:
+                 batch_size: int, shuffle: bool, seed: Optional[int], rank: int,
+                 extents: Optional[Dict[Any, int]] = None,
+                 all_gather: Optional[Gather] = None) -> None:
         import pyarrow as pa
 
         self.columns = list(columns)
         table = pa.ipc.open_file(pa.memory_map(path)).read_all()  # zero copy
         self.rows = table.num_rows
+        # the rows' global numbers, where they came with ids and the ranks can agree on a
+        # resume (``extents``: every partition's, agreed when spooling)
+        self.numbering: Optional[RowNumbering] = None
+        self.numbers: Optional[np.ndarray] = None
+        if extents and all_gather is not None and ROW_ID in table.schema.names:
+            self.numbering = RowNumbering.from_extents(merged_extents([extents]))
+            self.numbers = self.numbering.numbers(table.column(ROW_ID).to_numpy())
+        self.all_gather = all_gather
+        self.resumed: Optional[Tuple[int, TrainedRows, int]] = None  # epoch, done, most left
+        self.track: Optional[EpochTrack] = None
         self.rows_per_epoch = rows_per_epoch
         self.batch_size = batch_size
         self.shuffle, self.seed, self.rank = shuffle, 0 if seed is None else seed, rank
@@ -146,14 +182,34 @@ class StreamShard:
               trained: Optional[bytes] = None) -> Iterator[Batch]:
         """Every row of the shard once (shuffled when ``shuffle``), then as many of them again
         as this rank is short of the most rows a rank has; from batch ``skip`` on (the ones
-        before it trained before a mid-epoch checkpoint: the same order, so exactly)."""
+        before it trained before a mid-epoch checkpoint: the same order, so exactly). With
+        ``trained`` (every rank's position at a checkpoint inside the epoch): exactly the rows
+        none of them had trained, in :meth:`resumed_steps` batches, whoever had them."""
         rng = np.random.default_rng([self.seed, epoch, self.rank]) if self.shuffle else None
-        shard = rng.permutation(self.rows) if rng is not None else np.arange(self.rows)
-        shard = np.resize(shard, self.rows_per_epoch)  # repeats from the start when short
-        for start in range(skip * self.batch_size, self.rows_per_epoch, self.batch_size):
-            rows = shard[start:start + self.batch_size]
+        done = None
+        if trained is not None:
+            if self.resumed is None or self.resumed[0] != epoch:
+                self.resume_at(epoch, trained)
+            assert self.resumed is not None and self.numbers is not None
+            _, done, most = self.resumed
+            left = np.flatnonzero(~done.mask[self.numbers])
+            if not len(left):  # this rank's rows all trained: it repeats some, in step
+                left = np.arange(self.rows)
+            shard = rng.permutation(left) if rng is not None else left
+            shard, start = np.resize(shard, most), 0
+        else:
+            shard = rng.permutation(self.rows) if rng is not None else np.arange(self.rows)
+            shard = np.resize(shard, self.rows_per_epoch)  # repeats from the start when short
+            start = skip * self.batch_size
+        exact = self.numbers is not None and self.all_gather is not None
+        self.track = EpochTrack(self.numbering.rows, skip, done) \
+            if exact and self.numbering is not None else None
+        for first in range(start, len(shard), self.batch_size):
+            rows = shard[first:first + self.batch_size]
             if rng is not None:
                 rows = np.sort(rows)  # nearby rows together: fewer pages; a batch is a set
+            if self.track is not None and self.numbers is not None:
+                self.track.handed_out(self.numbers[rows])
             yield self._rows(rows)
 
     def _rows(self, rows: np.ndarray) -> Batch:
@@ -165,14 +221,34 @@ class StreamShard:
         return {c.name: arrow_to_numpy(part.column(c.name), c) for c in self.columns}
 
     def position(self, batches_done: int) -> Optional[bytes]:
-        """None: the order is a pure function of the seed, the epoch and the rank."""
-        return None
+        """The rows of this epoch's first ``batches_done`` batches on this rank, with those a
+        resumed epoch had trained (:class:`~.trained_rows.TrainedRows` bytes); ``None`` where
+        the rows came without ids (a Keras child: resumed by its skip, in the same order)."""
+        return self.track.position(batches_done) if self.track is not None else None
 
     def resume_at(self, epoch: int, trained: bytes) -> None:
-        """Nothing to know ahead: resumed by its skip."""
+        """Resume ``epoch`` at ``trained`` (every rank's position joined): the ranks agree on
+        the most rows any of them has left (one gather: every rank calls this)."""
+        if self.numbers is None or self.numbering is None or self.all_gather is None:
+            raise ValueError("these streamed rows came without their ids: the epoch resumes "
+                             "by its skip, not by rows")
+        done = TrainedRows.from_bytes(trained)
+        fits = done.rows == self.numbering.rows
+        mine = int((~done.mask[self.numbers]).sum()) if fits else -1
+        left = [int(n) for n in self.all_gather(str(mine))]
+        if min(left) < 0:
+            raise ValueError(f"input_mode='stream': the checkpoint's position covers {done.rows}"
+                             f" rows and the DataFrame now has {self.numbering.rows} on some "
+                             f"rank: its rows changed since the checkpoint, so the epoch cannot "
+                             f"resume exactly (a deterministic DataFrame, e.g. cached, resumes "
+                             f"exactly)")
+        self.resumed = (epoch, done, max(left))
 
     def resumed_steps(self, trained: bytes) -> int:
-        raise ValueError("a spooled shard resumes by its skip, not by rows")
+        """The batches of the epoch :meth:`resume_at` resumed: the most rows a rank has left."""
+        if self.resumed is None:
+            raise RuntimeError("resume_at() comes before resumed_steps() on a spooled shard")
+        return math.ceil(self.resumed[2] / self.batch_size)
 
     def close(self) -> None:
         """Let the files go; the spooled folder is removed once no reader holds it."""
@@ -199,20 +275,28 @@ def spool_shard(spec: LoopSpec, world_size: int, rows: Iterable[Any],
     columns = [ColumnSpec.from_json(c) for c in spec.columns]
     spooled = _Spooled(owned_folder(cache_root()))
     try:
-        files = spool(rows, columns, spooled.folder)
+        files, extents = spool(rows, columns, spooled.folder)
     except OSError as exc:
         spooled.remove()
         if exc.errno != errno.ENOSPC:
             raise
         raise disk_full(spooled.folder, "spooling the rank's streamed rows", exc) from None
     counts = [json.loads(text) for text in all_gather(json.dumps(
-        {split: n for split, (_, n) in files.items()}))]
+        {**{split: n for split, (_, n) in files.items()}, "extents": extents}))]
     try:
         most = _agreed_rows(counts)
     except ValueError:
         spooled.remove()
         raise
-    return spooled, {split: [files[split][0], most[split]] for split in SPLITS if most[split]}
+    return spooled, _plan(files, most, counts)
+
+
+def _plan(files: Dict[str, Tuple[str, int]], most: Dict[str, int],
+          counts: List[Dict[str, Any]]) -> Dict[str, List[Any]]:
+    """``{split: [file, rows per epoch, every partition's extent]}`` (JSON-able)."""
+    extents = merged_extents(c.get("extents", {}) for c in counts)
+    return {split: [files[split][0], most[split], extents] for split in SPLITS
+            if most[split] and split in files}
 
 
 def _agreed_rows(counts: List[Dict[str, int]]) -> Dict[str, int]:
@@ -264,7 +348,7 @@ class ShuffledRows:
                 all_gather: Callable[[str], List[str]],
                 say: Optional[Callable[[str], None]] = None) -> Dict[str, StreamShard]:
         spooled, files = spool_shard(spec, world_size, self.batches, all_gather)
-        return streamed_readers(spec, files, rank, spooled)
+        return streamed_readers(spec, files, rank, spooled, all_gather)
 
     def for_local_ranks(self, folder: str, ranks: int,
                         all_gather: Callable[[str], List[str]]) -> Sequence["SpooledRows"]:
@@ -285,12 +369,12 @@ class ShuffledRows:
             if exc.errno != errno.ENOSPC:
                 raise
             raise disk_full(folder, "spooling the task's streamed rows", exc) from None
+        extents = merged_extents(writer.extents for writer in writers)
         counts = [c for text in all_gather(json.dumps(
-            [{split: n for split, (_, n) in f.items()} for f in files]))
-            for c in json.loads(text)]
+            [{**{split: n for split, (_, n) in f.items()}, "extents": extents}
+             for f in files])) for c in json.loads(text)]
         most = _agreed_rows(counts)
-        return [SpooledRows({split: [f[split][0], most[split]] for split in SPLITS
-                             if most[split]}) for f in files]
+        return [SpooledRows(_plan(f, most, counts)) for f in files]
 
     def for_child(self, spec: S, world_size: int,
                   all_gather: Callable[[str], List[str]]) -> Tuple[Any, S]:
@@ -312,7 +396,7 @@ class SpooledRows:
     def readers(self, spec: LoopSpec, rank: int, world_size: int,
                 all_gather: Callable[[str], List[str]],
                 say: Optional[Callable[[str], None]] = None) -> Dict[str, StreamShard]:
-        return streamed_readers(spec, self.files, rank)
+        return streamed_readers(spec, self.files, rank, all_gather=all_gather)
 
     def for_local_ranks(self, folder: str, ranks: int,
                         all_gather: Callable[[str], List[str]]) -> List[Any]:
@@ -324,15 +408,18 @@ class SpooledRows:
 
 
 def streamed_readers(spec: LoopSpec, files: Dict[str, List[Any]], rank: int,
-                     spooled: Any = None) -> Dict[str, StreamShard]:
+                     spooled: Any = None, all_gather: Optional[Gather] = None
+                     ) -> Dict[str, StreamShard]:
     """The readers of spooled ``files`` (:func:`spool_shard`'s); ``spooled`` stays alive with
-    them."""
+    them; ``all_gather``: the ranks', for an exact resume of the training split."""
     columns = [ColumnSpec.from_json(c) for c in spec.columns]
     options = {"train": (spec.batch_size, spec.shuffle), "val": (spec.val_batch_size, False)}
     readers = {}
-    for split, (path, rows_per_epoch) in files.items():
+    for split, (path, rows_per_epoch, *extents) in files.items():
         size, shuffle = options[split]
+        exact = split == "train" and extents
         readers[split] = StreamShard(path, columns, rows_per_epoch, size, shuffle, spec.seed,
-                                     rank)
+                                     rank, extents[0] if exact else None,
+                                     all_gather if exact else None)
         readers[split].spooled = spooled
     return readers
