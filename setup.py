@@ -46,6 +46,11 @@ MLFLOW = ["mlflow-skinny>=3.1,<4"] + PLOT
 # Hugging Face fine-tuning (docs/huggingface.md): models, tokenizers and LoRA adapters; the
 # estimators take their models as they are, nothing in sparktrain imports these unless used.
 HF = ["transformers>=4.40", "tokenizers>=0.15", "peft>=0.10", "safetensors>=0.4"]
+# Stores on HDFS from the driver and the ranks (docs/yarn-and-hdfs.md): hdfs-native, a native
+# HDFS client with an fsspec interface (no JVM, no libhdfs.so, reads HADOOP_CONF_DIR). Where it
+# is not installed, fsspec's hdfs:// is pyarrow's HadoopFileSystem (libhdfs.so and a Hadoop
+# CLASSPATH, as on Hadoop's own nodes).
+HDFS = ["hdfs-native>=0.10"]
 # Benchmarks only (bench/): the baselines they measure sparktrain against. bench_hf.py's
 # baseline is Databricks' documented path, datasets.Dataset.from_spark + transformers.Trainer
 # (with the `hf` extra); bench_end_to_end.py's include Ray Data + Ray Train (TorchTrainer).
@@ -79,6 +84,7 @@ setup(
         "plot": PLOT,
         "mlflow": MLFLOW,
         "hf": HF,
+        "hdfs": HDFS,
         "bench": BENCH,
         "examples": EXAMPLES,
         "test": TEST,

@@ -15,9 +15,12 @@
 #   ./scripts/setup.sh --jvm-archive  # ... and the class archive local Spark JVMs start from
 #                                 # (~40 s and 180 MiB once per Java and Spark; each JVM start
 #                                 # then takes about half the CPU: worth it for many starts)
+#   ./scripts/setup.sh --hadoop   # ... and hdfs-native (stores on hdfs://) and Hadoop's mini
+#                                 # clusters for the tests (MiniDFSCluster, MiniYARNCluster: jars
+#                                 # fetched once by Maven into ~/.cache/sparktrain/hadoop)
 #   ./scripts/setup.sh --tests    # everything the tests need: --all, --horovod, --jvm-archive,
-#                                 # the test tools (pytest, ruff, mypy) and .venv-mlflow (the tests'
-#                                 # MLflow tracking server)
+#                                 # --hadoop, the test tools (pytest, ruff, mypy) and .venv-mlflow
+#                                 # (the tests' MLflow tracking server)
 #   SPARKTRAIN_STACK=spark35 ./scripts/setup.sh ...   # the classic stack (pyspark 3.5,
 #                                 # pyarrow 14, NumPy 1.26; --all adds Petastorm) in .venv-spark35
 #
@@ -51,9 +54,10 @@ for arg in "$@"; do
     --all) asked="$asked all" ;;
     --horovod) asked="$asked horovod" ;;
     --jvm-archive) asked="$asked jvm-archive" ;;
-    --tests) asked="$asked all horovod jvm-archive tests" ;;
+    --hadoop) asked="$asked hadoop" ;;
+    --tests) asked="$asked all horovod jvm-archive hadoop tests" ;;
     -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) die "unknown option '$arg' (use --keras, --connect, --mlflow, --hf, --all, --horovod, --jvm-archive, --tests or --help)" ;;
+    *) die "unknown option '$arg' (use --keras, --connect, --mlflow, --hf, --all, --horovod, --jvm-archive, --hadoop, --tests or --help)" ;;
   esac
 done
 
@@ -76,6 +80,7 @@ extras_of() {  # extras_of PART: the setup.py extras a part installs
     base) echo "torch,examples" ;;
     keras) echo "tf-cpu,tfos" ;;
     tests) echo "test" ;;
+    hadoop) echo "hdfs" ;;  # hdfs-native, the ranks' HDFS client; the mini clusters below
     horovod|jvm-archive) ;;  # compiled / built below, not an extra
     *) echo "$1" ;;
   esac
@@ -112,9 +117,9 @@ if [ -x "$venv/bin/python" ] && [ -f "$stamp_file" ]; then
   [ "$(head -n1 "$stamp_file")" = "$inputs" ] && installed_parts="$had_parts"
 fi
 # `tests` means everything the tests need (a stamp from before the flags listed only it)
-case " $had_parts " in *" tests "*) had_parts="$had_parts $all_parts horovod jvm-archive" ;; esac
+case " $had_parts " in *" tests "*) had_parts="$had_parts $all_parts horovod jvm-archive hadoop" ;; esac
 parts=""  # asked and had, in a fixed order, each once
-for part in base keras connect mlflow hf petastorm horovod jvm-archive tests; do
+for part in base keras connect mlflow hf petastorm horovod jvm-archive hadoop tests; do
   case " $asked $had_parts " in *" $part "*) parts="${parts:+$parts }$part" ;; esac
 done
 if [ -n "${SPARKTRAIN_SKIP_HOROVOD:-}" ]; then parts="${parts/ horovod/}"; fi  # kept from earlier versions
@@ -134,9 +139,32 @@ jvm_archive() {
   "$venv/bin/python" -m sparktrain.session.jvm_archive | grep -v "^sparktrain: building" \
     || say "warning: no JVM class archive; Spark JVMs start without it (slower, nothing else)"
 }
+# Hadoop's mini clusters for the tests (tests/support/hadoop.py: a MiniDFSCluster and a
+# MiniYARNCluster in one JVM): their jars fetched once by Maven into ~/.cache/sparktrain/hadoop
+# and scripts/hadoop/MiniHadoop.java compiled against them; again only when those files change.
+hadoop_home="$tool_cache/hadoop"
+mini_hadoop() {
+  has hadoop || return 0
+  local wanted
+  wanted="$(cat scripts/hadoop/pom.xml scripts/hadoop/MiniHadoop.java | sha256sum | cut -d' ' -f1)"
+  [ "$(cat "$hadoop_home/stamp" 2>/dev/null)" = "$wanted" ] && return 0
+  command -v mvn >/dev/null 2>&1 \
+    || die "--hadoop fetches Hadoop's jars with Maven, which was not found (apt-get install maven)"
+  say "fetching Hadoop's mini clusters with Maven into $hadoop_home (about 110 MiB and 30 s, once)"
+  rm -rf "$hadoop_home.tmp" && mkdir -p "$hadoop_home.tmp/classes"
+  mvn -q -B -Dstyle.color=never -f scripts/hadoop/pom.xml dependency:copy-dependencies \
+      -DoutputDirectory="$hadoop_home.tmp/jars" >&2 \
+    || die "Maven could not fetch Hadoop's jars (see above; Maven Central must be reachable)"
+  "${JAVA_HOME:+$JAVA_HOME/bin/}javac" -nowarn -cp "$hadoop_home.tmp/jars/*" \
+      -d "$hadoop_home.tmp/classes" scripts/hadoop/MiniHadoop.java \
+    || die "scripts/hadoop/MiniHadoop.java does not compile (a JDK 17 is needed, not a JRE)"
+  echo "$wanted" > "$hadoop_home.tmp/stamp"
+  rm -rf "$hadoop_home" && mv "$hadoop_home.tmp" "$hadoop_home"
+}
 if [ -z "$missing" ] && mlflow_ready; then
   say "environment up to date ($venv: $installed_parts)"
   jvm_archive
+  mini_hadoop
   exit 0
 fi
 
@@ -288,6 +316,7 @@ has mlflow && imports="$imports, mlflow.pytorch, mlflow.spark"
 has mlflow && has keras && imports="$imports, mlflow.keras"
 has hf && imports="$imports, transformers, peft"
 has petastorm && imports="$imports, petastorm"
+has hadoop && imports="$imports, hdfs_native.fsspec"
 has tests && imports="$imports, pytest, xdist"
 say "checking that the installed parts import ($parts; seconds)"
 versions="$(TF_CPP_MIN_LOG_LEVEL=3 "$venv/bin/python" -c "$imports; print('pyspark', pyspark.__version__, '| numpy', numpy.__version__, '| pyarrow', pyarrow.__version__, '| torch', torch.__version__)" \
@@ -301,4 +330,5 @@ has tests && compile_dirs="$compile_dirs tests"
   || say "warning: could not compile sparktrain's bytecode (it is compiled at each import then)"
 printf '%s\n%s\n' "$inputs" "$parts" > "$stamp_file"
 jvm_archive
+mini_hadoop
 say "done ($stack stack in $venv: $parts): $versions"

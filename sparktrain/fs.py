@@ -85,6 +85,14 @@ def redact(text: str, storage_options: Optional[Dict[str, Any]]) -> str:
     return text
 
 
+#: where fsspec's hdfs:// is pyarrow's HadoopFileSystem and libhdfs cannot be loaded
+HDFS_CLIENT_HELP = (
+    "no HDFS client could start on this machine: install hdfs-native (`pip install "
+    "sparktrain[hdfs]`, a native client: no JVM or libhdfs.so needed) on the driver and in the "
+    "executors' Python, or give pyarrow's client libhdfs.so (ARROW_LIBHDFS_DIR, HADOOP_HOME) "
+    "and Hadoop's jars (CLASSPATH=$(hadoop classpath --glob)), as Hadoop's own nodes have them")
+
+
 def filesystem(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[Any, str]:
     """``(fsspec filesystem, path within it)`` for any URL this module understands.
 
@@ -99,6 +107,9 @@ def filesystem(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tu
         return fsspec.core.url_to_fs(to_fsspec_url(url), **options)
     except Exception as exc:  # noqa: BLE001 - re-raised below, redacted if it quotes a secret
         text = str(exc)
+        if split_scheme(url)[0] in ("hdfs", "viewfs") and ("libhdfs" in text or "libjvm" in text):
+            raise RuntimeError(f"cannot open the store {url!r}: {HDFS_CLIENT_HELP} ({text})"
+                               ) from None
         cleaned = redact(text, options)
         if cleaned == text:
             raise
@@ -132,7 +143,10 @@ def put_file(fs: Any, path: str, data: bytes) -> None:
         except FileNotFoundError:  # an empty directory removed meanwhile (remove_empty)
             fs.makedirs(directory, exist_ok=True)
             fs.pipe_file(temporary, data)
-        fs.mv(temporary, path)
+        try:
+            fs.mv(temporary, path)
+        except FileExistsError:  # HDFS renames onto a name only when told to (hdfs-native)
+            fs.mv(temporary, path, overwrite=True)
     except Exception as exc:
         try:
             fs.rm(temporary)  # a half-written temporary file would keep the space

@@ -102,6 +102,11 @@ def test_more_engines_over_connect(connect_server, tmp_path, scenario, module, e
     history = found["history"]
     assert len(history) == epochs and history[-1] < history[0]
     assert {key: found[key] for key in more} == more, found
+    if scenario == "stream":  # a feed whose slot another job took fails, saying why, at once
+        failed = found["no_slot"]
+        assert "got no task slot in 10s" in (failed["message"] or ""), failed
+        assert "a Spark Connect client cannot see them" in failed["message"], failed
+        assert "not retried" in failed["message"] and failed["seconds"] < 60, failed
 
 
 @pytest.mark.slow

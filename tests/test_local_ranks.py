@@ -48,7 +48,7 @@ def spooled_rows(ctx):
     import pyarrow as pa
 
     return {split: [pa.ipc.open_file(path).read_all().column("x").to_pylist(), most]
-            for split, (path, most) in ctx.task_input.files.items()}
+            for split, (path, most, *_) in ctx.task_input.files.items()}
 
 
 @pytest.mark.stack  # the classic stack's torch and pyspark too
@@ -94,7 +94,9 @@ def test_a_tasks_streamed_rows_are_dealt_to_its_ranks(tmp_path):
     rows = ShuffledRows(iter([batch(0, 10), batch(10, 6)]))
     results = dict(run_places(spooled_rows, where(tmp_path), places(["0", "1"]), rows,
                               all_gather))
-    assert gathered == [[{"train": 5, "val": 3}, {"train": 7, "val": 1}]]
+    # each local rank's rows; the rows' ids' extents (none here: no ids came with them)
+    assert gathered == [[{"train": 5, "val": 3, "extents": {}},
+                         {"train": 7, "val": 1, "extents": {}}]]
     train = results[0]["train"][0] + results[1]["train"][0]
     assert sorted(train) == [i for i in range(16) if i % 4]  # every row once
     assert results[0]["train"][1] == results[1]["train"][1] == 16  # the most any rank got

@@ -29,3 +29,21 @@ def test_store_rejects_other_types():
 
     with pytest.raises(TypeError, match="store must be a path/URL string"):
         Store.create(42)
+
+
+def test_an_hdfs_store_without_a_client_says_what_to_install(monkeypatch):
+    """Where fsspec's hdfs:// is pyarrow's client (hdfs-native not installed) and no libjvm or
+    libhdfs can load, the error names both ways to reach HDFS."""
+    import importlib
+
+    import fsspec
+    import pytest
+
+    from sparktrain.fs import filesystem
+
+    registry = importlib.import_module("fsspec.registry")
+    monkeypatch.setitem(registry._registry, "hdfs", fsspec.get_filesystem_class("arrow_hdfs"))
+    monkeypatch.setenv("JAVA_HOME", "/nonexistent")
+    monkeypatch.delenv("ARROW_LIBHDFS_DIR", raising=False)
+    with pytest.raises(RuntimeError, match=r"sparktrain\[hdfs\].*libhdfs"):
+        filesystem("hdfs://localhost:1/user/me/store")

@@ -270,7 +270,56 @@ def stream(spark, workdir: str) -> Dict[str, Any]:
     datasets = os.path.join(store, "datasets")
     return {"history": model.getHistory()["loss"],
             "datasets": len(os.listdir(datasets)) if os.path.isdir(datasets) else 0,
-            "predicted": model.transform(df).count()}
+            "predicted": model.transform(df).count(),
+            "no_slot": _feed_without_a_slot(spark, df, store)}
+
+
+def _feed_without_a_slot(spark, df, store: str) -> Dict[str, Any]:
+    """A streamed 1-rank fit fed beside its rank from the spare slot, which another job (as
+    another client's would) takes as soon as the fit has claimed it: the fit fails once, in
+    about spark.sparktrain.feedWaitSeconds, saying why, though the client cannot see tasks."""
+
+    from sparktrain.session import slots
+    from support.helpers import linear_estimator
+
+    tag = "connect-slot-holder"
+
+    def hold(batches):
+        import time as clock
+
+        import pandas as pd
+
+        for _ in batches:
+            pass
+        clock.sleep(120)
+        yield pd.DataFrame({"x": [1]})
+
+    def take_the_spare_slot():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(
+                c.spare for claims in slots._CLAIMS.values() for c in claims.values()):
+            time.sleep(0.005)
+        spark.addTag(tag)  # this thread's operations
+        try:
+            spark.range(0, 1, 1, 1).mapInPandas(hold, "x long").collect()
+        except Exception:  # noqa: BLE001 - interrupted at the end
+            pass
+
+    holder = threading.Thread(target=take_the_spare_slot, daemon=True)
+    holder.start()
+    spark.conf.set("spark.sparktrain.feedWaitSeconds", "10")
+    started = time.time()
+    try:
+        linear_estimator(store, num_proc=1, epochs=1, batch_size=50, input_mode="stream",
+                         max_attempts=3).fit(df.select("features", "label"))
+        message = None
+    except Exception as exc:  # noqa: BLE001 - the message is the finding
+        message = str(exc)
+    finally:
+        spark.conf.unset("spark.sparktrain.feedWaitSeconds")
+        spark.interruptTag(tag)
+        holder.join(30)
+    return {"message": message, "seconds": time.time() - started}
 
 
 def huggingface(spark, workdir: str) -> Dict[str, Any]:

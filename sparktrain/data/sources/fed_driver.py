@@ -38,7 +38,7 @@ from pyspark.sql import functions as F
 from sparktrain.data.columns import SPLIT_COL
 from sparktrain.data.sources.fed_wire import FeedFolder, send_partition
 from sparktrain.session.slots import busy_stages, fits_holding_slots, job_tasks
-from sparktrain.session.spark_api import cancel_tag, conf_value, job_tag
+from sparktrain.session.spark_api import cancel_tag, conf_value, is_remote, job_tag
 
 log = logging.getLogger("sparktrain")
 
@@ -83,6 +83,8 @@ class Feeding:
         self.stalled: Dict[str, str] = {}  # tag -> why it was cancelled
         self.thread = threading.Thread(target=self._watch, name="sparktrain-feeding",
                                        daemon=True)
+        # over Spark Connect the driver cannot see a job's tasks: they mark their start and end
+        self.marked = is_remote(spark)
 
     def __enter__(self) -> "Feeding":
         self.folder.open()
@@ -129,8 +131,9 @@ class Feeding:
         with self.lock:
             watched = list(self.watched.items())
         for tag, (epoch, last, since) in watched:
-            progress = job_tasks(self.spark, tag)
-            if progress is None:  # a Spark Connect session, or a Spark that cannot tell
+            progress = self.folder.task_progress(tag) if self.marked else \
+                job_tasks(self.spark, tag)
+            if progress is None:  # a Spark that cannot tell
                 continue
             # a running task, progress, or slots held by other fits of this driver (they give
             # them back when they end): the feed is on its way
@@ -141,11 +144,12 @@ class Feeding:
                 continue
             if now - since < self.wait:
                 continue
-            holders = busy_stages(self.spark)
+            holders = "; ".join(busy_stages(self.spark)) or (
+                "a Spark Connect client cannot see them" if self.marked else "none seen")
             why = (f"input_mode='stream': the job feeding epoch {epoch + 1}'s rows to the "
                    f"ranks got no task slot in {self.wait:g}s: the training stage's ranks and "
-                   f"other jobs hold every slot (running now: "
-                   f"{'; '.join(holders) or 'none seen'}). Free slots (fewer fits at once, a "
+                   f"other jobs hold every slot (running now: {holders}). Free slots (fewer "
+                   f"fits at once, a "
                    f"smaller num_proc), use input_mode='store', or raise {FEED_WAIT_CONF} "
                    f"where the cluster is only slow to give slots (executors starting)")
             log.error("%s", why)
@@ -158,7 +162,8 @@ class Feeding:
         started = time.perf_counter()
         with self.lock:
             self.watched[tag] = [epoch, None, time.monotonic()]
-        names, partition_fn = self.names, _feeder(self.names, epoch, addresses)
+        marks = self.folder if self.marked else None
+        names, partition_fn = self.names, _feeder(self.names, epoch, addresses, tag, marks)
         try:
             with job_tag(self.spark, tag, f"sparktrain: rows for epoch {epoch + 1}"):
                 rows = self.df.mapInArrow(partition_fn, "rows long").collect()
@@ -181,8 +186,11 @@ class Feeding:
             self.folder.answer_failed(text)
 
 
-def _feeder(names: List[str], epoch: int, addresses: List[str]) -> Any:
-    """The function each feeding task runs over its partition's Arrow batches."""
+def _feeder(names: List[str], epoch: int, addresses: List[str], tag: str,
+            marks: Optional[FeedFolder]) -> Any:
+    """The function each feeding task runs over its partition's Arrow batches; ``marks``: the
+    feed folder where tasks mark their start and end (Spark Connect)."""
+    folder, options = (marks.folder, marks.storage_options) if marks is not None else ("", {})
 
     def feed(batches: Any) -> Any:
         import pyarrow as pa
@@ -192,8 +200,15 @@ def _feeder(names: List[str], epoch: int, addresses: List[str]) -> Any:
         if context is None:
             raise RuntimeError("the feeding function runs in a Spark task only")
         partition = context.partitionId()
-        sent = send_partition(batches, {"epoch": epoch, "partition": partition}, addresses,
-                              names, split_col=SPLIT_COL)
+        wire = FeedFolder(folder, options) if folder else None
+        if wire is not None:
+            wire.task_mark(tag, partition, "started")
+        try:
+            sent = send_partition(batches, {"epoch": epoch, "partition": partition},
+                                  addresses, names, split_col=SPLIT_COL)
+        finally:
+            if wire is not None:
+                wire.task_mark(tag, partition, "ended")
         yield pa.RecordBatch.from_pydict({"rows": [sum(sent.values())]})
 
     return feed

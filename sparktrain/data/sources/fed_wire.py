@@ -8,7 +8,9 @@ rank_gather`, as for every fit.
 ``<token>-e<epoch>.json`` (``{"epoch", "addresses"}``: the ranks' receivers), written by rank
 0 under a token fresh for each attempt or elastic generation; the driver answers with
 ``<token>-e<epoch>.done`` once every row of the epoch was sent, or one ``failed`` file (the
-text of why) that stops every rank.
+text of why) that stops every rank. Over Spark Connect, where the driver cannot see a job's
+tasks, each feeding task also marks its start and end (``<job tag>.p<partition>.started`` and
+``.ended``): the driver tells a feed that got no task slot from a slow one by them.
 
 **The rows**:
 Each feeding task sends its partition's rows to every rank, dealt in chunks of
@@ -47,8 +49,8 @@ class FeedFolder:
     def __init__(self, folder: str, storage_options: Optional[Dict[str, Any]] = None) -> None:
         from sparktrain.fs import filesystem
 
-        self.folder = folder
-        self.fs = filesystem(folder, storage_options or {})[0]
+        self.folder, self.storage_options = folder, dict(storage_options or {})
+        self.fs = filesystem(folder, self.storage_options)[0]
         self.remote = "://" in folder and not folder.startswith("file://")
         self.seen: set = set()
 
@@ -73,7 +75,27 @@ class FeedFolder:
         except (FileNotFoundError, OSError):
             return None
 
+    # -- a feeding task's side ----------------------------------------------------------------
+    def task_mark(self, tag: str, partition: int, what: str) -> None:
+        """Mark feeding task ``partition`` of the job ``tag`` as ``"started"`` or
+        ``"ended"``."""
+        try:
+            self.fs.pipe_file(f"{self.folder}/{tag}.p{partition}.{what}", b"")
+        except OSError as exc:  # only the stall watch reads them
+            log.debug("feed task mark not written: %s", exc)
+
     # -- the driver's side ------------------------------------------------------------------
+    def task_progress(self, tag: str) -> Optional[Tuple[int, int]]:
+        """``(tasks running, tasks ended)`` of the feeding job ``tag`` by its tasks' marks."""
+        try:
+            self.fs.invalidate_cache(self.folder)
+            names = [n.rsplit("/", 1)[-1] for n in self.fs.ls(self.folder, detail=False)]
+        except (FileNotFoundError, OSError):
+            return None
+        started = sum(1 for n in names if n.startswith(f"{tag}.p") and n.endswith(".started"))
+        ended = sum(1 for n in names if n.startswith(f"{tag}.p") and n.endswith(".ended"))
+        return started - ended, ended
+
     def open(self) -> None:
         self.fs.makedirs(self.folder, exist_ok=True)
 
