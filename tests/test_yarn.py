@@ -54,13 +54,25 @@ def _spark_submit(hadoop, deploy_mode: str, args, timeout: int = 600):
                "--deploy-mode", deploy_mode]
     for key, value in conf.items():
         command += ["--conf", f"{key}={value}"]
-    if deploy_mode == "cluster":  # the driver runs in the ApplicationMaster's container
+    if deploy_mode == "cluster":  # the driver runs in the ApplicationMaster's container,
+        # with the job's script only: the `jobs` package it imports goes as --py-files
         command += ["--conf", f"spark.yarn.appMasterEnv.PYSPARK_PYTHON={sys.executable}",
-                    "--driver-memory", "768m"]
+                    "--driver-memory", "768m", "--py-files", _jobs_zip(hadoop.workdir)]
     env = dict(os.environ, **hadoop.env(), PYSPARK_PYTHON=sys.executable)
     env.pop("JAVA_TOOL_OPTIONS", None)  # the tests' JVM flags are for local Spark
     return subprocess.run(command + args, capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT, env=env)
+
+
+def _jobs_zip(folder: str) -> str:
+    """The ``jobs`` package (its ``common`` module) as a zip for ``--py-files``."""
+    import zipfile
+
+    path = os.path.join(folder, "jobs.zip")
+    with zipfile.ZipFile(path, "w") as archive:
+        for name in ("__init__.py", "common.py"):
+            archive.write(os.path.join(ROOT, "jobs", name), f"jobs/{name}")
+    return path
 
 
 def _errors(stderr: str) -> str:
@@ -79,18 +91,65 @@ def _job_args(hadoop, digits, name: str):
             "--output", f"{hadoop.hdfs}/models/{name}", "--min-accuracy", "0.9"]
 
 
-def test_spark_submit_client_mode_trains_from_hdfs_into_an_hdfs_store(hadoop, digits_on_hdfs):
-    """`spark-submit --master yarn --deploy-mode client jobs/train_torch.py` with hdfs://
-    input, store and model: the job checks accuracy >= 0.9 and that the model it saved on HDFS
-    and loaded back predicts the same."""
+@pytest.fixture(scope="module")
+def trained(hadoop, digits_on_hdfs):
+    """`spark-submit --master yarn --deploy-mode client jobs/train_torch.py`, hdfs:// input,
+    store and model: ``(the finished process, the model's URL)``."""
+    return (_spark_submit(hadoop, "client", _job_args(hadoop, digits_on_hdfs, "client")),
+            f"{hadoop.hdfs}/models/client")
+
+
+def test_spark_submit_client_mode_trains_from_hdfs_into_an_hdfs_store(hadoop, trained):
+    """The job checks accuracy >= 0.9 and that the model it saved on HDFS and loaded back
+    predicts the same; its store on HDFS holds the dataset and the checkpoints."""
     import fsspec
 
-    done = _spark_submit(hadoop, "client", _job_args(hadoop, digits_on_hdfs, "client"))
-    tail = done.stdout[-3000:] + _errors(done.stderr)
-    assert done.returncode == 0, tail
+    done, _ = trained
+    assert done.returncode == 0, done.stdout[-3000:] + _errors(done.stderr)
     found = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
     assert found["test_accuracy"] >= 0.9 and found["model_path"].startswith("hdfs://"), found
     fs, store = fsspec.core.url_to_fs(f"{hadoop.hdfs}/user/sparktrain/client-store")
     names = [p.rsplit("/", 1)[-1] for p in fs.find(store)]
     assert any(n.endswith(".ckpt") for n in names), names  # checkpoints on HDFS, from rank 0
     assert any(n.endswith(".parquet") for n in names), names  # the dataset the ranks read
+
+
+def test_spark_submit_cluster_mode_predicts_with_the_model_on_hdfs(hadoop, digits_on_hdfs,
+                                                                   trained):
+    """A second job, its driver in YARN's ApplicationMaster container (cluster mode), loads the
+    model from HDFS and writes its predictions there."""
+    import fsspec
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    done, model = trained
+    assert done.returncode == 0, "the training job failed: see the test above"
+    url, _ = digits_on_hdfs
+    output = f"{hadoop.hdfs}/predictions/digits"
+    scored = _spark_submit(hadoop, "cluster", [
+        os.path.join(ROOT, "jobs", "predict.py"), "--model", model, "--input", url,
+        "--output", output, "--label-col", "label", "--min-accuracy", "0.9"])
+    assert scored.returncode == 0, _errors(scored.stderr)  # the app's final status
+    fs, path = fsspec.core.url_to_fs(output)
+    table = pq.read_table(path, filesystem=fs, columns=["label", "label__output"])
+    logits = np.array(table.column("label__output").to_pylist())
+    labels = table.column("label").to_numpy()
+    assert len(labels) == 1797 and (logits.argmax(axis=1) == labels).mean() >= 0.9
+
+
+def test_a_notebook_session_on_yarn_fits_a_stream(hadoop):
+    """`SparkSession.builder.master("yarn")` in client mode, as a notebook on an edge node:
+    a streamed fit (no dataset written) with its store on HDFS learns and predicts."""
+    # a Python session takes its executors' Python from PYSPARK_PYTHON, not from the
+    # spark.pyspark.python of its builder (pyspark's SparkContext reads the variable)
+    env = dict(os.environ, **hadoop.env(), PYSPARK_PYTHON=sys.executable)
+    env.pop("JAVA_TOOL_OPTIONS", None)
+    done = subprocess.run([sys.executable, os.path.join(HERE, "support", "yarn_client.py"),
+                           hadoop.hdfs, json.dumps(yarn_conf(hadoop))], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stdout[-3000:] + _errors(done.stderr)
+    found = json.loads(lines[0][len("RESULT "):])
+    print(found)
+    loss = found["history"]
+    assert len(loss) == 4 and loss[-1] < loss[0] / 4 and found["predicted"] == 2000, found

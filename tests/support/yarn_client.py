@@ -1,0 +1,51 @@
+"""A notebook on an edge node: a Python session on YARN in client mode
+(``SparkSession.builder.master("yarn")``), run by tests/test_yarn.py in a process of its own with
+the mini clusters' HADOOP_CONF_DIR; prints ``RESULT {json}``.
+
+    python tests/support/yarn_client.py HDFS_URL CONF_JSON
+
+* ``stream``: ``input_mode="stream"`` (the rows straight into the ranks, nothing written as a
+  dataset), its store on HDFS; predicts after.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+
+
+def main(hdfs: str, conf: dict) -> dict:
+    import numpy as np
+    from pyspark.sql import SparkSession
+
+    from support.helpers import linear_estimator
+
+    started = time.time()
+    builder = SparkSession.builder.master("yarn").appName("sparktrain-notebook")
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    session_seconds = time.time() - started
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2000, 4))
+    y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
+    df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y, strict=True)],
+                               "features array<double>, label double").repartition(3).cache()
+    df.count()
+    store = f"{hdfs}/user/sparktrain/notebook-store"
+    started = time.time()
+    model = linear_estimator(store, input_mode="stream", epochs=4, batch_size=50,
+                             lr=0.05).fit(df)
+    found = {"session_seconds": round(session_seconds, 1),
+             "fit_seconds": round(time.time() - started, 1),
+             "history": model.getHistory()["loss"],
+             "predicted": model.transform(df).count()}
+    spark.stop()
+    return found
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(main(sys.argv[1], json.loads(sys.argv[2]))), flush=True)
