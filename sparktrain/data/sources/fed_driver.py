@@ -149,8 +149,8 @@ class Feeding:
             why = (f"input_mode='stream': the job feeding epoch {epoch + 1}'s rows to the "
                    f"ranks got no task slot in {self.wait:g}s: the training stage's ranks and "
                    f"other jobs hold every slot (running now: {holders}). Free slots (fewer "
-                   f"fits at once, a "
-                   f"smaller num_proc), use input_mode='store', or raise {FEED_WAIT_CONF} "
+                   f"fits at once, a smaller num_proc), use input_mode='store', or raise "
+                   f"{FEED_WAIT_CONF} "
                    f"where the cluster is only slow to give slots (executors starting)")
             log.error("%s", why)
             with self.lock:
