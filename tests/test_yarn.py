@@ -153,3 +153,36 @@ def test_a_notebook_session_on_yarn_fits_a_stream(hadoop):
     print(found)
     loss = found["history"]
     assert len(loss) == 4 and loss[-1] < loss[0] / 4 and found["predicted"] == 2000, found
+
+
+FORK_AFTER_HDFS = """
+import os, subprocess, sys
+import sparktrain  # its fork hooks: without them both forks below hang for ever
+import fsspec
+fs, path = fsspec.core.url_to_fs(sys.argv[1] + "/")
+fs.ls(path)  # an hdfs-native client, its runtime's threads running
+subprocess.run(["true"], preexec_fn=lambda: None, check=True)  # as pyspark starts its JVM
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # the child's interpreter finalizes: it drops what it inherited
+assert os.waitpid(pid, 0)[1] == 0
+print("FORKED", flush=True)
+"""
+
+
+def test_a_process_that_used_hdfs_can_fork(hadoop):
+    """fsspec empties its filesystem cache in a forked child; dropping hdfs-native's client
+    there waited for ever for threads the child does not have (sparktrain/fork_safety.py).
+    That hung this suite's next SparkSession after the HDFS tests."""
+    import signal
+
+    child = subprocess.Popen([sys.executable, "-c", FORK_AFTER_HDFS, hadoop.hdfs],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True,
+                             env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        out, _ = child.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        pytest.fail("a fork after using HDFS hung")
+    assert child.returncode == 0 and "FORKED" in out

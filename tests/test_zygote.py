@@ -155,3 +155,28 @@ def test_only_the_same_user_is_served_and_templates_can_be_switched_off(monkeypa
     assert zygote.template_name(PRELOAD, _env(TF_CONFIG="{}"), os.getppid()) == name
     monkeypatch.setenv(zygote.SWITCH, "0")
     assert not zygote.enabled()
+
+
+def test_a_python_child_started_dying_with_its_parent_dies_with_it():
+    """``dying_with_me`` + ``die_with_starter``: the child of a SIGKILLed parent is killed too,
+    without a ``preexec_fn`` (unsafe in a process with threads); its own children inherit
+    nothing."""
+    child_code = ("import os, time; from sparktrain.launch import zygote; "
+                  "zygote.die_with_starter(); "
+                  "print(os.getpid(), zygote.DIE_WITH in os.environ, flush=True); time.sleep(60)")
+    parent_code = textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        from sparktrain.launch import zygote
+        child = subprocess.Popen([sys.executable, "-c", {child_code!r}],
+                                 env=zygote.dying_with_me(dict(os.environ)), stdout=subprocess.PIPE,
+                                 text=True)
+        print(child.stdout.readline().strip(), flush=True)
+        time.sleep(60)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE,
+                              text=True, env=_env())
+    pid, inherited = parent.stdout.readline().split()
+    assert inherited == "False" and _alive(int(pid))
+    parent.kill()
+    parent.wait()
+    _wait_dead(int(pid), "the child outlived its SIGKILLed parent")

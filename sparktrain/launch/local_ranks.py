@@ -45,7 +45,7 @@ from sparktrain.data.sources.contract import TaskInput
 from sparktrain.launch.gpus import gpu_environment
 from sparktrain.launch.rank_context import Place, RankContext
 from sparktrain.launch.rank_run import FAILURE_TAG, run_rank
-from sparktrain.launch.zygote import die_with_parent
+from sparktrain.launch.zygote import die_with_starter, dying_with_me
 
 STOP_SECONDS = 10.0  # a failed rank's peers get this long to exit after SIGTERM
 
@@ -122,8 +122,7 @@ def _start(task: Callable[[RankContext], Any], where: Sequence, place: Place,
         cloudpickle.dump((task, tuple(where), place), out)
     child = subprocess.Popen(
         [sys.executable, "-m", "sparktrain.launch.local_ranks", path],
-        env=rank_environment(place), stdin=subprocess.DEVNULL,
-        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+        env=dying_with_me(rank_environment(place)), stdin=subprocess.DEVNULL)
     return place, child
 
 
@@ -197,4 +196,5 @@ def _main(path: str) -> int:
 
 
 if __name__ == "__main__":
+    die_with_starter()
     sys.exit(_main(sys.argv[1]))

@@ -44,7 +44,6 @@ from sparktrain.launch.tf_protocol import (
     WORKER_MODULE,
     write_inputs,
 )
-from sparktrain.launch.zygote import die_with_parent
 from sparktrain.options.spec import KerasTrainSpec
 
 # What the template imports: TensorFlow and Keras are ~9 CPU-s of a fresh worker's start.
@@ -104,9 +103,8 @@ def start_tf_child(workdir: str, config: str, gpu: Optional[str],
             print(f"sparktrain: no TensorFlow fork template ({exc}); starting a fresh process",
                   file=sys.stderr, flush=True)
     return subprocess.Popen(
-        [sys.executable, "-m", WORKER_MODULE, workdir], env=env,
-        stdout=stdout, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+        [sys.executable, "-m", WORKER_MODULE, workdir], env=zygote.dying_with_me(env),
+        stdout=stdout, stderr=subprocess.STDOUT, text=True, bufsize=1)
 
 
 @dataclass

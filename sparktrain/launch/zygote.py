@@ -54,6 +54,7 @@ OWNER_POLL_SECONDS = 2.0
 START_SECONDS = 30.0
 IMPORT_SECONDS = 300.0  # a template importing longer counts as broken: a fresh process then
 SWITCH = "SPARKTRAIN_FORK_TEMPLATE"
+DIE_WITH = "SPARKTRAIN_DIE_WITH"  # the pid of the process a child must die with
 # Variables read when TensorFlow, Keras, NumPy or Python start: a template serves only requests
 # whose environment has the values it started with. TF_CONFIG is read later, by each child,
 # and a template starts without it.
@@ -210,14 +211,35 @@ def start_python(module: str, args: List[str], env: Dict[str, str], preload: Seq
 # --- the template process (python -m sparktrain.launch.zygote FD MODULE...) ------------------
 
 def die_with_parent() -> None:
-    """SIGKILL this process when its parent exits (Linux ``PR_SET_PDEATHSIG``); used by forked
-    children and as ``preexec_fn`` of ``subprocess.Popen``."""
+    """SIGKILL this process when its parent exits (Linux ``PR_SET_PDEATHSIG``); called by forked
+    children and, through :func:`die_with_starter`, by ``python -m`` children."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
     except OSError:
         pass
+
+
+def dying_with_me(env: Dict[str, str]) -> Dict[str, str]:
+    """``env`` for a ``python -m`` child whose module calls :func:`die_with_starter` first: it
+    then dies with this process. The safe twin of ``preexec_fn=die_with_parent``: Python's docs
+    warn that ``preexec_fn`` is not safe in a process with threads (it runs Python between fork
+    and exec, where a lock another thread held stays held), and Spark's workers have threads.
+
+    Example: ``subprocess.Popen([sys.executable, "-m", module], env=dying_with_me(env))``"""
+    return dict(env, **{DIE_WITH: str(os.getpid())})
+
+
+def die_with_starter() -> None:
+    """In a child started with :func:`dying_with_me`'s environment: die with that parent (and
+    exit now if it died already); the variable is removed, so this child's own children do
+    not inherit it."""
+    parent = os.environ.pop(DIE_WITH, None)
+    if parent is not None:
+        die_with_parent()
+        if os.getppid() != int(parent):  # the parent died before the prctl
+            os._exit(1)
 
 
 def _run_child(request: Dict[str, Any], out_fd: int, template_pid: int) -> None:

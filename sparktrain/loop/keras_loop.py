@@ -481,4 +481,7 @@ def main(workdir: str) -> int:
 
 
 if __name__ == "__main__":
+    from sparktrain.launch.zygote import die_with_starter
+
+    die_with_starter()
     sys.exit(main(sys.argv[1]))
