@@ -153,6 +153,10 @@ def test_a_notebook_session_on_yarn_fits_a_stream(hadoop):
     print(found)
     loss = found["history"]
     assert len(loss) == 4 and loss[-1] < loss[0] / 4 and found["predicted"] == 2000, found
+    too_many = found["too_many"]  # preflight's answer to 5 ranks on 2 one-core executors
+    assert "num_proc=5 needs 5 task slots" in too_many and "master yarn" in too_many, too_many
+    assert "spark.executor.instances (now 2)" in too_many, too_many
+    assert "spark.yarn.queue" in too_many and "spark.executor.memory (now 640m)" in too_many
 
 
 FORK_AFTER_HDFS = """

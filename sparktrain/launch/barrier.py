@@ -83,12 +83,20 @@ def _slot_hint(spark: SparkSession, num_proc: int, gpus: bool = False) -> str:
         return f"start Spark with master local-cluster[N,C,M] where N*C >= {num_proc}"
     if value.startswith("local"):
         return f"start Spark with master local[{num_proc}] (or more, e.g. local[*])"
-    return (f"give the cluster more task slots: spark.executor.instances "
+    hint = (f"give the cluster more task slots: spark.executor.instances "
             f"(now {conf_value(spark, 'spark.executor.instances', 'unset')}) x "
             f"spark.executor.cores (now {conf_value(spark, 'spark.executor.cores', 'unset')}) / "
             f"spark.task.cpus (now {conf_value(spark, 'spark.task.cpus', '1')}) must be >= "
             f"{num_proc}; with dynamic allocation set spark.dynamicAllocation.minExecutors high "
             f"enough")
+    if value == "yarn":  # the executors asked for may be containers YARN has no room for
+        hint += (f"; on YARN each executor is a container of spark.executor.memory (now "
+                 f"{conf_value(spark, 'spark.executor.memory', '1g')}) + "
+                 f"spark.executor.memoryOverhead and spark.executor.cores vcores, which the "
+                 f"queue (spark.yarn.queue, now {conf_value(spark, 'spark.yarn.queue', 'default')}"
+                 f") and yarn.scheduler.maximum-allocation-mb must have room for: executors YARN "
+                 f"cannot place stay pending (`yarn application -status <id>`)")
+    return hint
 
 
 def check_slots(spark: SparkSession, num_proc: int, wait_seconds: Optional[float] = None,

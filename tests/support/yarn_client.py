@@ -5,7 +5,8 @@ the mini clusters' HADOOP_CONF_DIR; prints ``RESULT {json}``.
     python tests/support/yarn_client.py HDFS_URL CONF_JSON
 
 * ``stream``: ``input_mode="stream"`` (the rows straight into the ranks, nothing written as a
-  dataset), its store on HDFS; predicts after.
+  dataset), its store on HDFS; predicts after. A fit of more ranks than the executors have
+  slots fails first, in preflight (``too_many``: its message).
 """
 from __future__ import annotations
 
@@ -36,13 +37,18 @@ def main(hdfs: str, conf: dict) -> dict:
                                "features array<double>, label double").repartition(3).cache()
     df.count()
     store = f"{hdfs}/user/sparktrain/notebook-store"
+    try:  # more ranks than the 2 executors' slots: preflight says so, naming YARN's settings
+        linear_estimator(store, input_mode="stream", num_proc=5).fit(df)
+        too_many = "fitted"
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        too_many = f"{type(exc).__name__}: {exc}"
     started = time.time()
     model = linear_estimator(store, input_mode="stream", epochs=4, batch_size=50,
                              lr=0.05).fit(df)
     found = {"session_seconds": round(session_seconds, 1),
              "fit_seconds": round(time.time() - started, 1),
              "history": model.getHistory()["loss"],
-             "predicted": model.transform(df).count()}
+             "predicted": model.transform(df).count(), "too_many": too_many}
     spark.stop()
     return found
 
