@@ -51,6 +51,10 @@ HF = ["transformers>=4.40", "tokenizers>=0.15", "peft>=0.10", "safetensors>=0.4"
 # is not installed, fsspec's hdfs:// is pyarrow's HadoopFileSystem (libhdfs.so and a Hadoop
 # CLASSPATH, as on Hadoop's own nodes).
 HDFS = ["hdfs-native>=0.10"]
+# Stores on S3 (s3:// and s3a:// URLs) from the driver and the ranks: fsspec's S3 filesystem.
+# Spark's own reads and writes of s3a:// (a materialized dataset, a saved model) need the
+# cluster's hadoop-aws jars instead (docs/yarn-and-hdfs.md, "S3").
+S3 = ["s3fs>=2023.1"]
 # Benchmarks only (bench/): the baselines they measure sparktrain against. bench_hf.py's
 # baseline is Databricks' documented path, datasets.Dataset.from_spark + transformers.Trainer
 # (with the `hf` extra); bench_end_to_end.py's include Ray Data + Ray Train (TorchTrainer).
@@ -61,7 +65,9 @@ EXAMPLES = ["scikit-learn>=1.4", "pillow>=10"]
 # ruff and mypy: the linter and the type checker .ci/run runs (pyproject.toml configures them)
 TEST = ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "packaging", "psutil",
         "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25", "ipywidgets>=8",
-        "ruff>=0.8", "mypy>=1.10"] + EXAMPLES + PLOT
+        "ruff>=0.8", "mypy>=1.10",
+        # a real S3 endpoint on 127.0.0.1 for the S3 store tests (moto's threaded server)
+        "moto[s3]>=5", "flask>=2.2", "flask-cors>=3"] + EXAMPLES + PLOT + S3
 
 setup(
     name="sparktrain",
@@ -85,6 +91,7 @@ setup(
         "mlflow": MLFLOW,
         "hf": HF,
         "hdfs": HDFS,
+        "s3": S3,
         "bench": BENCH,
         "examples": EXAMPLES,
         "test": TEST,

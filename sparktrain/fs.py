@@ -28,6 +28,9 @@ from sparktrain.errors import StoreFullError
 _SPARK_TO_FSSPEC = {"s3a": "s3", "s3n": "s3", "wasbs": "abfs", "abfss": "abfs"}
 _FSSPEC_TO_SPARK = {"s3": "s3a"}
 
+#: fsspec protocols whose filesystems cache listings (``use_listings_cache``, fsspec's DirCache)
+_LISTED_FRESH = ("s3", "gs", "gcs", "abfs", "az", "adl")
+
 #: the store when none is given (a local folder: suits local masters), and where launches
 #: keep their events when the caller names no folder
 DEFAULT_LOCAL_STORE = os.path.join(tempfile.gettempdir(), "sparktrain-store")
@@ -103,6 +106,12 @@ def filesystem(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tu
     import fsspec
 
     options = dict(storage_options or {})
+    if split_scheme(to_fsspec_url(url))[0] in _LISTED_FRESH:
+        # fsspec's object stores cache directory listings for the life of the instance, and
+        # fsspec reuses an instance per process: a Python worker that listed a run's
+        # checkpoints in one fit (none yet) saw none in the next, and a driver polling a
+        # folder of events never saw a new one. Every listing is asked for again.
+        options.setdefault("use_listings_cache", False)
     try:
         return fsspec.core.url_to_fs(to_fsspec_url(url), **options)
     except Exception as exc:  # noqa: BLE001 - re-raised below, redacted if it quotes a secret
@@ -115,6 +124,32 @@ def filesystem(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tu
             raise
         error = _same_kind(exc, f"cannot open the store {to_fsspec_url(url)!r}: {cleaned}")
     raise error  # outside the except block: the original (with the secret) is not chained
+
+
+#: where Spark's Hadoop client gets the filesystem of a scheme it lacks (Maven coordinates)
+_SPARK_FS_JARS = {"s3a": "org.apache.hadoop:hadoop-aws (with the AWS SDK bundle it depends on)",
+                  "gs": "com.google.cloud.bigdataoss:gcs-connector",
+                  "abfs": "org.apache.hadoop:hadoop-azure",
+                  "abfss": "org.apache.hadoop:hadoop-azure",
+                  "wasbs": "org.apache.hadoop:hadoop-azure"}
+_MISSING_HADOOP_FS = re.compile(r"No FileSystem for scheme|ClassNotFoundException: Class "
+                                r"org\.apache\.hadoop\.fs\.\S*FileSystem not found")
+
+
+def spark_filesystem_missing(exc: BaseException, url: str) -> Optional[str]:
+    """What to do when Spark's own Hadoop client failed on ``url`` for want of its filesystem
+    class (``None`` for any other error): sparktrain reaches the store through fsspec, but a
+    dataset Spark writes goes through Spark's jars."""
+    said = [line for line in str(exc).splitlines() if _MISSING_HADOOP_FS.search(line)]
+    if not said:
+        return None
+    scheme = split_scheme(url)[0] or "file"
+    jar = _SPARK_FS_JARS.get(scheme, f"the Hadoop filesystem of {scheme}://")
+    why = said[-1].strip()[:200]
+    return (f"Spark's Hadoop client has no filesystem for {scheme}:// ({why}): add "
+            f"{jar} to Spark's jars, in the version of the Hadoop client inside them (e.g. "
+            f"spark.jars.packages, or the cluster's own), or fit with input_mode=\"stream\": "
+            f"then only sparktrain writes to the store, through fsspec")
 
 
 def _same_kind(exc: Exception, message: str) -> Exception:

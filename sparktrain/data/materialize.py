@@ -43,7 +43,7 @@ from sparktrain.data.prepare import (
     sized_columns,
 )
 from sparktrain.data.store import Store
-from sparktrain.fs import out_of_space, store_full
+from sparktrain.fs import out_of_space, spark_filesystem_missing, store_full
 from sparktrain.session.spark_api import conf_value, plan_fingerprint
 
 log = logging.getLogger(__name__)
@@ -234,6 +234,9 @@ def _write(df: DataFrame, store: Store, columns: Sequence[ColumnSpec],
         message = data_error_message(exc)
         if message:
             raise ValueError(ragged_array_message(df, specs, message)) from None
+        missing = spark_filesystem_missing(exc, target)
+        if missing:
+            raise RuntimeError(f"cannot write the dataset to {target}: {missing}") from None
         raise
     directory.commit(attempt, {"format": FORMAT_VERSION, "columns": [c.to_json() for c in specs],
                                "rows": rows, "files": files, "created": time.time()})
