@@ -17,10 +17,6 @@ from typing import TYPE_CHECKING, Any, List
 
 __version__ = "0.4.0"
 
-from sparktrain import fork_safety  # noqa: E402 - forks of a process using HDFS must not hang
-
-fork_safety.install()
-
 if TYPE_CHECKING:
     # What type checkers and IDEs see (`X as X`: an explicit re-export); at run time
     # __getattr__ below imports each name when first used.

@@ -9,16 +9,17 @@ runtime allocated for the same reason). Every fork that runs Python in the child
 it does anything: ``subprocess.Popen(preexec_fn=...)`` (pyspark starts its JVM so, when a
 notebook makes a second session), ``os.fork``, a DataLoader worker started by ``fork``.
 
-So, once :func:`install` ran (``import sparktrain`` does), each live hdfs-native filesystem is
-held before a fork and, in the child, held for ever: it is never dropped there, not even when
-the child's interpreter exits. It stays unusable in the child (its runtime has no threads), as
+So, once :func:`install` ran (sparktrain's first filesystem does: ``sparktrain.fs.filesystem``),
+each live hdfs-native filesystem is held before a fork and, in the child, held for ever: it is
+never dropped there, not even when the child's interpreter exits. It stays unusable in the child (its runtime has no threads), as
 a forked copy of any threaded client is; the parent is untouched.
 
 Example::
 
-    import sparktrain, fsspec, subprocess
-    fs = fsspec.filesystem("hdfs", host="namenode", port=8020)
-    fs.ls("/")
+    import subprocess
+    from sparktrain.fs import filesystem
+    fs, path = filesystem("hdfs://namenode:8020/user/me")   # installs the hooks
+    fs.ls(path)
     subprocess.run(["true"], preexec_fn=lambda: None)   # returns (without this: never)
 """
 from __future__ import annotations

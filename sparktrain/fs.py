@@ -2,7 +2,8 @@
 filesystem of a URL (errors scrubbed of credentials), and small whole-file JSON writes and reads.
 
 The one home of these helpers (issue #26): the store, leases, dataset commits, checkpoints,
-the launch's events and results all come here, so this module imports nothing of sparktrain.
+the launch's events and results all come here, so this module imports nothing of sparktrain
+but its errors and its fork hooks (installed with the first filesystem: :mod:`.fork_safety`).
 
 Example::
 
@@ -22,6 +23,7 @@ import tempfile
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
+from sparktrain import fork_safety
 from sparktrain.errors import StoreFullError
 
 # Hadoop scheme -> fsspec protocol, where the two differ.
@@ -105,6 +107,7 @@ def filesystem(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tu
     """
     import fsspec
 
+    fork_safety.install()  # before any client with threads of its own exists here
     options = dict(storage_options or {})
     if split_scheme(to_fsspec_url(url))[0] in _LISTED_FRESH:
         # fsspec's object stores cache directory listings for the life of the instance, and

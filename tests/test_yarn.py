@@ -25,6 +25,9 @@ def hadoop(tmp_path_factory):
     if why:
         pytest.skip(why)
     pytest.importorskip("hdfs_native", reason="needs sparktrain[hdfs]: setup.sh --hadoop")
+    from sparktrain import fork_safety
+
+    fork_safety.install()  # this process's own HDFS clients (fsspec's, below) fork safely too
     with MiniHadoop(str(tmp_path_factory.mktemp("hadoop")), node_managers=2) as cluster:
         yield cluster
 
@@ -161,9 +164,8 @@ def test_a_notebook_session_on_yarn_fits_a_stream(hadoop):
 
 FORK_AFTER_HDFS = """
 import os, subprocess, sys
-import sparktrain  # its fork hooks: without them both forks below hang for ever
-import fsspec
-fs, path = fsspec.core.url_to_fs(sys.argv[1] + "/")
+from sparktrain.fs import filesystem  # its first filesystem installs sparktrain's fork hooks:
+fs, path = filesystem(sys.argv[1] + "/")  # without them both forks below hang for ever
 fs.ls(path)  # an hdfs-native client, its runtime's threads running
 subprocess.run(["true"], preexec_fn=lambda: None, check=True)  # as pyspark starts its JVM
 pid = os.fork()
