@@ -55,6 +55,7 @@ def main() -> None:
     if why:
         sys.exit(why)
     tmp = tempfile.mkdtemp(prefix="sparktrain-bench-yarn-")
+    os.makedirs(os.path.join(tmp, "standalone"))
     env = {k: v for k, v in os.environ.items() if k != "JAVA_TOOL_OPTIONS"}
     found: Dict[str, List[Dict]] = {"yarn": [], "standalone": []}
     with MiniHadoop(os.path.join(tmp, "hadoop"), node_managers=2) as hadoop, \
