@@ -11,8 +11,9 @@ notebook makes a second session), ``os.fork``, a DataLoader worker started by ``
 
 So, once :func:`install` ran (sparktrain's first filesystem does: ``sparktrain.fs.filesystem``),
 each live hdfs-native filesystem is held before a fork and, in the child, held for ever: it is
-never dropped there, not even when the child's interpreter exits. It stays unusable in the child (its runtime has no threads), as
-a forked copy of any threaded client is; the parent is untouched.
+never dropped there, not even when the child's interpreter exits. It stays unusable in the
+child (its runtime has no threads), as a forked copy of any threaded client is; the parent is
+untouched.
 
 Example::
 
