@@ -67,7 +67,9 @@ TEST = ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "packaging", "p
         "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25", "ipywidgets>=8",
         "ruff>=0.8", "mypy>=1.10",
         # a real S3 endpoint on 127.0.0.1 for the S3 store tests (moto's threaded server)
-        "moto[s3]>=5", "flask>=2.2", "flask-cors>=3"] + EXAMPLES + PLOT + S3
+        "moto[s3]>=5", "flask>=2.2", "flask-cors>=3",
+        # packs the Python environment spark-submit ships to YARN (docs/yarn-and-hdfs.md)
+        "venv-pack2>=0.9"] + EXAMPLES + PLOT + S3
 
 setup(
     name="sparktrain",

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from support.hadoop import MiniHadoop, available, yarn_conf
+from support.hadoop import MiniHadoop, available, container_log, yarn_conf
+from support.job_env import thin_environment
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -51,15 +52,27 @@ def digits_on_hdfs(hadoop):
     return url, columns
 
 
-def _spark_submit(hadoop, deploy_mode: str, args, timeout: int = 600):
-    conf = yarn_conf(hadoop)
+@pytest.fixture(scope="module")
+def environment(hadoop):
+    """The job's Python environment packed by venv-pack2 (tests/support/job_env.py)."""
+    return thin_environment(os.path.join(hadoop.workdir, "job-environment"))
+
+
+def _spark_submit(hadoop, deploy_mode: str, args, timeout: int = 600, archive: str = ""):
+    """spark-submit on the mini YARN cluster; with ``archive``, the Python of the driver (in
+    cluster mode) and of the executors is the one it holds, as docs/yarn-and-hdfs.md says."""
+    python = "./environment/bin/python" if archive else sys.executable
     command = [os.path.join(os.path.dirname(sys.executable), "spark-submit"), "--master", "yarn",
                "--deploy-mode", deploy_mode]
-    for key, value in conf.items():
+    for key, value in yarn_conf(hadoop, python=python).items():
         command += ["--conf", f"{key}={value}"]
+    if archive:
+        command += ["--archives", f"{archive}#environment"]
+        if deploy_mode == "client":  # the driver runs here, with this machine's Python
+            command += ["--conf", f"spark.pyspark.driver.python={sys.executable}"]
     if deploy_mode == "cluster":  # the driver runs in the ApplicationMaster's container,
         # with the job's script only: the `jobs` package it imports goes as --py-files
-        command += ["--conf", f"spark.yarn.appMasterEnv.PYSPARK_PYTHON={sys.executable}",
+        command += ["--conf", f"spark.yarn.appMasterEnv.PYSPARK_PYTHON={python}",
                     "--driver-memory", "768m", "--py-files", _jobs_zip(hadoop.workdir)]
     env = dict(os.environ, **hadoop.env(), PYSPARK_PYTHON=sys.executable)
     env.pop("JAVA_TOOL_OPTIONS", None)  # the tests' JVM flags are for local Spark
@@ -94,33 +107,48 @@ def _job_args(hadoop, digits, name: str):
             "--output", f"{hadoop.hdfs}/models/{name}", "--min-accuracy", "0.9"]
 
 
+def _app_id(done) -> str:
+    """The YARN application a finished spark-submit ran."""
+    import re
+
+    found = re.findall(r"application_\d+_\d+", done.stderr)
+    assert found, _errors(done.stderr)
+    return found[-1]
+
+
 @pytest.fixture(scope="module")
-def trained(hadoop, digits_on_hdfs):
-    """`spark-submit --master yarn --deploy-mode client jobs/train_torch.py`, hdfs:// input,
-    store and model: ``(the finished process, the model's URL)``."""
-    return (_spark_submit(hadoop, "client", _job_args(hadoop, digits_on_hdfs, "client")),
-            f"{hadoop.hdfs}/models/client")
+def trained(hadoop, digits_on_hdfs, environment):
+    """`spark-submit --master yarn --deploy-mode cluster --archives env.tar.gz#environment
+    jobs/train_torch.py`, hdfs:// input, store and model: ``(the finished process, the
+    model's URL)``."""
+    return (_spark_submit(hadoop, "cluster", _job_args(hadoop, digits_on_hdfs, "cluster"),
+                          archive=environment), f"{hadoop.hdfs}/models/cluster")
 
 
-def test_spark_submit_client_mode_trains_from_hdfs_into_an_hdfs_store(hadoop, trained):
-    """The job checks accuracy >= 0.9 and that the model it saved on HDFS and loaded back
-    predicts the same; its store on HDFS holds the dataset and the checkpoints."""
+def test_spark_submit_cluster_mode_trains_from_hdfs_into_an_hdfs_store(hadoop, trained):
+    """The job, its driver in YARN's ApplicationMaster container and every Python in the
+    shipped environment, checks accuracy >= 0.9 and that the model it saved on HDFS and loaded
+    back predicts the same; its store on HDFS holds the dataset and the checkpoints."""
     import fsspec
 
     done, _ = trained
-    assert done.returncode == 0, done.stdout[-3000:] + _errors(done.stderr)
-    found = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+    assert done.returncode == 0, _errors(done.stderr)  # the app's final status: SUCCEEDED
+    driver = container_log(hadoop.workdir, _app_id(done))  # as `yarn logs` shows it
+    found = json.loads([line for line in driver.splitlines() if line.startswith("{")][-1])
     assert found["test_accuracy"] >= 0.9 and found["model_path"].startswith("hdfs://"), found
-    fs, store = fsspec.core.url_to_fs(f"{hadoop.hdfs}/user/sparktrain/client-store")
+    # sparktrain came from the archive: the tests' venv has it only as an editable install
+    assert "/environment/lib/" in found["sparktrain"], found
+    fs, store = fsspec.core.url_to_fs(f"{hadoop.hdfs}/user/sparktrain/cluster-store")
     names = [p.rsplit("/", 1)[-1] for p in fs.find(store)]
     assert any(n.endswith(".ckpt") for n in names), names  # checkpoints on HDFS, from rank 0
     assert any(n.endswith(".parquet") for n in names), names  # the dataset the ranks read
 
 
-def test_spark_submit_cluster_mode_predicts_with_the_model_on_hdfs(hadoop, digits_on_hdfs,
-                                                                   trained):
-    """A second job, its driver in YARN's ApplicationMaster container (cluster mode), loads the
-    model from HDFS and writes its predictions there."""
+def test_spark_submit_client_mode_predicts_with_the_model_on_hdfs(hadoop, digits_on_hdfs,
+                                                                  trained, environment):
+    """A second job, its driver here (client mode, this venv's Python) and its executors'
+    Python the shipped environment's, loads the model from HDFS and writes its predictions
+    there."""
     import fsspec
     import numpy as np
     import pyarrow.parquet as pq
@@ -129,9 +157,10 @@ def test_spark_submit_cluster_mode_predicts_with_the_model_on_hdfs(hadoop, digit
     assert done.returncode == 0, "the training job failed: see the test above"
     url, _ = digits_on_hdfs
     output = f"{hadoop.hdfs}/predictions/digits"
-    scored = _spark_submit(hadoop, "cluster", [
+    scored = _spark_submit(hadoop, "client", [
         os.path.join(ROOT, "jobs", "predict.py"), "--model", model, "--input", url,
-        "--output", output, "--label-col", "label", "--min-accuracy", "0.9"])
+        "--output", output, "--label-col", "label", "--min-accuracy", "0.9"],
+        archive=environment)
     assert scored.returncode == 0, _errors(scored.stderr)  # the app's final status
     fs, path = fsspec.core.url_to_fs(output)
     table = pq.read_table(path, filesystem=fs, columns=["label", "label__output"])
@@ -140,26 +169,34 @@ def test_spark_submit_cluster_mode_predicts_with_the_model_on_hdfs(hadoop, digit
     assert len(labels) == 1797 and (logits.argmax(axis=1) == labels).mean() >= 0.9
 
 
-def test_a_notebook_session_on_yarn_fits_a_stream(hadoop):
-    """`SparkSession.builder.master("yarn")` in client mode, as a notebook on an edge node:
-    a streamed fit (no dataset written) with its store on HDFS learns and predicts."""
+@pytest.fixture(scope="module")
+def edge_node(hadoop):
+    """tests/support/yarn_client.py's findings: a notebook's session on YARN, then the faults
+    of tests/support/yarn_faults.py in it (the last stops a NodeManager for good, so this
+    fixture comes after the spark-submit tests in this module)."""
     # a Python session takes its executors' Python from PYSPARK_PYTHON, not from the
     # spark.pyspark.python of its builder (pyspark's SparkContext reads the variable)
     env = dict(os.environ, **hadoop.env(), PYSPARK_PYTHON=sys.executable)
     env.pop("JAVA_TOOL_OPTIONS", None)
     done = subprocess.run([sys.executable, os.path.join(HERE, "support", "yarn_client.py"),
-                           hadoop.hdfs, json.dumps(yarn_conf(hadoop))], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT, env=env)
+                           hadoop.workdir, hadoop.hdfs, json.dumps(yarn_conf(hadoop))],
+                          capture_output=True, text=True, timeout=840, cwd=ROOT, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, done.stdout[-3000:] + _errors(done.stderr)
     found = json.loads(lines[0][len("RESULT "):])
-    print(found)
-    loss = found["history"]
-    assert len(loss) == 4 and loss[-1] < loss[0] / 4 and found["predicted"] == 2000, found
-    too_many = found["too_many"]  # preflight's answer to 5 ranks on 2 one-core executors
+    print(json.dumps(found, indent=1))
+    return found
+
+
+def test_a_notebook_session_on_yarn_fits_a_stream(edge_node):
+    """`SparkSession.builder.master("yarn")` in client mode, as a notebook on an edge node:
+    a streamed fit (no dataset written) with its store on HDFS learns and predicts."""
+    loss = edge_node["history"]
+    assert len(loss) == 4 and loss[-1] < loss[0] / 4 and edge_node["predicted"] == 2000
+    too_many = edge_node["too_many"]  # preflight's answer to 5 ranks on 2 one-core executors
     assert "num_proc=5 needs 5 task slots" in too_many and "master yarn" in too_many, too_many
     assert "spark.executor.instances (now 2)" in too_many, too_many
-    assert "spark.yarn.queue" in too_many and "spark.executor.memory (now 640m)" in too_many
+    assert "spark.yarn.queue" in too_many and "spark.executor.memory (now 1600m)" in too_many
 
 
 FORK_AFTER_HDFS = """
@@ -192,3 +229,26 @@ def test_a_process_that_used_hdfs_can_fork(hadoop):
         child.wait()
         pytest.fail("a fork after using HDFS hung")
     assert child.returncode == 0 and "FORKED" in out
+
+
+def test_faults_on_yarn_are_survived(edge_node):
+    """tests/support/yarn_faults.py: a Ctrl-C'd fit resumes from its checkpoint on HDFS, a
+    SIGKILLed executor container is replaced and the fit resumes on 2 ranks, and a NodeManager
+    stopped for good leaves an elastic fit (``min_num_proc=1``) to finish on the rank left."""
+    found = edge_node["faults"]
+    interrupted = found["interrupted"]
+    assert interrupted["to_caller_s"] < 30, interrupted
+    resumed = [a["start_epoch"] for a in interrupted["attempts"]]
+    assert resumed == [0, interrupted["checkpoint_epochs"]], interrupted
+    for name in ("interrupted", "container", "node_manager"):
+        fit = found[name]
+        loss = fit["history"]["loss"]
+        assert loss[-1] < loss[0] / 4 and fit["predicted"] == 1000, (name, fit)
+    container = found["container"]
+    assert container["killed"]["role"] == "executor", container
+    attempts = container["attempts"]  # the first, then Spark's retry resuming on 2 ranks
+    assert len(attempts) >= 2 and attempts[0]["attempt"] == 0, container
+    assert attempts[-1]["attempt"] >= 1 and attempts[-1]["start_epoch"] >= 1, container
+    stopped = found["node_manager"]
+    ranks = stopped["history"]["num_proc"]
+    assert ranks[0] == 2.0 and ranks[-1] == 1.0 and len(ranks) == 5, stopped

@@ -18,7 +18,9 @@ import org.apache.hadoop.yarn.server.MiniYARNCluster;
  *   java -cp JARS:CLASSES MiniHadoop WORKDIR NODE_MANAGERS NM_MEMORY_MB NM_VCORES
  *
  * writes WORKDIR/conf/{core,hdfs,yarn}-site.xml (the HADOOP_CONF_DIR clients use), prints
- * "READY hdfs://127.0.0.1:PORT" and runs until its standard input closes.
+ * "READY hdfs://127.0.0.1:PORT" and runs until its standard input closes. A file
+ * WORKDIR/control/stop-nm-I stops NodeManager I for good (a machine lost, as a test's fault):
+ * the file is renamed to stop-nm-I.done once the NodeManager has stopped.
  */
 public final class MiniHadoop {
   public static void main(String[] args) throws Exception {
@@ -81,10 +83,33 @@ public final class MiniHadoop {
                started.get("yarn.resourcemanager.scheduler.class"));
     write(client, new File(confDir, "yarn-site.xml"));
     write(new Configuration(false), new File(confDir, "hdfs-site.xml"));
+    File control = new File(work, "control");
+    control.mkdirs();
     System.out.println("READY " + fsUri);
     System.out.flush();
-    while (System.in.read() >= 0) {
-      // runs until the parent closes our standard input (or dies)
+    Thread parent = new Thread(() -> {
+      try {
+        while (System.in.read() >= 0) {
+          // runs until the parent closes our standard input (or dies)
+        }
+      } catch (java.io.IOException e) {
+        // the same as a closed input
+      }
+    });
+    parent.setDaemon(true);
+    parent.start();
+    while (parent.isAlive()) {
+      parent.join(200);
+      for (int i = 0; i < nodeManagers; i++) {
+        File stop = new File(control, "stop-nm-" + i);
+        if (stop.exists()) {
+          System.out.println("STOPPING NodeManager " + i);
+          cluster.getNodeManager(i).stop();
+          stop.renameTo(new File(control, "stop-nm-" + i + ".done"));
+          System.out.println("STOPPED NodeManager " + i);
+          System.out.flush();
+        }
+      }
     }
     cluster.stop();
     dfs.shutdown();

@@ -133,3 +133,57 @@ def yarn_conf(hadoop: MiniHadoop, executors: int = 2, cores: int = 1,
         "spark.executorEnv.PYSPARK_PYTHON": python,
         "spark.ui.enabled": "false",
     }
+
+
+def stop_node_manager(workdir: str, index: int, timeout: float = 120.0) -> None:
+    """Stop the mini YARN cluster's NodeManager ``index`` for good (scripts/hadoop/
+    MiniHadoop.java watches ``workdir/control``): its containers die with it."""
+    control = os.path.join(workdir, "control")
+    open(os.path.join(control, f"stop-nm-{index}"), "w").close()
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(os.path.join(control, f"stop-nm-{index}.done")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"NodeManager {index} did not stop in {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def yarn_containers(workdir: str, app_id: str) -> list:
+    """The running JVMs of application ``app_id``'s containers on the mini YARN cluster whose
+    folder is ``workdir``: ``[{"pid", "role" ("am" or "executor"), "node_manager"}]``, read
+    from /proc (a container's folder lies under its NodeManager's ``...-localDir-nm-I_J``)."""
+    import re
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().decode(errors="replace")
+            folder = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue  # gone, or not ours to read
+        node = re.search(r"-localDir-nm-(\d+)_\d+/", folder)
+        if app_id not in folder or node is None or not command.split("\0")[0].endswith("java"):
+            continue  # not a container of the app, or its launch shell rather than its JVM
+        if "YarnCoarseGrainedExecutorBackend" in command:
+            role = "executor"
+        elif "ExecutorLauncher" in command or "ApplicationMaster" in command:
+            role = "am"
+        else:
+            continue
+        found.append({"pid": int(pid), "role": role, "node_manager": int(node.group(1))})
+    return found
+
+
+def container_log(workdir: str, app_id: str, container: int = 1, name: str = "stdout") -> str:
+    """A container's log file as ``yarn logs -applicationId APP_ID`` shows it (the mini
+    cluster keeps them under its NodeManagers' log folders): container 1 is the
+    ApplicationMaster, which in cluster mode is the driver."""
+    import glob
+
+    suffix = f"_{container:06d}"
+    for path in glob.glob(os.path.join(workdir, "**", app_id, "container_*", name),
+                          recursive=True):
+        if os.path.basename(os.path.dirname(path)).endswith(suffix):
+            with open(path, errors="replace") as f:
+                return f.read()
+    raise FileNotFoundError(f"no {name} of container {container} of {app_id} in {workdir}")

@@ -2,11 +2,13 @@
 (``SparkSession.builder.master("yarn")``), run by tests/test_yarn.py in a process of its own with
 the mini clusters' HADOOP_CONF_DIR; prints ``RESULT {json}``.
 
-    python tests/support/yarn_client.py HDFS_URL CONF_JSON
+    python tests/support/yarn_client.py HADOOP_WORKDIR HDFS_URL CONF_JSON
 
 * ``stream``: ``input_mode="stream"`` (the rows straight into the ranks, nothing written as a
   dataset), its store on HDFS; predicts after. A fit of more ranks than the executors have
   slots fails first, in preflight (``too_many``: its message).
+* then, in the same session, the faults of tests/support/yarn_faults.py (``faults``): the last
+  one stops a NodeManager for good.
 """
 from __future__ import annotations
 
@@ -18,18 +20,28 @@ import time
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 
 
-def main(hdfs: str, conf: dict) -> dict:
-    import numpy as np
+def main(workdir: str, hdfs: str, conf: dict) -> dict:
     from pyspark.sql import SparkSession
 
-    from support.helpers import linear_estimator
+    from support import yarn_faults
 
     started = time.time()
     builder = SparkSession.builder.master("yarn").appName("sparktrain-notebook")
-    for key, value in conf.items():
+    for key, value in {**conf, **yarn_faults.CONF}.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
-    session_seconds = time.time() - started
+    found = {"session_seconds": round(time.time() - started, 1), **notebook(spark, hdfs)}
+    found["faults"] = yarn_faults.main(spark, workdir, hdfs)
+    spark.stop()
+    return found
+
+
+def notebook(spark, hdfs: str) -> dict:
+    """The stream fit and preflight's answer to too many ranks."""
+    import numpy as np
+
+    from support.helpers import linear_estimator
+
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2000, 4))
     y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
@@ -47,13 +59,11 @@ def main(hdfs: str, conf: dict) -> dict:
     started = time.time()
     model = linear_estimator(store, input_mode="stream", epochs=4, batch_size=50,
                              lr=0.05).fit(df)
-    found = {"session_seconds": round(session_seconds, 1),
-             "fit_seconds": round(time.time() - started, 1),
-             "history": model.getHistory()["loss"],
-             "predicted": model.transform(df).count(), "too_many": too_many}
-    spark.stop()
-    return found
+    return {"fit_seconds": round(time.time() - started, 1),
+            "history": model.getHistory()["loss"],
+            "predicted": model.transform(df).count(), "too_many": too_many}
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(main(sys.argv[1], json.loads(sys.argv[2]))), flush=True)
+    result = main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+    print("RESULT " + json.dumps(result), flush=True)
