@@ -142,19 +142,25 @@ jvm_archive() {
 # Hadoop's mini clusters for the tests (tests/support/hadoop.py: a MiniDFSCluster and a
 # MiniYARNCluster in one JVM): their jars fetched once by Maven into ~/.cache/sparktrain/hadoop
 # and scripts/hadoop/MiniHadoop.java compiled against them; again only when those files change.
+# Beside them, in .../hadoop/s3a, Spark's s3a:// filesystem (hadoop-aws and the AWS SDK modules
+# it loads, ~12 MiB: scripts/hadoop/s3a/pom.xml) for the s3a tests and for users' spark.jars.
 hadoop_home="$tool_cache/hadoop"
 mini_hadoop() {
   has hadoop || return 0
   local wanted
-  wanted="$(cat scripts/hadoop/pom.xml scripts/hadoop/MiniHadoop.java | sha256sum | cut -d' ' -f1)"
+  wanted="$(cat scripts/hadoop/pom.xml scripts/hadoop/MiniHadoop.java scripts/hadoop/s3a/pom.xml \
+    | sha256sum | cut -d' ' -f1)"
   [ "$(cat "$hadoop_home/stamp" 2>/dev/null)" = "$wanted" ] && return 0
   command -v mvn >/dev/null 2>&1 \
     || die "--hadoop fetches Hadoop's jars with Maven, which was not found (apt-get install maven)"
-  say "fetching Hadoop's mini clusters with Maven into $hadoop_home (about 110 MiB and 30 s, once)"
+  say "fetching Hadoop's mini clusters and s3a with Maven into $hadoop_home (about 125 MiB and 45 s, once)"
   rm -rf "$hadoop_home.tmp" && mkdir -p "$hadoop_home.tmp/classes"
-  mvn -q -B -Dstyle.color=never -f scripts/hadoop/pom.xml dependency:copy-dependencies \
-      -DoutputDirectory="$hadoop_home.tmp/jars" >&2 \
-    || die "Maven could not fetch Hadoop's jars (see above; Maven Central must be reachable)"
+  local pom
+  for pom in jars:scripts/hadoop/pom.xml s3a:scripts/hadoop/s3a/pom.xml; do
+    mvn -q -B -Dstyle.color=never -f "${pom#*:}" dependency:copy-dependencies \
+        -DoutputDirectory="$hadoop_home.tmp/${pom%%:*}" >&2 \
+      || die "Maven could not fetch Hadoop's jars (see above; Maven Central must be reachable)"
+  done
   "${JAVA_HOME:+$JAVA_HOME/bin/}javac" -nowarn -cp "$hadoop_home.tmp/jars/*" \
       -d "$hadoop_home.tmp/classes" scripts/hadoop/MiniHadoop.java \
     || die "scripts/hadoop/MiniHadoop.java does not compile (a JDK 17 is needed, not a JRE)"

@@ -1,9 +1,16 @@
 """Stores on S3 (s3:// and s3a:// URLs): a real S3 endpoint (moto's server on 127.0.0.1,
 tests/support/s3.py), reached over HTTP by s3fs from the driver and from the ranks in Spark's
-Python workers. Spark's own s3a:// (a materialized dataset, a saved model's metadata) needs the
-cluster's hadoop-aws jars, which these tests do not have: they use input_mode="stream", where
-only sparktrain writes to the store."""
+Python workers. Spark's own s3a:// (a table, a materialized dataset, a saved model's metadata)
+needs hadoop-aws on Spark's classpath: the shared session has none (its fits stream, where only
+sparktrain writes to the store, or fail saying what to add); tests/support/s3a_fit.py runs a
+session of its own with the jars ``./scripts/setup.sh --hadoop`` fetched."""
 from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -64,3 +71,40 @@ def test_a_dataset_spark_cannot_write_to_s3_fails_naming_hadoop_aws(spark, regre
     assert "no filesystem for s3a://" in message and "org.apache.hadoop:hadoop-aws" in message
     assert 'input_mode="stream"' in message and "testing" not in message
     assert not s3.filesystem().find("sparktrain/materialized/datasets")  # nothing left behind
+
+
+S3A_JARS = os.path.join(os.path.expanduser("~"), ".cache", "sparktrain", "hadoop", "s3a")
+
+
+@pytest.mark.slow
+def test_an_s3a_table_trains_into_an_s3_store_with_credentials_from_the_environment(s3):
+    """tests/support/s3a_fit.py: Spark writes and reads a Parquet table on s3a://, a
+    materialized fit writes its dataset there and checkpoints on s3://, and the secret key,
+    given only in the environment, is nowhere in the store, the logs or the store's repr."""
+    import pyspark
+
+    jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
+    if not glob.glob(os.path.join(jars, "hadoop-client-api-3.5.*.jar")):
+        pytest.skip("the s3a jars (scripts/hadoop/s3a/pom.xml) match Hadoop 3.5, pyspark 4's")
+    if not glob.glob(os.path.join(S3A_JARS, "hadoop-aws-*.jar")):
+        pytest.skip("Spark's s3a jars are not set up: run ./scripts/setup.sh --hadoop")
+    secret = "sparktrain-test-secret-4c1f9e"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "PYSPARK_GATEWAY_PORT")}
+    env.update(AWS_ACCESS_KEY_ID="AKIASPARKTRAINTEST", AWS_SECRET_ACCESS_KEY=secret)
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, os.path.join(here, "support", "s3a_fit.py"),
+                           s3.endpoint, S3A_JARS], capture_output=True, text=True,
+                          timeout=540, cwd=os.path.dirname(here), env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stdout[-3000:] + done.stderr[-6000:]
+    found = json.loads(lines[0][len("RESULT "):])
+    print(found)
+    assert found["table_rows"] == 2000 and found["mse"] < 1.0, found
+    loss = found["history"]
+    assert len(loss) == 4 and loss[-1] < loss[0] / 4, found
+    assert any(p.startswith("datasets/") and p.endswith(".parquet") for p in found["store"])
+    assert any(p.endswith(".ckpt") for p in found["store"]), found["store"]
+    assert any(p.endswith(".parquet") for p in found["table"]), found["table"]
+    assert not found["secret_in"] and not found["secret_in_repr"], found
+    assert secret not in done.stdout + done.stderr
