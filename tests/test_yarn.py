@@ -29,7 +29,7 @@ def hadoop(tmp_path_factory):
     from sparktrain import fork_safety
 
     fork_safety.install()  # this process's own HDFS clients (fsspec's, below) fork safely too
-    with MiniHadoop(str(tmp_path_factory.mktemp("hadoop")), node_managers=2) as cluster:
+    with MiniHadoop(str(tmp_path_factory.mktemp("hadoop")), node_managers=2, gpus=2) as cluster:
         yield cluster
 
 
@@ -169,23 +169,49 @@ def test_spark_submit_client_mode_predicts_with_the_model_on_hdfs(hadoop, digits
     assert len(labels) == 1797 and (logits.argmax(axis=1) == labels).mean() >= 0.9
 
 
-@pytest.fixture(scope="module")
-def edge_node(hadoop):
-    """tests/support/yarn_client.py's findings: a notebook's session on YARN, then the faults
-    of tests/support/yarn_faults.py in it (the last stops a NodeManager for good, so this
-    fixture comes after the spark-submit tests in this module)."""
+def _client_script(hadoop, name: str, *args: str) -> dict:
+    """Run tests/support/NAME.py, a Python session on YARN in client mode (as a notebook on an
+    edge node), and return what it printed after ``RESULT``."""
     # a Python session takes its executors' Python from PYSPARK_PYTHON, not from the
     # spark.pyspark.python of its builder (pyspark's SparkContext reads the variable)
     env = dict(os.environ, **hadoop.env(), PYSPARK_PYTHON=sys.executable)
     env.pop("JAVA_TOOL_OPTIONS", None)
-    done = subprocess.run([sys.executable, os.path.join(HERE, "support", "yarn_client.py"),
-                           hadoop.workdir, hadoop.hdfs, json.dumps(yarn_conf(hadoop))],
-                          capture_output=True, text=True, timeout=840, cwd=ROOT, env=env)
+    done = subprocess.run([sys.executable, os.path.join(HERE, "support", f"{name}.py"), *args,
+                           json.dumps(yarn_conf(hadoop))], capture_output=True, text=True,
+                          timeout=840, cwd=ROOT, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, done.stdout[-3000:] + _errors(done.stderr)
     found = json.loads(lines[0][len("RESULT "):])
     print(json.dumps(found, indent=1))
     return found
+
+
+def test_gpus_on_yarn_are_allocated_by_yarn_and_a_whole_one_given_to_each_rank(hadoop):
+    """tests/support/yarn_gpus.py: YARN allocates a yarn.io/gpu to each executor's container;
+    ETL tasks share a GPU (amount 0.5) while the training stage gets one per rank (stage-level
+    scheduling on YARN, Spark >= 3.5.1)."""
+    import re
+
+    found = _client_script(hadoop, "yarn_gpus", hadoop.conf_dir, hadoop.hdfs)
+    assert sum(found["allocated"]) == 2, found  # one per executor, none for the AM
+    etl = found["etl"]
+    assert all(gpus == ["0"] for gpus, _, _ in etl), etl
+    shared = [(a, b) for i, a in enumerate(etl) for b in etl[i + 1:]
+              if a[1] < b[2] and b[1] < a[2]]
+    assert shared, f"no two tasks ran at once: {etl}"
+    lines = "\n".join(found["lines"])
+    assert "the training stage asks for 1 GPU and 2 CPU(s) per rank" in lines, lines
+    ranks = re.findall(r"\[rank (\d+)\] GPU 0 \(", lines)  # its task's GPU, its ordinal
+    assert sorted(ranks) == ["0", "1"], lines
+    assert found["loss"][-1] < found["loss"][0] / 2, found
+
+
+@pytest.fixture(scope="module")
+def edge_node(hadoop):
+    """tests/support/yarn_client.py's findings: a notebook's session on YARN, then the faults
+    of tests/support/yarn_faults.py in it (the last stops a NodeManager for good, so this
+    fixture comes after the other YARN tests in this module)."""
+    return _client_script(hadoop, "yarn_client", hadoop.workdir, hadoop.hdfs)
 
 
 def test_a_notebook_session_on_yarn_fits_a_stream(edge_node):

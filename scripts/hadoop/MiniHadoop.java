@@ -10,24 +10,32 @@ import org.apache.hadoop.fs.permission.FsPermission;
 import org.apache.hadoop.hdfs.MiniDFSCluster;
 import org.apache.hadoop.yarn.conf.YarnConfiguration;
 import org.apache.hadoop.yarn.server.MiniYARNCluster;
+import org.apache.hadoop.yarn.util.resource.ResourceUtils;
 
 /**
  * A MiniDFSCluster (one NameNode, one DataNode) and a MiniYARNCluster (a ResourceManager and
  * NODE_MANAGERS NodeManagers) in this JVM, for sparktrain's tests:
  *
- *   java -cp JARS:CLASSES MiniHadoop WORKDIR NODE_MANAGERS NM_MEMORY_MB NM_VCORES
+ *   java -cp JARS:CLASSES MiniHadoop WORKDIR NODE_MANAGERS NM_MEMORY_MB NM_VCORES [NM_GPUS]
  *
+ * With NM_GPUS > 0, GPUs are a resource type (yarn.io/gpu, scheduled by the
+ * DominantResourceCalculator) and each NodeManager offers NM_GPUS of them, declared in its
+ * configuration as Hadoop's own resource-type tests do (no devices: YARN counts, it does not
+ * isolate; Spark's discovery script announces the container's addresses).
  * writes WORKDIR/conf/{core,hdfs,yarn}-site.xml (the HADOOP_CONF_DIR clients use), prints
  * "READY hdfs://127.0.0.1:PORT" and runs until its standard input closes. A file
  * WORKDIR/control/stop-nm-I stops NodeManager I for good (a machine lost, as a test's fault):
  * the file is renamed to stop-nm-I.done once the NodeManager has stopped.
  */
 public final class MiniHadoop {
+  private static final String GPU = "yarn.io/gpu";
+
   public static void main(String[] args) throws Exception {
     File work = new File(args[0]).getAbsoluteFile();
     int nodeManagers = Integer.parseInt(args[1]);
     int memory = Integer.parseInt(args[2]);
     int vcores = Integer.parseInt(args[3]);
+    int gpus = args.length > 4 ? Integer.parseInt(args[4]) : 0;
     File confDir = new File(work, "conf");
     confDir.mkdirs();
 
@@ -58,6 +66,13 @@ public final class MiniHadoop {
     yarn.set("yarn.scheduler.capacity.maximum-am-resource-percent", "1.0");
     yarn.setInt("yarn.nodemanager.delete.debug-delay-sec", 600);  // container logs kept
     yarn.set("yarn.log-aggregation-enable", "false");
+    if (gpus > 0) {
+      yarn.set("yarn.resource-types", GPU);
+      yarn.setInt("yarn.nodemanager.resource-type." + GPU, gpus);
+      yarn.set("yarn.scheduler.capacity.resource-calculator",
+               "org.apache.hadoop.yarn.util.resource.DominantResourceCalculator");
+      ResourceUtils.resetResourceTypes(yarn);
+    }
     MiniYARNCluster cluster = new MiniYARNCluster("sparktrain", nodeManagers, 1, 1);
     cluster.init(yarn);
     cluster.start();
@@ -81,6 +96,9 @@ public final class MiniHadoop {
     }
     client.set("yarn.resourcemanager.scheduler.class",
                started.get("yarn.resourcemanager.scheduler.class"));
+    if (gpus > 0) {  // a client asks for a resource only of a type it knows
+      client.set("yarn.resource-types", GPU);
+    }
     write(client, new File(confDir, "yarn-site.xml"));
     write(new Configuration(false), new File(confDir, "hdfs-site.xml"));
     File control = new File(work, "control");

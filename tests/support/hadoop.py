@@ -40,9 +40,10 @@ class MiniHadoop:
     JVM ends when its standard input closes, so also when this process dies)."""
 
     def __init__(self, workdir: str, node_managers: int = 2, memory_mb: int = 4096,
-                 vcores: int = 4) -> None:
+                 vcores: int = 4, gpus: int = 0) -> None:
         self.workdir = os.path.abspath(workdir)
         self.node_managers, self.memory_mb, self.vcores = node_managers, memory_mb, vcores
+        self.gpus = gpus  # per NodeManager, as the resource type yarn.io/gpu (counted only)
         self.conf_dir = os.path.join(self.workdir, "conf")
         self.log_path = os.path.join(self.workdir, "mini-hadoop.log")
         self.hdfs = ""
@@ -61,7 +62,8 @@ class MiniHadoop:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [java, "-Xmx768m", "-XX:TieredStopAtLevel=1", "-cp", classpath, "MiniHadoop",
-                 self.workdir, str(self.node_managers), str(self.memory_mb), str(self.vcores)],
+                 self.workdir, str(self.node_managers), str(self.memory_mb), str(self.vcores),
+                 str(self.gpus)],
                 stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env,
                 cwd=self.workdir)
         deadline = time.monotonic() + START_SECONDS
