@@ -133,6 +133,48 @@ def test_a_child_sees_the_gpu_its_address_stands_for(monkeypatch):
     assert gpu_environment(["0", "1"]) == {"CUDA_VISIBLE_DEVICES": "2,3"}  # ... or positions
 
 
+class _Barrier:
+    """What :func:`~sparktrain.launch.local_ranks.places` reads of a barrier task holding
+    Spark's GPU addresses ``gpus``."""
+
+    def __init__(self, gpus):
+        from types import SimpleNamespace
+
+        self.gpus = gpus
+        self.getTaskInfos = lambda: [SimpleNamespace(address="10.0.0.5:4040")]
+        self.resources = lambda: {"gpu": SimpleNamespace(addresses=gpus)}
+        self.partitionId, self.cpus, self.stageId = (lambda: 0), (lambda: 4), (lambda: 7)
+
+
+@pytest.mark.parametrize("outer,spark", [("2,3", ["0", "1"]), ("2,3", ["2", "3"]),
+                                          ("", ["0", "1"]), ("7,6", ["1", "0"])])
+def test_each_local_rank_finds_the_gpu_spark_gave_it_once_translated(monkeypatch, outer, spark):
+    """The executor's CUDA_VISIBLE_DEVICES (a container runtime's) and Spark's addresses,
+    positions in it or its entries: each local rank's process sees exactly the GPU its address
+    stands for, and finds it as its device 0 (it was translated twice: rank 1 failed)."""
+    from sparktrain.launch.local_ranks import places, rank_environment
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", outer)
+    entries = outer.split(",") if outer else []
+    want = [entries[int(a)] if entries and a not in entries else a for a in spark]
+    ranks = places(_Barrier(spark), len(spark))
+    for place, gpu in zip(ranks, want, strict=True):
+        child = rank_environment(place)["CUDA_VISIBLE_DEVICES"]
+        assert child == gpu, (place, child)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", child)  # in the local rank's process
+        assert cuda_ordinal(place.resources["gpu"][0], 1, "torch") == 0
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", outer)
+
+
+def test_a_keras_worker_sees_every_gpu_of_its_task_translated(monkeypatch):
+    from sparktrain.launch.tf_multiworker import child_environment
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    gpus = worker_gpus({"gpu": ["0", "1"]}, True)
+    assert child_environment("{}", gpus)["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert child_environment("{}", None)["CUDA_VISIBLE_DEVICES"] == ""  # a CPU worker
+
+
 def test_a_local_rank_finds_its_gpu_among_the_visible(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6")
     assert cuda_ordinal("6", 1, "torch") == 0  # a local rank sees only its own GPU

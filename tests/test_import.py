@@ -141,7 +141,7 @@ def test_rank_side_code_never_imports_an_estimator_or_pyspark_ml():
 #: reader sees the folders); a new package or top-level module must be placed here.
 LAYERS = (
     ("foundation", ("sparktrain.errors", "sparktrain.faults", "sparktrain.fs",
-                    "sparktrain.fork_safety",
+                    "sparktrain.fork_safety", "sparktrain.sockets",
                     "sparktrain.plugins", "sparktrain.pickling", "sparktrain.model_files",
                     "sparktrain.fit_hooks")),
     # every option declared once, and made from them the specs (and beside them the payloads)

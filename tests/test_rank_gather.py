@@ -92,6 +92,8 @@ def test_a_stranger_without_the_secret_is_not_counted(tmp_path):
     server = GatherServer(2, "127.0.0.1")
     try:
         host, port, _ = server.address.split()
+        with pytest.raises(ConnectionRefusedError):  # it listens on rank 0's address only
+            socket.create_connection(("127.0.0.2", int(port)), timeout=5)
         stranger = RankGather(f"{host} {port} {'0' * 32}", 1)  # wrong secret, rank 1's place
         ranks = {}
 

@@ -43,6 +43,9 @@ def _batches(partition, rows, per_batch=250, val_every=0):
     return out
 
 
+SECRET = "f" * 64  # the fit's key (RowsPlan.secret), as the driver draws it
+
+
 def test_a_partition_reaches_each_rank_in_order_split_by_split():
     got = collections.defaultdict(list)
     lock = threading.Lock()
@@ -54,10 +57,11 @@ def test_a_partition_reaches_each_rank_in_order_split_by_split():
                     (start, batch.column("id").to_pylist()))
         return on_batch
 
-    receivers = [Receiver(receive(r), host="127.0.0.1") for r in range(2)]
+    receivers = [Receiver(receive(r), host="127.0.0.1", secret=SECRET) for r in range(2)]
     try:
         sent = send_partition(_batches(1, 3000, val_every=4), {"epoch": 0, "partition": 1},
-                              [r.address for r in receivers], ["id", "x"], SPLIT_COL, chunk=500)
+                              [r.address for r in receivers], ["id", "x"], SPLIT_COL, chunk=500,
+                              secret=SECRET)
         deadline = time.monotonic() + 30  # the receivers' threads may still be reading
         while sum(len(p) for parts in list(got.values()) for _, p in parts) < 3000:
             assert time.monotonic() < deadline, "the receivers did not get every row"
@@ -79,11 +83,57 @@ def test_a_partition_reaches_each_rank_in_order_split_by_split():
             assert [i for _, p in parts for i in p] == mine
 
 
+def test_the_feed_listens_on_its_host_and_reads_nothing_without_the_fits_secret(caplog):
+    """A rank's receiver binds the address it publishes (not every interface) and reads no
+    byte from a connection that does not first prove the fit's secret: a stranger's rows sent
+    straight away, or a feeder of another fit, are dropped (logged once per peer); the real
+    feeder's rows then arrive whole."""
+    import socket
+
+    caplog.set_level("WARNING", logger="sparktrain")
+    got = []
+    receiver = Receiver(lambda header, start, batch: got.extend(batch.column("id").to_pylist()),
+                        host="127.0.0.1", secret=SECRET)
+    try:
+        host, port = receiver.sock.getsockname()[:2]
+        assert host == "127.0.0.1" and receiver.address == f"127.0.0.1:{port}"
+        with pytest.raises(ConnectionRefusedError):  # loopback, but not the address it bound
+            socket.create_connection(("127.0.0.2", port), timeout=5)
+        stranger = socket.create_connection(("127.0.0.1", port), timeout=5)
+        rows = pa.RecordBatch.from_pydict({"id": [666], "x": [6.0]})
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, rows.schema) as writer:
+            writer.write_batch(rows)
+        header = json.dumps({"epoch": 0, "partition": 0, "split": "train"}).encode() + b"\n"
+        stranger.sendall(b"\0" * 32 + header + sink.getvalue().to_pybytes())  # no proof
+        stranger.settimeout(10)
+        stranger.recv(64)  # the receiver's challenge
+        try:  # then it hangs up (a reset: what the stranger sent was never read)
+            assert stranger.recv(64) == b""
+        except ConnectionResetError:
+            pass
+        stranger.close()
+        with pytest.raises(OSError):  # a feeder with another fit's key is hung up on
+            send_partition(_batches(0, 5000), {"epoch": 0, "partition": 0},
+                           [receiver.address], ["id", "x"], SPLIT_COL, secret="0" * 64)
+        sent = send_partition(_batches(0, 300), {"epoch": 0, "partition": 0},
+                              [receiver.address], ["id", "x"], SPLIT_COL, secret=SECRET)
+        deadline = time.monotonic() + 30
+        while len(got) < 300:
+            assert time.monotonic() < deadline, got
+            time.sleep(0.01)
+    finally:
+        receiver.close()
+    assert sent == {"train": 300} and sorted(got) == list(range(300))  # no 666, no repeats
+    refused = [r.getMessage() for r in caplog.records if "did not prove" in r.getMessage()]
+    assert len(refused) == 1 and "127.0.0.1" in refused[0], refused
+
+
 def _spec(tmp_path, counts, **extra):
     columns = [ColumnSpec("id", "scalar", "int64").to_json(),
                ColumnSpec("x", "scalar", "float32").to_json()]
     plan = RowsPlan("fed", counts=counts, chunk=100, feed_dir=str(tmp_path / "feed"),
-                    cache_limit=extra.pop("cache_limit", None))
+                    cache_limit=extra.pop("cache_limit", None), secret=SECRET)
     return SimpleNamespace(rows=plan, storage_options={}, columns=columns, batch_size=64,
                            val_batch_size=64, shuffle=True, seed=3, **extra)
 
@@ -91,7 +141,7 @@ def _spec(tmp_path, counts, **extra):
 def _feed(rows, epoch, partitions):
     for p, n in enumerate(partitions):
         send_partition(_batches(p, n), {"epoch": epoch, "partition": p}, rows.addresses,
-                       ["id", "x"], SPLIT_COL, chunk=100)
+                       ["id", "x"], SPLIT_COL, chunk=100, secret=SECRET)
 
 
 def _ids(batches):
@@ -136,7 +186,7 @@ def test_a_rank_with_fewer_rows_repeats_some_so_that_every_rank_steps_alike(tmp_
     shard = rows.readers["train"]
     try:
         assert shard.rows == 200 and shard.most == 300 and len(shard) == 5
-        rank0 = Receiver(lambda header, start, batch: None, host="127.0.0.1")
+        rank0 = Receiver(lambda header, start, batch: None, host="127.0.0.1", secret=SECRET)
         rows.addresses = [rank0.address, rows.addresses[1]]
         feeder = threading.Thread(target=_feed, args=(rows, 0, [500]))
         feeder.start()

@@ -15,7 +15,10 @@ from the run's last checkpoint (an epoch boundary) with the ranks that can run n
 * **Shrink**: a failed generation (a rank, executor or machine lost) is not re-run by Spark
   with the same ranks: the job is cancelled (at once when the cluster's slot count drops below
   the generation's ranks, else when a rank reports the fault) and the next generation starts.
-  An error in the user's code is never retried.
+  An error in the user's code is never retried. Where the loss left fewer slots than
+  ``min_num_proc`` (every executor of the fit was on the lost machine), the next generation
+  waits up to ``spark.sparktrain.slotWaitSeconds`` for the cluster manager's replacements
+  (YARN starts new containers in tens of seconds) before failing with the counts.
 * **Grow**: a watcher polls the slot count; when slots beyond the generation's ranks stay free
   for ``spark.sparktrain.elastic.growAfterSeconds`` (default 20; a flapping node does not
   restart the fit every epoch), it asks the ranks to regroup. They stop at the next epoch end,
@@ -282,7 +285,8 @@ def run_elastic(spark: Any, plan: ElasticPlan, task: Callable[[Any], Any],
     slots = _SlotCount(spark, plan, options.get("profile"), per_task)
     try:
         while True:
-            ranks = plan.ranks(slots.now(), per_task)
+            ranks = plan.ranks(slots.now() if not index else _after_loss(spark, slots, plan),
+                               per_task)
             generation = Generation(index, plan.num_proc, ranks, plan.batch,
                                     f"{root}/regroup-{index}", storage_options)
             _announce(generation, before, why, on_progress)
@@ -316,6 +320,28 @@ def run_elastic(spark: Any, plan: ElasticPlan, task: Callable[[Any], Any],
             fs.rm(local_root, recursive=True)
         except (FileNotFoundError, OSError):
             pass
+
+
+def _after_loss(spark: Any, slots: "_SlotCount", plan: ElasticPlan) -> Optional[int]:
+    """The slots for the generation after a change: at once where at least ``min_num_proc``
+    are there, else after waiting up to the slot wait for replacements (a cluster manager
+    starting new executors) to bring them back."""
+    from sparktrain.launch.barrier import DEFAULT_SLOT_WAIT_SECONDS, SLOT_WAIT_CONF
+    from sparktrain.session.spark_api import conf_value
+
+    count = slots.now()
+    if count is None or count >= plan.min_num_proc:
+        return count
+    wait = float(conf_value(spark, SLOT_WAIT_CONF, None) or DEFAULT_SLOT_WAIT_SECONDS)
+    log.info("the cluster has %d task slot(s) for min_num_proc=%d: waiting up to %gs for "
+             "replacement executors (%s)", count, plan.min_num_proc, wait, SLOT_WAIT_CONF)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        time.sleep(POLL_SECONDS)
+        count = slots.now()
+        if count is None or count >= plan.min_num_proc:
+            return count
+    return count
 
 
 def _last_line(error: TrainingError) -> str:

@@ -290,16 +290,20 @@ def cuda_ordinal(address: str, visible: int, framework: str) -> int:
     return int(address)
 
 
-def gpu_environment(addresses: Any) -> Dict[str, str]:
-    """Environment for a process that must see only these GPUs (a local rank, a TensorFlow
-    worker): ``CUDA_VISIBLE_DEVICES``; ``addresses``: one address, a list, or ``None``.
+def physical_gpus(addresses: Any) -> List[str]:
+    """Spark's GPU ``addresses`` (one, comma-separated, or a list) as the entries of this
+    process's ``CUDA_VISIBLE_DEVICES`` they stand for: where an executor already sees a
+    subset (set by a container runtime or a node manager), Spark's addresses may be its
+    entries (kept) or positions in it (mapped). Translating once, in the process that starts
+    a rank, is what lets the rank find its GPU: a second translation in the child, against
+    its own narrowed variable, gave another GPU or none.
 
-    Where this process already sees a subset (an executor whose ``CUDA_VISIBLE_DEVICES`` is
-    set, e.g. by a container runtime) and Spark's addresses are positions in it rather than
-    its entries, each is mapped to the entry it stands for: the child sees the same GPU."""
+    Example (``CUDA_VISIBLE_DEVICES=2,3``): ``physical_gpus(["0", "1"]) == ["2", "3"]``,
+    ``physical_gpus("3") == ["3"]``."""
     if addresses is None:
-        return {}
-    listed = [addresses] if isinstance(addresses, str) else list(addresses)
+        return []
+    text = [addresses] if isinstance(addresses, str) else list(addresses)
+    listed = [a.strip() for item in text for a in str(item).split(",") if a.strip()]
     outer = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
              if d.strip()]
 
@@ -309,4 +313,12 @@ def gpu_environment(addresses: Any) -> Dict[str, str]:
             return address
         return outer[int(address)]
 
-    return {"CUDA_VISIBLE_DEVICES": ",".join(physical(a) for a in listed)} if listed else {}
+    return [physical(a) for a in listed]
+
+
+def gpu_environment(addresses: Any) -> Dict[str, str]:
+    """Environment for a process that must see only these GPUs (a local rank, a TensorFlow
+    worker): ``CUDA_VISIBLE_DEVICES`` of their :func:`physical_gpus`; ``addresses``: one
+    address, several comma-separated, a list, or ``None``."""
+    listed = physical_gpus(addresses)
+    return {"CUDA_VISIBLE_DEVICES": ",".join(listed)} if listed else {}

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import cloudpickle
 
 from sparktrain.data.sources.contract import TaskInput
-from sparktrain.launch.gpus import gpu_environment
+from sparktrain.launch.gpus import gpu_environment, physical_gpus
 from sparktrain.launch.rank_context import Place, RankContext
 from sparktrain.launch.rank_run import FAILURE_TAG, run_rank
 from sparktrain.launch.zygote import die_with_starter, dying_with_me
@@ -55,7 +55,7 @@ def places(barrier: Any, ranks_per_task: int) -> List[Place]:
     infos = barrier.getTaskInfos()
     task_hosts = [info.address.rsplit(":", 1)[0] for info in infos]
     resources = {name: list(info.addresses) for name, info in barrier.resources().items()}
-    gpus = resources.get("gpu", [])
+    gpus = physical_gpus(resources.get("gpu", []))  # each rank's, as its process will see it
     if len(gpus) != ranks_per_task:
         raise RuntimeError(f"this task was planned for {ranks_per_task} ranks, one per GPU, "
                            f"but Spark gave it {len(gpus)} GPU(s): {gpus}")

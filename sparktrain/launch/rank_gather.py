@@ -36,6 +36,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Set
 
+from sparktrain.sockets import listen
+
 _HEADER = struct.Struct("!I")  # a frame: its length, then that many bytes of UTF-8
 CONNECT_SECONDS = 60.0  # how long a rank tries to reach rank 0's server
 HANDSHAKE_SECONDS = 10.0  # how long the server waits for a new connection to say who it is
@@ -81,12 +83,7 @@ class GatherServer:
         self.on_lost = on_lost
         self.lost = threading.Event()  # a rank died without a goodbye
         self._secret = secrets.token_hex(16)
-        if socket.has_dualstack_ipv6():
-            self._listener = socket.create_server(("", 0), family=socket.AF_INET6,
-                                                  dualstack_ipv6=True)
-        else:
-            self._listener = socket.create_server(("", 0))
-        self._listener.listen(world_size)
+        self._listener, host = listen(host, world_size)  # rank 0's executor address only
         self.address = f"{host} {self._listener.getsockname()[1]} {self._secret}"
         self._closed = threading.Event()
         self._wake, self._waker = socket.socketpair()  # close() -> the serving thread

@@ -78,6 +78,9 @@ class RowsPlan:
     # shuffled, read in a Keras child process: the files its task spooled, split -> [path,
     # rows per epoch] (sparktrain.data.sources.shuffled)
     spooled: Optional[Dict[str, List[Any]]] = None
+    # fed: the fit's key, which feeders prove to the ranks' receivers (fed_wire's lock); in
+    # the fit's payload only, never in the store or a repr
+    secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.way not in WAYS:

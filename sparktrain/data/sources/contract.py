@@ -101,7 +101,8 @@ class RowSource:
         if self.plan.way == "fed":
             from sparktrain.data.sources.fed_driver import Feeding
 
-            with Feeding(spark, self.frame, self.plan.feed_dir, storage_options):
+            with Feeding(spark, self.frame, self.plan.feed_dir, storage_options,
+                         self.plan.secret):
                 yield None
         elif self.plan.way == "own":
             from sparktrain.data.sources.own_partition import OwnPartitionStage

@@ -70,8 +70,8 @@ class Feeding:
     manager; see the module docstring)."""
 
     def __init__(self, spark: SparkSession, df: DataFrame, folder: str,
-                 storage_options: Optional[Dict[str, Any]] = None) -> None:
-        self.spark, self.df = spark, df
+                 storage_options: Optional[Dict[str, Any]] = None, secret: str = "") -> None:
+        self.spark, self.df, self.secret = spark, df, secret
         self.folder = FeedFolder(folder, storage_options)
         self.names = [c for c in df.columns if c != SPLIT_COL]
         self.stop = threading.Event()
@@ -163,7 +163,8 @@ class Feeding:
         with self.lock:
             self.watched[tag] = [epoch, None, time.monotonic()]
         marks = self.folder if self.marked else None
-        names, partition_fn = self.names, _feeder(self.names, epoch, addresses, tag, marks)
+        names = self.names
+        partition_fn = _feeder(names, epoch, addresses, tag, marks, self.secret)
         try:
             with job_tag(self.spark, tag, f"sparktrain: rows for epoch {epoch + 1}"):
                 rows = self.df.mapInArrow(partition_fn, "rows long").collect()
@@ -187,9 +188,10 @@ class Feeding:
 
 
 def _feeder(names: List[str], epoch: int, addresses: List[str], tag: str,
-            marks: Optional[FeedFolder]) -> Any:
+            marks: Optional[FeedFolder], secret: str) -> Any:
     """The function each feeding task runs over its partition's Arrow batches; ``marks``: the
-    feed folder where tasks mark their start and end (Spark Connect)."""
+    feed folder where tasks mark their start and end (Spark Connect); ``secret``: the fit's
+    key for the ranks' receivers (in the function's closure: the job's payload only)."""
     folder, options = (marks.folder, marks.storage_options) if marks is not None else ("", {})
 
     def feed(batches: Any) -> Any:
@@ -205,7 +207,7 @@ def _feeder(names: List[str], epoch: int, addresses: List[str], tag: str,
             wire.task_mark(tag, partition, "started")
         try:
             sent = send_partition(batches, {"epoch": epoch, "partition": partition},
-                                  addresses, names, split_col=SPLIT_COL)
+                                  addresses, names, split_col=SPLIT_COL, secret=secret)
         finally:
             if wire is not None:
                 wire.task_mark(tag, partition, "ended")

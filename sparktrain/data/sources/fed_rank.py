@@ -55,9 +55,10 @@ class FedRows:
 
     def __init__(self, spec: LoopSpec, rank: int, world_size: int,
                  all_gather: Optional[Callable[[str], List[str]]],
-                 say: Optional[Callable[[str], None]] = None) -> None:
+                 say: Optional[Callable[[str], None]] = None, host: str = "") -> None:
         plan = spec.rows
         self.rank, self.world_size, self.chunk = rank, world_size, plan.chunk
+        self.host, self.plan_secret = host, plan.secret  # where and how the receiver listens
         self.folder = FeedFolder(plan.feed_dir, spec.storage_options) if plan.feed_dir else None
         columns = [ColumnSpec.from_json(c) for c in spec.columns]
         self.error: Optional[BaseException] = None
@@ -93,7 +94,8 @@ class FedRows:
         """Listen for the feeders and agree with the other ranks on where each listens."""
         if all_gather is None:
             raise RuntimeError("rows fed beside the ranks need the ranks' all_gather")
-        self.receiver = Receiver(self._on_batch, self._on_error)
+        self.receiver = Receiver(self._on_batch, self._on_error, self.host,
+                                 secret=self.plan_secret)
         mine = {"address": self.receiver.address, "token": uuid.uuid4().hex[:12],
                 "re_read": any(not r.cached for r in self.readers.values())}
         everyone = [json.loads(text) for text in all_gather(json.dumps(mine))]

@@ -20,16 +20,28 @@ in step never wait on a feeder stuck behind another rank, and every rank's share
 partition is known from the partition's row count alone (:func:`share`). One connection per
 (rank, split) carries a JSON header line, then an Arrow IPC stream of the rank's rows in order.
 
+**The lock**: a rank's receiver listens on its executor's address only (the one it publishes,
+never every interface) and reads nothing from a connection before it proved the fit's secret
+(``RowsPlan.secret``, drawn by the driver, travelling only inside the fit's payload to the ranks
+and the feeding tasks): it sends a fresh random challenge, the feeder answers with its HMAC
+(SHA-256) under the secret and waits for the receiver's word; a wrong or late answer closes
+the connection (the feeder raises ``ConnectionError``), logged once per peer. A stranger
+cannot put rows into a rank's training data; the receiver closes with the rank.
+
 Example::
 
-    receiver = Receiver(on_batch)        # on a rank: on_batch(header, start, record_batch)
-    receiver.address                         # "host:port", published for the feeders
-    send_partition(batches, {"epoch": 0, "partition": 3}, ["h:1", "h:2"], ["x", "y"])
+    receiver = Receiver(on_batch, host="10.0.0.5", secret=plan.secret)  # on a rank
+    receiver.address                         # "10.0.0.5:port", published for the feeders
+    send_partition(batches, {"epoch": 0, "partition": 3}, ["h:1", "h:2"], ["x", "y"],
+                   secret=plan.secret)
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import socket
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -39,6 +51,28 @@ import numpy as np
 log = logging.getLogger("sparktrain")
 
 FAILED = "failed"
+CHALLENGE_BYTES = 32  # the receiver's random challenge; the answer is an HMAC-SHA256 (32 bytes)
+HANDSHAKE_SECONDS = 10.0  # how long a receiver waits for a new connection's answer
+ACCEPTED = b"\x01"  # the receiver's word that the answer was right: rows may follow
+
+
+def new_secret() -> str:
+    """A fit's key for its row feed (``RowsPlan.secret``)."""
+    return secrets.token_hex(32)
+
+
+def _proof(secret: str, challenge: bytes) -> bytes:
+    return hmac.new(secret.encode(), b"sparktrain-feed:" + challenge, hashlib.sha256).digest()
+
+
+def _exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        part = sock.recv(size - len(data))
+        if not part:
+            raise ConnectionError("the connection closed")
+        data += part
+    return data
 
 
 class FeedFolder:
@@ -165,9 +199,12 @@ def dealt(start: int, rows: int, partition: int, world_size: int, chunk: int = C
 class _Connection:
     """One Arrow IPC stream to one rank (opened on the first rows it gets)."""
 
-    def __init__(self, address: str, header: Dict[str, Any]) -> None:
+    def __init__(self, address: str, header: Dict[str, Any], secret: str) -> None:
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS)
+        self.sock.sendall(_proof(secret, _exactly(self.sock, CHALLENGE_BYTES)))
+        if _exactly(self.sock, len(ACCEPTED)) != ACCEPTED:  # ConnectionError if refused
+            raise ConnectionError(f"the row feed at {address} refused this feeder")
         self.sock.settimeout(None)  # a full receiver holds us back: that is the flow control
         self.file = self.sock.makefile("wb", buffering=1 << 20)
         self.file.write(json.dumps(header).encode() + b"\n")
@@ -191,10 +228,11 @@ class _Connection:
 
 def send_partition(batches: Iterable[Any], header: Dict[str, Any], addresses: Sequence[str],
                    names: Sequence[str], split_col: Optional[str] = None,
-                   chunk: int = CHUNK_ROWS) -> Dict[str, int]:
+                   chunk: int = CHUNK_ROWS, *, secret: str) -> Dict[str, int]:
     """Send the Arrow record ``batches`` of partition ``header["partition"]`` to the ranks at
     ``addresses``, dealt as the module docstring says, per split when ``split_col`` names the
-    split of each row (else all rows are ``"train"``); rows sent per split."""
+    split of each row (else all rows are ``"train"``), proving the fit's ``secret`` to each;
+    rows sent per split."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -215,7 +253,7 @@ def send_partition(batches: Iterable[Any], header: Dict[str, Any], addresses: Se
                     key = (split, int(rank))
                     if key not in connections:
                         connections[key] = _Connection(addresses[rank],
-                                                       dict(header, split=split))
+                                                       dict(header, split=split), secret)
                     connections[key].write(part.take(pa.array(np.flatnonzero(ranks == rank))))
                 sent[split] = sent.get(split, 0) + part.num_rows
     finally:
@@ -229,15 +267,22 @@ class Receiver:
     ``on_batch(header, start, batch)`` (``start``: the batch's first row among the rows this
     connection carried; from the connection's thread, in the order it was sent; a slow
     ``on_batch`` holds the feeder back). A broken connection (a feeder task that
-    failed: Spark runs it again) is dropped; ``on_error(exc)`` hears of other errors."""
+    failed: Spark runs it again) is dropped; ``on_error(exc)`` hears of other errors.
+
+    It listens on ``host`` (this executor's address as Spark knows it; this machine's when
+    empty) and serves only connections that prove ``secret`` (the module docstring)."""
 
     def __init__(self, on_batch: Callable[[Dict[str, Any], int, Any], None],
                  on_error: Optional[Callable[[BaseException], None]] = None,
-                 host: str = "") -> None:
-        self.on_batch, self.on_error = on_batch, on_error
-        self.sock = socket.create_server((host, 0), backlog=64)
-        port = self.sock.getsockname()[1]
-        self.address = f"{host or _host_address()}:{port}"
+                 host: str = "", *, secret: str) -> None:
+        if not secret:
+            raise ValueError("a row feed's receiver needs the fit's secret")
+        self.on_batch, self.on_error, self.secret = on_batch, on_error, secret
+        from sparktrain.sockets import listen
+
+        self.sock, host = listen(host or _host_address())
+        self.address = f"{host}:{self.sock.getsockname()[1]}"
+        self.refused: set = set()  # peers already logged
         self.closed = False
         threading.Thread(target=self._accept, name="sparktrain-feed", daemon=True).start()
 
@@ -250,9 +295,39 @@ class Receiver:
             threading.Thread(target=self._serve, args=(conn,), name="sparktrain-feed-conn",
                              daemon=True).start()
 
+    def _proven(self, conn: socket.socket) -> bool:
+        """Whether the peer proved the fit's secret; logs a peer that did not, once."""
+        challenge = secrets.token_bytes(CHALLENGE_BYTES)
+        try:
+            conn.settimeout(HANDSHAKE_SECONDS)  # a silent stranger cannot hold a thread long
+            conn.sendall(challenge)
+            answer = _exactly(conn, len(_proof(self.secret, challenge)))
+            conn.settimeout(None)
+        except OSError:
+            answer = b""
+        if hmac.compare_digest(answer, _proof(self.secret, challenge)):
+            try:
+                conn.sendall(ACCEPTED)
+                return True
+            except OSError:
+                return False
+        try:
+            peer = conn.getpeername()[0]
+        except OSError:
+            peer = "an unknown address"
+        if peer not in self.refused:
+            self.refused.add(peer)
+            log.warning("the row feed on %s closed a connection from %s that did not prove "
+                        "the fit's secret (nothing was read from it; further ones from there "
+                        "are not logged)", self.address, peer)
+        return False
+
     def _serve(self, conn: socket.socket) -> None:
         import pyarrow as pa
 
+        if not self._proven(conn):
+            conn.close()
+            return
         try:
             with conn, conn.makefile("rb", buffering=1 << 20) as stream:
                 line = stream.readline()
