@@ -146,24 +146,32 @@ class _Barrier:
         self.partitionId, self.cpus, self.stageId = (lambda: 0), (lambda: 4), (lambda: 7)
 
 
+CHILD = ("import os, sys; from sparktrain.launch.gpus import cuda_ordinal; "
+         "print(os.environ['CUDA_VISIBLE_DEVICES'], cuda_ordinal(sys.argv[1], 1, 'torch'))")
+
+
 @pytest.mark.parametrize("outer,spark", [("2,3", ["0", "1"]), ("2,3", ["2", "3"]),
+                                          ("2,3", ["1"]), ("4,5,6,7", ["0", "1", "2", "3"]),
                                           ("", ["0", "1"]), ("7,6", ["1", "0"])])
 def test_each_local_rank_finds_the_gpu_spark_gave_it_once_translated(monkeypatch, outer, spark):
     """The executor's CUDA_VISIBLE_DEVICES (a container runtime's) and Spark's addresses,
-    positions in it or its entries: each local rank's process sees exactly the GPU its address
-    stands for, and finds it as its device 0 (it was translated twice: rank 1 failed)."""
+    positions in it or its entries, for 1, 2 and 4 local ranks: each local rank's process (a
+    real child, started with the environment the parent gives it) sees exactly the GPU its
+    address stands for, and finds it as its device 0 (it was translated twice: rank 1 failed
+    "torch sees 1 GPU(s)")."""
+    import subprocess
+    import sys
+
     from sparktrain.launch.local_ranks import places, rank_environment
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", outer)
     entries = outer.split(",") if outer else []
     want = [entries[int(a)] if entries and a not in entries else a for a in spark]
-    ranks = places(_Barrier(spark), len(spark))
-    for place, gpu in zip(ranks, want, strict=True):
-        child = rank_environment(place)["CUDA_VISIBLE_DEVICES"]
-        assert child == gpu, (place, child)
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", child)  # in the local rank's process
-        assert cuda_ordinal(place.resources["gpu"][0], 1, "torch") == 0
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", outer)
+    for place, gpu in zip(places(_Barrier(spark), len(spark)), want, strict=True):
+        child = subprocess.run([sys.executable, "-c", CHILD, place.resources["gpu"][0]],
+                               env=rank_environment(place), capture_output=True, text=True,
+                               timeout=60)
+        assert child.stdout.split() == [gpu, "0"], (place, child.stdout, child.stderr)
 
 
 def test_a_keras_worker_sees_every_gpu_of_its_task_translated(monkeypatch):
