@@ -69,8 +69,9 @@ _MEMORY_HINT = ("If memory is the cause, give the executors more (spark.executor
 def lost_rank_text(rank: int, host: str) -> str:
     """What the fit says about a rank whose process ended without a Python error."""
     return (f"rank {rank}'s process on {host} ended without a Python error: it was killed by "
-            f"a signal (SIGKILL, most often from the operating system's out-of-memory killer) "
-            f"or crashed in native code. {_MEMORY_HINT}")
+            f"a signal (SIGKILL, most often from the operating system's out-of-memory killer, "
+            f"or its executor was lost: a killed container, a lost machine) or crashed in "
+            f"native code. {_MEMORY_HINT}")
 
 
 def killed_text(what: str, signal_number: int) -> str:

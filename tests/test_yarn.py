@@ -222,7 +222,7 @@ def test_a_notebook_session_on_yarn_fits_a_stream(edge_node):
     too_many = edge_node["too_many"]  # preflight's answer to 5 ranks on 2 one-core executors
     assert "num_proc=5 needs 5 task slots" in too_many and "master yarn" in too_many, too_many
     assert "spark.executor.instances (now 2)" in too_many, too_many
-    assert "spark.yarn.queue" in too_many and "spark.executor.memory (now 1600m)" in too_many
+    assert "spark.yarn.queue" in too_many and "spark.executor.memory (now 1800m)" in too_many
 
 
 FORK_AFTER_HDFS = """
@@ -264,8 +264,11 @@ def test_faults_on_yarn_are_survived(edge_node):
     found = edge_node["faults"]
     interrupted = found["interrupted"]
     assert interrupted["to_caller_s"] < 30, interrupted
+    # the run again resumed from the checkpoint there was at the interrupt, or from the one
+    # its ranks finished while they stopped (the epoch in flight: pacing makes it ~1 s)
     resumed = [a["start_epoch"] for a in interrupted["attempts"]]
-    assert resumed == [0, interrupted["checkpoint_epochs"]], interrupted
+    epochs = interrupted["checkpoint_epochs"]
+    assert resumed[0] == 0 and epochs <= resumed[1] <= epochs + 1 < 4, interrupted
     for name in ("interrupted", "container", "node_manager"):
         fit = found[name]
         loss = fit["history"]["loss"]

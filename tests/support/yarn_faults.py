@@ -6,11 +6,13 @@ clusters (tests/support/hadoop.py, 2 NodeManagers), every store on their HDFS.
 * ``container``: a fit of 2 ranks whose executor is SIGKILLed after epoch 1 (a container lost:
   YARN reports it, Spark asks for another); the fit resumes from its checkpoint on 2 ranks.
 * ``node_manager``: ``num_proc=2, min_num_proc=1``; after epoch 1 the NodeManager running a
-  rank's executor and not the ApplicationMaster stops for good (its containers die with it, and
+  rank's executor and not the ApplicationMaster stops for good (its container dies with it, and
   the other NodeManager has no room for a new executor); the fit goes on with 1 rank.
 
-The executors are sized (1984 MiB with their overhead, NodeManagers of 4096 MiB) so that the
-ApplicationMaster and both executors never share a NodeManager: the one to stop always exists.
+The executors are sized (2240 MiB with their overhead, rounded up by YARN; NodeManagers of 4096
+MiB, the ApplicationMaster 640) so that a NodeManager holds one executor at most: the
+ApplicationMaster shares one with an executor, the other executor is alone on the other, and a
+replacement fits only where an executor was lost. Every run places them alike.
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ def node_manager(store: str, df, paced_until: str, app_id: str, workdir: str) ->
     return {**found, **{k: v for k, v in marks.items() if k != "at"}}
 
 
-CONF = {"spark.executor.memory": "1600m",  # the sizes of the module's docstring
+CONF = {"spark.executor.memory": "1800m",  # the sizes of the module's docstring
         "spark.sparktrain.slotWaitSeconds": "120",  # a new container starts in ~30 s here
         "spark.sparktrain.elastic.growAfterSeconds": "600"}
 
