@@ -125,3 +125,36 @@ def test_no_regroup_after_the_last_epoch(tmp_path):
     last = EpochDriver(rank=0, world_size=2, epochs=1, run_path=str(tmp_path / "run"),
                        log=lambda line: None, generation=Generation(0, 3, 2, "global", str(flag)))
     assert last.run(_Training()) is None
+
+
+class _Slots:
+    """The cluster's slot count over time: ``counts`` one per look (the last repeats), as
+    executors are lost and a cluster manager starts replacements."""
+
+    def __init__(self, *counts):
+        self.counts, self.looks = list(counts), 0
+
+    def now(self):
+        self.looks += 1
+        return self.counts[min(self.looks, len(self.counts)) - 1]
+
+
+def test_after_a_loss_below_min_num_proc_the_next_generation_waits_for_replacements(spark):
+    """Every executor lost at once (a NodeManager holding them all): the next generation
+    waits up to the slot wait for the cluster manager's replacements, then starts with
+    them; where none come, it has the count to fail with."""
+    from sparktrain.launch.barrier import SLOT_WAIT_CONF
+    from sparktrain.launch.elastic import _after_loss
+
+    plan = ElasticPlan(num_proc=2, min_num_proc=1)
+    spark.conf.set(SLOT_WAIT_CONF, "30")
+    try:
+        replaced = _Slots(0, 0, 1)
+        assert _after_loss(spark, replaced, plan) == 1 and replaced.looks == 3
+        assert _after_loss(spark, _Slots(2), plan) == 2  # enough at once: no wait
+        spark.conf.set(SLOT_WAIT_CONF, "2")
+        assert _after_loss(spark, _Slots(0), plan) == 0  # none came: the count to fail with
+    finally:
+        spark.conf.unset(SLOT_WAIT_CONF)
+    with pytest.raises(RuntimeError, match="min_num_proc=1 needs 1 task slots"):
+        plan.ranks(0)
