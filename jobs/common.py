@@ -187,14 +187,13 @@ def run(args: argparse.Namespace, build_estimator: Callable, app_name: str) -> i
     print(f"saved to {output}; reloaded model's test {name}: {again:.4f}")
     for row in reloaded.transform(test_df).select(label, output_col).limit(3).collect():
         print(f"  {label}={row[label]}  prediction={_prediction(row[output_col], args.task)}")
-    import sparktrain
-
     print(json.dumps({"test_" + name: score, "reloaded_test_" + name: again,
                       "fit_seconds": round(fit_seconds, 2), "model_path": output,
                       # where the driver's Python and sparktrain came from (on YARN: the
                       # shipped environment's, in the container's folder)
                       "python": sys.executable,
-                      "sparktrain": os.path.dirname(sparktrain.__file__)}))
+                      "sparktrain": os.path.dirname(importlib.util.find_spec("sparktrain")
+                                                    .origin or "")}))
 
     if abs(again - score) > 1e-6:
         print("error: the reloaded model predicts differently", file=sys.stderr)

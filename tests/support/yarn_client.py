@@ -49,13 +49,17 @@ def notebook(spark, hdfs: str) -> dict:
                                "features array<double>, label double").repartition(3).cache()
     df.count()
     store = f"{hdfs}/user/sparktrain/notebook-store"
+    wait = spark.conf.get("spark.sparktrain.slotWaitSeconds", None)
     spark.conf.set("spark.sparktrain.slotWaitSeconds", "1")  # the executors ran df.count()
     try:  # more ranks than the 2 executors' slots: preflight says so, naming YARN's settings
         linear_estimator(store, input_mode="stream", num_proc=5).fit(df)
         too_many = "fitted"
     except Exception as exc:  # noqa: BLE001 - the message is what is checked
         too_many = f"{type(exc).__name__}: {exc}"
-    spark.conf.unset("spark.sparktrain.slotWaitSeconds")
+    if wait is None:  # the session's own setting again (unset would drop the builder's too)
+        spark.conf.unset("spark.sparktrain.slotWaitSeconds")
+    else:
+        spark.conf.set("spark.sparktrain.slotWaitSeconds", wait)
     started = time.time()
     model = linear_estimator(store, input_mode="stream", epochs=4, batch_size=50,
                              lr=0.05).fit(df)
