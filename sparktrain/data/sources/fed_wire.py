@@ -48,6 +48,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import numpy as np
 
+from sparktrain.sockets import listen
+
 log = logging.getLogger("sparktrain")
 
 FAILED = "failed"
@@ -278,8 +280,6 @@ class Receiver:
         if not secret:
             raise ValueError("a row feed's receiver needs the fit's secret")
         self.on_batch, self.on_error, self.secret = on_batch, on_error, secret
-        from sparktrain.sockets import listen
-
         self.sock, host = listen(host or _host_address())
         self.address = f"{host}:{self.sock.getsockname()[1]}"
         self.refused: set = set()  # peers already logged
