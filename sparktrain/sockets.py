@@ -4,6 +4,7 @@ address can be bound here (docs/security.md lists each listener).
 Example::
 
     sock, host = listen("10.0.0.5")   # bound to 10.0.0.5 on a free port; peers dial 10.0.0.5
+    data = receive_exactly(connection, 32)  # exactly 32 bytes, or ConnectionError
 """
 from __future__ import annotations
 
@@ -30,3 +31,15 @@ def listen(host: str, backlog: int = 64) -> Tuple[socket.socket, str]:
             log.warning("cannot listen on %s (%s): listening on every interface of this "
                         "machine instead", host, exc)
         return socket.create_server(("", 0), backlog=backlog), host
+
+
+def receive_exactly(sock: socket.socket, size: int) -> bytes:
+    """``size`` bytes from ``sock``, or ``ConnectionError`` if it closes first."""
+    parts, left = [], size
+    while left:
+        part = sock.recv(min(left, 1 << 20))
+        if not part:
+            raise ConnectionError("the connection closed")
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)

@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Set
 
-from sparktrain.sockets import listen
+from sparktrain.sockets import listen, receive_exactly
 
 _HEADER = struct.Struct("!I")  # a frame: its length, then that many bytes of UTF-8
 CONNECT_SECONDS = 60.0  # how long a rank tries to reach rank 0's server
@@ -53,19 +53,8 @@ def _send(sock: socket.socket, text: str) -> None:
 
 
 def _receive(sock: socket.socket) -> str:
-    header = _exactly(sock, _HEADER.size)
-    return _exactly(sock, _HEADER.unpack(header)[0]).decode("utf-8")
-
-
-def _exactly(sock: socket.socket, size: int) -> bytes:
-    parts, left = [], size
-    while left:
-        part = sock.recv(min(left, 1 << 20))
-        if not part:
-            raise ConnectionError("the connection closed")
-        parts.append(part)
-        left -= len(part)
-    return b"".join(parts)
+    header = receive_exactly(sock, _HEADER.size)
+    return receive_exactly(sock, _HEADER.unpack(header)[0]).decode("utf-8")
 
 
 class GatherServer:

@@ -48,7 +48,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from sparktrain.sockets import listen
+from sparktrain.sockets import listen, receive_exactly
 
 log = logging.getLogger("sparktrain")
 
@@ -66,15 +66,6 @@ def new_secret() -> str:
 def _proof(secret: str, challenge: bytes) -> bytes:
     return hmac.new(secret.encode(), b"sparktrain-feed:" + challenge, hashlib.sha256).digest()
 
-
-def _exactly(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        part = sock.recv(size - len(data))
-        if not part:
-            raise ConnectionError("the connection closed")
-        data += part
-    return data
 
 
 class FeedFolder:
@@ -204,8 +195,8 @@ class _Connection:
     def __init__(self, address: str, header: Dict[str, Any], secret: str) -> None:
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=CONNECT_SECONDS)
-        self.sock.sendall(_proof(secret, _exactly(self.sock, CHALLENGE_BYTES)))
-        if _exactly(self.sock, len(ACCEPTED)) != ACCEPTED:  # ConnectionError if refused
+        self.sock.sendall(_proof(secret, receive_exactly(self.sock, CHALLENGE_BYTES)))
+        if receive_exactly(self.sock, len(ACCEPTED)) != ACCEPTED:  # ConnectionError if refused
             raise ConnectionError(f"the row feed at {address} refused this feeder")
         self.sock.settimeout(None)  # a full receiver holds us back: that is the flow control
         self.file = self.sock.makefile("wb", buffering=1 << 20)
@@ -301,7 +292,7 @@ class Receiver:
         try:
             conn.settimeout(HANDSHAKE_SECONDS)  # a silent stranger cannot hold a thread long
             conn.sendall(challenge)
-            answer = _exactly(conn, len(_proof(self.secret, challenge)))
+            answer = receive_exactly(conn, len(_proof(self.secret, challenge)))
             conn.settimeout(None)
         except OSError:
             answer = b""
