@@ -59,6 +59,7 @@ class FedRows:
         plan = spec.rows
         self.rank, self.world_size, self.chunk = rank, world_size, plan.chunk
         self.host, self.plan_secret = host, plan.secret  # where and how the receiver listens
+        self.say = say
         self.folder = FeedFolder(plan.feed_dir, spec.storage_options) if plan.feed_dir else None
         columns = [ColumnSpec.from_json(c) for c in spec.columns]
         self.error: Optional[BaseException] = None
@@ -153,6 +154,8 @@ class FedRows:
             f"retried):\n{text}"), "the feeding job (on the driver's side)")
 
     def close(self) -> None:
+        if self.say is not None:
+            self.say(f"row feed: {self.receiver.traffic()}")
         self.receiver.close()
         for reader in self.readers.values():
             reader.drop()

@@ -274,6 +274,8 @@ class Receiver:
         self.sock, host = listen(host or _host_address())
         self.address = f"{host}:{self.sock.getsockname()[1]}"
         self.refused: set = set()  # peers already logged
+        self.served: Dict[str, List[int]] = {}  # peer address -> [connections, rows]
+        self.lock = threading.Lock()
         self.closed = False
         threading.Thread(target=self._accept, name="sparktrain-feed", daemon=True).start()
 
@@ -320,6 +322,12 @@ class Receiver:
             conn.close()
             return
         try:
+            peer = conn.getpeername()[0]
+        except OSError:
+            peer = "?"
+        with self.lock:
+            self.served.setdefault(peer, [0, 0])[0] += 1
+        try:
             with conn, conn.makefile("rb", buffering=1 << 20) as stream:
                 line = stream.readline()
                 if not line:
@@ -335,11 +343,24 @@ class Receiver:
                         return
                     self.on_batch(header, start, batch)
                     start += batch.num_rows
+                    with self.lock:
+                        self.served[peer][1] += batch.num_rows
         except (OSError, pa.ArrowInvalid) as exc:  # the feeder went away: its retry resends
             log.debug("feed connection dropped: %s", exc)
         except BaseException as exc:  # noqa: BLE001 - reported to the rank, which raises it
             if self.on_error is not None:
                 self.on_error(exc)
+
+    def traffic(self) -> str:
+        """What was served so far, for the rank's log: connections, the hosts they came
+        from, and the rows that crossed from another host."""
+        own = self.address.rsplit(":", 1)[0]
+        with self.lock:
+            served = dict(self.served)
+        rows = sum(r for _, r in served.values())
+        crossed = sum(r for peer, (_, r) in served.items() if peer != own)
+        return (f"{sum(c for c, _ in served.values())} feeder connection(s) from "
+                f"{len(served)} host(s); {rows} rows, {crossed} of them from another host")
 
     def close(self) -> None:
         self.closed = True

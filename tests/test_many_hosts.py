@@ -1,0 +1,177 @@
+"""Many hosts on one machine: a standalone Master and three 2-core Workers, each in a network
+namespace of its own with its own address (``tests/support/host_net.py``), the driver on the
+bridge between them, and a fifth namespace for a stranger on the same network.
+
+A streamed DDP fit (rows fed beside the ranks) trains with its ranks on several hosts, while
+the test watches every host's listening sockets (``ss -tlnp`` in its namespace)
+and has the stranger connect to each listener of the ranks' Python processes as soon as it
+appears, sending a plausible header and junk: no listener is bound to every interface, the
+fit learns as an undisturbed one does, and the row feed logs each refused stranger once.
+
+Not here: Horovod across these hosts (its Gloo HTTP store's requests fail and the ranks abort;
+seen with the bed, not yet explained).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from support.host_net import HostNet, available
+from support.standalone import StandaloneCluster
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER_HOSTS = (1, 2, 3)
+STRANGER = 4
+WILDCARDS = ("0.0.0.0", "::", "*")
+
+# what the stranger runs against one listener: connect, send a feed header and junk, read
+# what comes back until the listener closes or 3 s pass
+PROBE = textwrap.dedent('''
+    import json, socket, sys, time
+    out = {"connected": False, "received": 0, "closed": False}
+    try:
+        s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3)
+        out["connected"] = True
+        s.sendall(b'{"epoch": 0, "partition": 0, "split": "train"}\\n' + b"\\xff" * 4096)
+        end = time.time() + 3
+        while time.time() < end:
+            data = s.recv(65536)
+            if not data:
+                out["closed"] = True
+                break
+            out["received"] += len(data)
+    except OSError as exc:
+        out["error"] = type(exc).__name__
+    print(json.dumps(out))
+''')
+
+FITS = textwrap.dedent('''
+    import json, logging, os, sys
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import numpy as np
+    from pyspark.ml.linalg import Vectors
+    from sparktrain import local_spark
+    from support.helpers import linear_estimator
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    os.environ["SPARK_LOCAL_IP"] = {driver!r}
+    spark = local_spark(None, conf={{
+        "spark.master": {url!r}, "spark.driver.host": {driver!r},
+        "spark.pyspark.python": sys.executable, "spark.executor.memory": "768m",
+        "spark.executor.cores": "2", "spark.sparktrain.slotWaitSeconds": "90"}})
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3000, 4))
+    y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
+    df = spark.createDataFrame([(Vectors.dense(a.tolist()), float(b)) for a, b in zip(x, y)],
+                               ["features", "label"]).repartition(6).cache()
+    df.count()
+    est = linear_estimator({store!r}, num_proc=3, input_mode="stream", epochs=4,
+                           batch_size=32, verbose=1)
+    print("RESULT " + json.dumps(est.fit(df).getHistory()["loss"]), flush=True)
+''')
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    """The bed: ``(net, cluster)``; Workers 1-3 of 2 cores, host 4 left for the stranger."""
+    why = available()
+    if why is not None:
+        pytest.skip(f"no network namespaces here: {why}")
+    workdir = tmp_path_factory.mktemp("hosts")
+    with HostNet(hosts=5) as net:
+        cluster = StandaloneCluster(workdir, host=(net.address(0), net.enter(0))).start()
+        try:
+            for host in WORKER_HOSTS:
+                cluster.add_worker(cores=2, memory="2g", host=(net.address(host), net.enter(host)))
+            yield net, cluster
+        finally:
+            cluster.stop()
+
+
+class ListenerWatch:
+    """Polls every worker host's listening sockets while a fit runs; the stranger probes each
+    new one that a Python process holds on a non-loopback address."""
+
+    def __init__(self, net: HostNet) -> None:
+        self.net, self.seen, self.probes = net, {}, {}
+        self.stop = threading.Event()
+        self.pool = ThreadPoolExecutor(8)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _probe(self, key, address: str, port: int) -> None:
+        out = subprocess.run(self.net.enter(STRANGER) + [sys.executable, "-c", PROBE, address,
+                                                           str(port)],
+                             capture_output=True, text=True, timeout=30).stdout
+        self.probes[key] = json.loads(out.strip().splitlines()[-1])
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.15):
+            for host in WORKER_HOSTS:
+                for sock in self.net.listeners(host):
+                    key = (host, sock["address"], sock["port"])
+                    if key in self.seen:
+                        continue
+                    self.seen[key] = sock
+                    if sock["process"].startswith("python") and \
+                            not sock["address"].startswith(("127.", "::1")):
+                        self.pool.submit(self._probe, key, sock["address"], sock["port"])
+
+    def __enter__(self) -> "ListenerWatch":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.pool.shutdown(wait=True)
+
+
+def test_fits_across_hosts_keep_their_listeners_to_themselves(hosts, tmp_path):
+    net, cluster = hosts
+    code = FITS.format(root=ROOT, tests=os.path.join(ROOT, "tests"), driver=net.driver,
+                       url=cluster.url, store=str(tmp_path / "store-"))
+    env = dict(os.environ, SPARK_LOCAL_IP=net.driver)
+    errors = tmp_path / "fits.log"  # kept for a failure's reader
+    with ListenerWatch(net) as watch, open(errors, "w") as stderr:
+        run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                               stderr=stderr, text=True, cwd=ROOT, env=env)
+        timer = threading.Timer(540, run.kill)
+        timer.start()
+        out = list(run.stdout)
+        run.wait()
+        timer.cancel()
+    log = errors.read_text()
+    lines = [line for line in out if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, (watch.probes, "".join(out)[-2000:] + log[-6000:])
+    history = json.loads(lines[0][len("RESULT "):])
+
+    python = {key: sock for key, sock in watch.seen.items()
+              if sock["process"].startswith("python")}
+    # the ranks ran on three hosts, each listening on its own address only
+    assert {key[1] for key in python} >= {net.address(h) for h in WORKER_HOSTS}, python
+    assert not [s for s in python.values() if s["address"] in WILDCARDS], python
+    # the stranger reached listeners of the ranks (the row feeds at least) and got nothing in
+    assert len(watch.probes) >= len(WORKER_HOSTS), (watch.probes, python)
+    assert any(p["connected"] for p in watch.probes.values()), watch.probes
+    # the fit learned as an undisturbed one does (tests/test_stream.py: loss under 0.05)
+    assert history[-1] < 0.05 and history[-1] < history[0] / 10, history
+    # the row feeds said who they refused, once each, and took their rows from the feeders
+    refused = re.findall(r"row feed on ([\d.]+:\d+) closed a connection from ([\d.]+)", log)
+    assert refused and {peer for _, peer in refused} == {net.address(STRANGER)}, log[-4000:]
+    assert len(refused) == len(set(refused)), refused
+    traffic = re.findall(r"row feed: (\d+) feeder connection\(s\) from (\d+) host\(s\); "
+                         r"(\d+) rows, (\d+) of them from another host", log)
+    assert len(traffic) == len(WORKER_HOSTS), log[-4000:]
+    assert sum(int(rows) for _, _, rows, _ in traffic) == 3000, traffic
+    print("listeners:", json.dumps({f"{k[0]} {k[1]}:{k[2]}": v for k, v in watch.probes.items()}))
+    print("row feed traffic per rank:", traffic)
