@@ -19,7 +19,11 @@ What listens, and where (see docs/security.md):
   ranks through ``allGather`` and their environment; it travels in plain HTTP, so it keeps
   out whoever cannot see the fit's traffic, not an eavesdropper on the executors' network.
 - Gloo's sockets bind to the interface of each rank's executor address (``HOROVOD_GLOO_IFACE``).
-  They are unauthenticated plain TCP, as in any Horovod job.
+  They are unauthenticated plain TCP, as in any Horovod job. One exception, Horovod's own:
+  its process-set contexts (``GlooContext::InitializeForProcessSet`` in 0.28.1) make their
+  device without that interface, so Gloo takes the first address the host's name resolves
+  to. Across hosts that must be an address the others reach: :func:`check_host_name` says
+  so before ``hvd.init()`` instead of letting Gloo abort the process.
 
 Learning rate: used as given (Horovod's Spark estimators multiply it by ``hvd.size()``,
 horovod/spark/torch/remote.py in 0.28.1; ``scale_learning_rate=True`` does that here).
@@ -29,6 +33,7 @@ from rank 0 before the first step.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import secrets
 import socket
@@ -37,6 +42,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from sparktrain.faults import mark_user_error
 from sparktrain.launch.engine import TorchEngine
 from sparktrain.launch.rank_context import RankContext
 from sparktrain.launch.torch_ddp import interface_for
@@ -48,6 +54,39 @@ def _interface_for(ip: str) -> str:
     if name is None:
         raise RuntimeError(f"no network interface holds {ip}; set HOROVOD_GLOO_IFACE")
     return name
+
+
+def host_name_address() -> Optional[str]:
+    """The address Gloo binds where no interface is named: the first that this machine's
+    host name resolves to (gloo/transport/tcp's ``lookupAddrForHostname``), or None."""
+    try:
+        found = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    return str(found[0][4][0]) if found else None
+
+
+def check_host_name(ips: List[str], rank: int) -> None:
+    """Fail, not retried, where ranks span hosts and this host's name resolves to nothing or
+    to a loopback address: Horovod's process-set Gloo context would listen there and the
+    other hosts' ranks could not connect (Gloo aborts the process; see the module docstring).
+
+    Example::
+
+        check_host_name(["10.0.0.5", "10.0.0.6"], rank=1)   # on 10.0.0.6
+    """
+    if len(set(ips)) < 2:
+        return
+    address = host_name_address()
+    if address is not None and not ipaddress.ip_address(address).is_loopback:
+        return
+    raise mark_user_error(RuntimeError(
+        f"backend='horovod' with ranks on {len(set(ips))} hosts: this host's name "
+        f"{socket.gethostname()!r} resolves to {address or 'no address'}, and Horovod "
+        f"connects its process-set Gloo context through that address whatever "
+        f"HOROVOD_GLOO_IFACE says, so ranks on other hosts cannot reach it. Make the host "
+        f"name resolve to the executor's address ({ips[rank]}) in DNS or /etc/hosts (some "
+        f"images map it to 127.0.1.1), or use backend='torch'"), "the executors' host names")
 
 
 def slot_for(hosts: List[str], rank: int) -> Tuple[Any, List[Any]]:
@@ -145,6 +184,7 @@ class HorovodTorch(TorchEngine):
 
         self.device, self.hvd = device, hvd
         ips = [socket.gethostbyname(h) for h in ctx.hosts]
+        check_host_name(ips, ctx.rank)
         slot, plan = slot_for(ips, ctx.rank)
         self._server = RendezvousServer(ips[0], plan) if ctx.rank == 0 else None
         self._saved: Dict[str, Optional[str]] = {}

@@ -61,8 +61,9 @@ class HostNet:
 
     def enter(self, host: int) -> List[str]:
         """The command prefix that runs a command on ``host``: in its network namespace, and
-        in a UTS namespace of its own named ``host<N>`` (machines have their own names, and
-        Horovod tells hosts apart by them)."""
+        in a UTS namespace of its own named ``host<N>``, a name that resolves to its address
+        there (Gloo's devices bind to what the host name resolves to where no interface is
+        named)."""
         return ["ip", "netns", "exec", self.names[host], "unshare", "--uts", "sh", "-c",
                 'hostname "$0" && exec "$@"', f"host{host}"]
 
@@ -80,6 +81,13 @@ class HostNet:
             _ip("-n", name, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
             _ip("-n", name, "link", "set", "eth0", "up")
             _ip("-n", name, "link", "set", "lo", "up")
+        # what DNS gives on a cluster: every host's name resolves to its address (``ip netns
+        # exec`` mounts /etc/netns/<name>/hosts over /etc/hosts)
+        names = "".join(f"{self.address(h)} host{h}\n" for h in range(self.hosts))
+        for name in self.names:
+            os.makedirs(f"/etc/netns/{name}", exist_ok=True)
+            with open(f"/etc/netns/{name}/hosts", "w") as hosts:
+                hosts.write("127.0.0.1 localhost\n::1 localhost\n" + names)
         return self
 
     def listeners(self, host: int) -> List[dict]:
@@ -110,6 +118,7 @@ class HostNet:
                 except (ProcessLookupError, ValueError):
                     pass
             _ip("netns", "del", name, check=False)
+            shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
         _ip("link", "del", self.bridge, check=False)
         self.made.clear()
 
