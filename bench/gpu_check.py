@@ -25,6 +25,9 @@ Checks (one ``CHECK <name> PASS|FAIL|SKIP <figures>`` line each):
 * ``local_ranks``: a task holding every GPU of the machine runs one rank process per GPU
   (``launch.local_ranks``, ``CUDA_VISIBLE_DEVICES`` its own), one NCCL group; the rank loop
   trains in it. On the CPU: two ranks on fake GPUs, gloo.
+* ``local_ranks_uuid``: the same where the executor's ``CUDA_VISIBLE_DEVICES`` lists its GPUs
+  by UUID (as YARN's or Kubernetes' GPU plugins may) and Spark's addresses are positions in
+  it: each rank is shown its own ``GPU-<uuid>`` and computes on ``cuda:0``.
 * ``no_jvm``: no SparkContext/gateway/session exists at the end.
 
 Run on the GPU machine from the repository root (pure-Python pyspark and py4j on the path)::
@@ -670,24 +673,41 @@ def _local_rank(spec: Any, payload_bytes: bytes, ctx: Any) -> Dict[str, Any]:
             "history": result.get("history") if ctx.rank == 0 else None}
 
 
-def check_local_ranks(env: Env) -> Dict[str, Any]:
+def _gpu_uuids(env: Env, count: int) -> List[str]:
+    """The GPUs as a node manager or container runtime lists them in ``CUDA_VISIBLE_DEVICES``
+    (``GPU-<uuid>``); made-up ones on the CPU."""
+    if not env.gpu:
+        return [f"GPU-fake-{i}" for i in range(count)]
+    return [f"GPU-{torch.cuda.get_device_properties(i).uuid}" for i in range(count)]
+
+
+def check_local_ranks(env: Env, outer: str = "unset") -> Dict[str, Any]:
     """``launch.local_ranks.run_places``: a task holding every GPU of the machine runs one rank
     process per GPU (``CUDA_VISIBLE_DEVICES``: its own), joined into one NCCL group, as a Spark
     task with ``spark.task.resource.gpu.amount=N`` does; on the CPU, two ranks on fake GPUs
-    (gloo)."""
+    (gloo). ``outer="uuid"``: the executor already sees its GPUs as ``GPU-<uuid>`` entries and
+    Spark's addresses are positions in that list; they are translated once, where the ranks
+    start (``launch.gpus.physical_gpus``, as ``local_ranks.places`` does), and each rank must
+    find its GPU as ``cuda:0``."""
+    from sparktrain.launch.gpus import physical_gpus
     from sparktrain.launch.local_ranks import run_places
     from sparktrain.launch.rank_context import Place
 
     count = torch.cuda.device_count() if env.gpu else 2
-    gpus = [str(i) for i in range(count)]
-    run = os.path.join(env.root, "runs", "local_ranks")
+    gpus = [str(i) for i in range(count)]  # Spark's addresses
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    expected = gpus
+    if outer == "uuid":
+        expected = _gpu_uuids(env, count)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(expected)
+    run = os.path.join(env.root, "runs", f"local_ranks_{outer}")
     os.makedirs(run)
-    spec = rank_loops.torch_spec(regression_data(env, "local-ranks-data"), use_gpu=True,
-                                 run_path=run)
+    spec = rank_loops.torch_spec(regression_data(env, f"local-ranks-{outer}-data"),
+                                 use_gpu=True, run_path=run)
     shipped = rank_loops.torch_payload([Probe(probe_path(spec))])
     places = [Place(i, count, ["127.0.0.1"] * count, env.cpus, {"gpu": [gpu]}, 0, i, count)
-              for i, gpu in enumerate(gpus)]
-    where = (os.path.join(env.root, "local-ranks-launch"), None, False, 1)
+              for i, gpu in enumerate(physical_gpus(gpus))]
+    where = (os.path.join(env.root, f"local-ranks-{outer}-launch"), None, False, 1)
     if not env.gpu:
         os.environ["SPARKTRAIN_FAKE_GPUS"] = ",".join(gpus)  # the ranks train on the CPU
     start = time.perf_counter()
@@ -695,10 +715,14 @@ def check_local_ranks(env: Env) -> Dict[str, Any]:
         results = dict(run_places(functools.partial(_local_rank, spec, shipped), where, places))
     finally:
         os.environ.pop("SPARKTRAIN_FAKE_GPUS", None)
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
     seconds = time.perf_counter() - start
     expect(sorted(results) == list(range(count)), f"ranks {sorted(results)}")
     shown = [results[rank]["visible"] for rank in range(count)]
-    expect(shown == gpus, f"CUDA_VISIBLE_DEVICES per rank {shown}, expected {gpus}")
+    expect(shown == expected, f"CUDA_VISIBLE_DEVICES per rank {shown}, expected {expected}")
     expect([results[r]["local_rank"] for r in range(count)] == gpus, "LOCAL_RANK per rank")
     losses = results[0]["history"]["loss"]
     expect(losses[-1] < 0.5 * losses[0], f"loss did not halve: {losses}")
@@ -735,6 +759,7 @@ CHECKS: Dict[str, Callable[[Env], Dict[str, Any]]] = {
     "ddp_throughput": check_throughput,
     "gpu_feed": check_feed,
     "local_ranks": check_local_ranks,
+    "local_ranks_uuid": lambda env: check_local_ranks(env, "uuid"),
     "no_jvm": check_no_jvm,
 }
 
