@@ -1,6 +1,6 @@
-"""Many hosts on one machine: a standalone Master and three 2-core Workers, each in a network
-namespace of its own with its own address (``tests/support/host_net.py``), the driver on the
-bridge between them, and a fifth namespace for a stranger on the same network.
+"""Many hosts on one machine: a standalone Master and four 2-core Workers, each in a network
+namespace of its own with its own address and host name (``tests/support/host_net.py``), the
+driver on the bridge between them, and a sixth namespace for a stranger on the same network.
 
 A streamed fit (rows fed beside the ranks) trains with its ranks on several hosts, with DDP
 and with Horovod, while the test watches every host's listening sockets (``ss -tlnp`` in its
@@ -31,8 +31,8 @@ from support.standalone import StandaloneCluster
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER_HOSTS = (1, 2, 3)
-STRANGER = 4
+WORKER_HOSTS = (1, 2, 3, 4)
+STRANGER = 5
 WILDCARDS = ("0.0.0.0", "::", "*")
 
 # what the stranger runs against one listener: connect, send a feed header and junk, read
@@ -78,7 +78,7 @@ FITS = textwrap.dedent('''
     df.count()
     result = {{}}
     for backend in ("torch", "horovod"):
-        est = linear_estimator({store!r} + backend, num_proc=3, input_mode="stream", epochs=4,
+        est = linear_estimator({store!r} + backend, num_proc=4, input_mode="stream", epochs=4,
                                batch_size=32, backend=backend, verbose=1)
         result[backend] = est.fit(df).getHistory()["loss"]
     print("RESULT " + json.dumps(result), flush=True)
@@ -87,12 +87,13 @@ FITS = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
-    """The bed: ``(net, cluster)``; Workers 1-3 of 2 cores, host 4 left for the stranger."""
+    """The bed: ``(net, cluster)``; Workers on hosts 1-4, 2 cores each (a rank and a feeding
+    task), host 5 left for the stranger."""
     why = available()
     if why is not None:
         pytest.skip(f"no network namespaces here: {why}")
     workdir = tmp_path_factory.mktemp("hosts")
-    with HostNet(hosts=5) as net:
+    with HostNet(hosts=6) as net:
         cluster = StandaloneCluster(workdir, host=(net.address(0), net.enter(0))).start()
         try:
             for host in WORKER_HOSTS:
@@ -161,7 +162,7 @@ def test_fits_across_hosts_keep_their_listeners_to_themselves(hosts, tmp_path):
 
     python = {key: sock for key, sock in watch.seen.items()
               if sock["process"].startswith("python")}
-    # the ranks ran on three hosts, each listening on its own address only
+    # the ranks ran on the four hosts, each listening on its own address only
     assert {key[1] for key in python} >= {net.address(h) for h in WORKER_HOSTS}, python
     assert not [s for s in python.values() if s["address"] in WILDCARDS], python
     # the stranger reached listeners of the ranks (the row feeds at least) and got nothing in
