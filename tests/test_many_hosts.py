@@ -71,15 +71,15 @@ FITS = textwrap.dedent('''
         "spark.pyspark.python": sys.executable, "spark.executor.memory": "768m",
         "spark.executor.cores": "2", "spark.sparktrain.slotWaitSeconds": "90"}})
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(3000, 4))
+    x = rng.normal(size=(40_000, 4))
     y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
     df = spark.createDataFrame([(Vectors.dense(a.tolist()), float(b)) for a, b in zip(x, y)],
-                               ["features", "label"]).repartition(6).cache()
+                               ["features", "label"]).repartition(8).cache()
     df.count()
     result = {{}}
     for backend in ("torch", "horovod"):
         est = linear_estimator({store!r} + backend, num_proc=4, input_mode="stream", epochs=4,
-                               batch_size=32, backend=backend, verbose=1)
+                               batch_size=256, backend=backend, verbose=1)
         result[backend] = est.fit(df).getHistory()["loss"]
     print("RESULT " + json.dumps(result), flush=True)
 ''')
@@ -178,7 +178,10 @@ def test_fits_across_hosts_keep_their_listeners_to_themselves(hosts, tmp_path):
     traffic = re.findall(r"row feed: (\d+) feeder connection\(s\) from (\d+) host\(s\); "
                          r"(\d+) rows, (\d+) of them from another host", log)
     assert len(traffic) == 2 * len(WORKER_HOSTS), log[-4000:]
-    assert sum(int(rows) for _, _, rows, _ in traffic) == 2 * 3000, traffic
+    assert sum(int(rows) for _, _, rows, _ in traffic) == 2 * 40_000, traffic
+    # each of the 8 partitions (5,000 rows: 5 chunks) went to one host's rank, not to all 4:
+    # 2 feeder connections a rank, where every feeder fed every rank before (8)
+    assert all(int(connections) <= 2 for connections, _, _, _ in traffic), traffic
     print("listeners:", json.dumps({f"{k[0]} {k[1]}:{k[2]}": v for k, v in watch.probes.items()}))
     print("row feed traffic per rank:", traffic)
 

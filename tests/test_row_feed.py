@@ -15,7 +15,7 @@ import pytest
 
 from sparktrain.data.columns import SPLIT_COL, ColumnSpec
 from sparktrain.data.sources.fed_rank import FedRows, FeedFailed
-from sparktrain.data.sources.fed_wire import Receiver, dealt, send_partition, share
+from sparktrain.data.sources.fed_wire import Receiver, dealt, host_targets, send_partition, share
 from sparktrain.options.spec import RowsPlan
 
 
@@ -141,7 +141,8 @@ def _spec(tmp_path, counts, **extra):
 def _feed(rows, epoch, partitions):
     for p, n in enumerate(partitions):
         send_partition(_batches(p, n), {"epoch": epoch, "partition": p}, rows.addresses,
-                       ["id", "x"], SPLIT_COL, chunk=100, secret=SECRET)
+                       ["id", "x"], SPLIT_COL, chunk=100, secret=SECRET,
+                       targets=rows.targets[p] if rows.targets else None)
 
 
 def _ids(batches):
@@ -244,12 +245,13 @@ class _Gather:
         return gather
 
 
-def _ranks(tmp_path, partitions, world, cache_limit):
-    """``world`` FedRows of one fit (in threads: they gather their addresses)."""
+def _ranks(tmp_path, partitions, world, cache_limit, hosts=()):
+    """``world`` FedRows of one fit (in threads: they gather their addresses); ``hosts``:
+    each rank's address (loopback ones stand for hosts)."""
     gather, made = _Gather(world), {}
     spec = _spec(tmp_path, {"train": partitions}, cache_limit=cache_limit)
     threads = [threading.Thread(target=lambda r=r: made.__setitem__(
-        r, FedRows(spec, r, world, gather.of(r)))) for r in range(world)]
+        r, FedRows(spec, r, world, gather.of(r), hosts=hosts))) for r in range(world)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -312,6 +314,69 @@ def test_an_epoch_resumed_with_fewer_ranks_trains_exactly_the_rows_left(tmp_path
     assert [len(after[r]) for r in (0, 1)] == [steps, steps]  # every rank steps alike
     rest = {i for rank in after.values() for i in _ids(rank)}
     assert not rest & set(first) and rest | set(first) == expected
+
+
+def test_host_targets_keep_a_partition_on_one_host_and_the_hosts_even():
+    assert host_targets(["h"] * 4, [5000] * 8) is None  # one host: every rank, as before
+    assert host_targets(["a", "a", "b", "b"], [4000, 4000]) == [[0, 1], [2, 3]]
+    hosts = ["a", "b", "c", "b", "a", "c", "a", "b"]
+    rows = [900, 1200, 0, 3000, 800, 1500, 2200, 700, 1000, 1300, 600, 2400]
+    targets = host_targets(hosts, rows, chunk=100)
+    assert targets is not None
+    for ranks in targets:  # every partition to the ranks of one host
+        assert len({hosts[r] for r in ranks}) == 1 and ranks == sorted(ranks)
+    per_rank = [sum(n / len(t) for n, t in zip(rows, targets, strict=True) if r in t)
+                for r in range(len(hosts))]
+    assert max(per_rank) <= 1.1 * sum(rows) / len(hosts) + 100
+    # a few large partitions cannot be spread over the hosts: all-to-all
+    assert host_targets(["a", "b"], [100_000]) is None
+
+
+@pytest.mark.parametrize("cache_limit", [None, 16.0], ids=["cached", "re_read"])
+def test_ranks_on_two_hosts_get_each_partition_from_one_and_resume_exactly(tmp_path,
+                                                                           cache_limit):
+    """3 ranks on two hosts (loopback addresses stand for them): each partition's rows reach
+    the ranks of one host only; 2 ranks (one a host) resume the epoch from their positions,
+    and every row is trained exactly once over the two."""
+    from sparktrain.data.sources.trained_rows import TrainedRows
+
+    partitions = [300, 0, 450, 500, 350, 400, 250, 600]
+    expected = {p * 10**6 + i for p, n in enumerate(partitions) for i in range(n)}
+    three = _ranks(tmp_path / "a", partitions, 3, cache_limit,
+                   hosts=["127.0.0.1", "127.0.0.2", "127.0.0.2"])
+    targets = three[0].targets
+    assert targets is not None and all(rows.targets == targets for rows in three)
+    shards = [rows.readers["train"] for rows in three]
+    try:
+        threads, before = _read(shards, take=4)
+        _feed(three[0], 0, partitions)
+        for thread in threads:
+            thread.join(30)
+        positions = [shard.position(4) for shard in shards]
+    finally:
+        for shard in shards:
+            shard.close()
+    for rank, batches in before.items():
+        for row in _ids(batches):
+            assert rank in targets[row // 10**6], (rank, row)
+    first = {i for rank in before.values() for i in _ids(rank)}
+    trained = TrainedRows.union(positions)
+    two = _ranks(tmp_path / "b", partitions, 2, cache_limit, hosts=["127.0.0.2", "127.0.0.1"])
+    shards = [rows.readers["train"] for rows in two]
+    blob = trained.to_bytes()
+    try:
+        steps = shards[0].resumed_steps(blob)
+        assert steps == shards[1].resumed_steps(blob)
+        threads, after = _read(shards, skip=4, trained=blob)
+        _feed(two[0], 0, partitions)
+        for thread in threads:
+            thread.join(30)
+    finally:
+        for shard in shards:
+            shard.close()
+    assert [len(after[r]) for r in (0, 1)] == [steps, steps]
+    rest = {i for rank in after.values() for i in _ids(rank)}
+    assert not rest & first and rest | first == expected
 
 
 def test_an_own_partition_epoch_resumes_with_exactly_the_rows_left(tmp_path):

@@ -234,7 +234,7 @@ def train(spec: TorchTrainSpec, payload: Any, ctx: RankContext) -> Optional[Dict
     device = select_device(ctx, spec.use_gpu)
 
     readers = rank_readers(spec, ctx.rank, ctx.world_size, ctx.task_input, ctx.all_gather,
-                           ctx.log, ctx.hosts[ctx.rank])
+                           ctx.log, ctx.hosts)
     if driver.resume_rows is not None and not spec.train_steps:
         # before the collective below: no rank's rows of the epoch arrive before it knows
         # which were trained (rank 0 asks for every rank's)

@@ -30,7 +30,7 @@ Example (driver, then a rank)::
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, cast
+from typing import Callable, Dict, List, Optional, Sequence, cast
 
 from sparktrain.data.sources.contract import RowReader, TakenRows, TaskInput
 from sparktrain.options.spec import LoopSpec
@@ -40,10 +40,11 @@ def rank_readers(spec: LoopSpec, rank: int, world_size: int,
                  task_input: Optional[TaskInput] = None,
                  all_gather: Optional[Callable[[str], List[str]]] = None,
                  say: Optional[Callable[[str], None]] = None,
-                 host: str = "") -> Dict[str, RowReader]:
+                 hosts: Sequence[str] = ()) -> Dict[str, RowReader]:
     """This rank's readers (``{split: reader}``) from its source's plan (``spec.rows``): the
     store's shards, the rows fed to it (agreeing with the other ranks through
-    ``all_gather``; ``host``: this rank's executor address, where its receiver listens), or
+    ``all_gather``; ``hosts``: every rank's executor address, this rank's where its receiver
+    listens), or
     the rows its task took (``task_input``; ``spec.rows.spooled``: a Keras child reading what
     its task spooled)."""
     way = spec.rows.way
@@ -56,7 +57,7 @@ def rank_readers(spec: LoopSpec, rank: int, world_size: int,
 
         if all_gather is None:
             raise RuntimeError("rows fed beside the ranks need the ranks' all_gather")
-        return dict(FedRows(spec, rank, world_size, all_gather, say, host).readers)
+        return dict(FedRows(spec, rank, world_size, all_gather, say, hosts).readers)
     if way == "shuffled" and spec.rows.spooled:
         from sparktrain.data.sources.shuffled import streamed_readers
 

@@ -5,8 +5,8 @@ The barrier stage only starts the ranks (one task each, no input); each rank lis
 (:mod:`.fed_rank`) and rank 0 asks for an epoch's rows in the feed folder
 (:class:`~.fed_wire.FeedFolder`). :class:`Feeding` watches that folder and answers each
 request with a job over the DataFrame as it is partitioned (no shuffle: every task deals its
-partition's rows to all ranks, :func:`~.fed_wire.send_partition`), on the task slots the ranks
-leave free. A new attempt or elastic
+partition's rows to the partition's ranks, every rank or one host's,
+:func:`~.fed_wire.send_partition`), on the task slots the ranks leave free. A new attempt or elastic
 generation asks under a new token: the jobs feeding the old one are cancelled. A feeding job
 that fails (the DataFrame's own computation, after Spark's task retries) writes ``failed``,
 and the ranks stop with its message, not retried.
@@ -36,7 +36,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from sparktrain.data.columns import SPLIT_COL
-from sparktrain.data.sources.fed_wire import FeedFolder, send_partition
+from sparktrain.data.sources.fed_wire import FeedFolder, Targets, send_partition
 from sparktrain.session.slots import busy_stages, fits_holding_slots, job_tasks
 from sparktrain.session.spark_api import cancel_tag, conf_value, is_remote, job_tag
 
@@ -106,19 +106,20 @@ class Feeding:
         interval = REMOTE_POLL_SECONDS if self.folder.remote else POLL_SECONDS
         while not self.stop.wait(interval):
             self._check_stalls()
-            for token, epoch, addresses in self.folder.requests():
-                self._feed(token, epoch, addresses)
+            for token, epoch, addresses, targets in self.folder.requests():
+                self._feed(token, epoch, addresses, targets)
 
-    def _feed(self, token: str, epoch: int, addresses: List[str]) -> None:
-        """Start the job feeding ``epoch`` to the ranks at ``addresses``; cancel the jobs of
-        earlier tokens (their ranks are gone)."""
+    def _feed(self, token: str, epoch: int, addresses: List[str],
+              targets: Optional[Targets]) -> None:
+        """Start the job feeding ``epoch`` to the ranks at ``addresses`` (each partition to
+        its ``targets``); cancel the jobs of earlier tokens (their ranks are gone)."""
         tag = f"sparktrain-feed-{uuid.uuid4().hex[:10]}"
         with self.lock:
             old = [t for other, tags in self.tags.items() if other != token for t in tags]
             self.tags = {token: self.tags.get(token, []) + [tag]}
         for stale in old:
             cancel_tag(self.spark, stale)
-        job = threading.Thread(target=self._run, args=(token, tag, epoch, addresses),
+        job = threading.Thread(target=self._run, args=(token, tag, epoch, addresses, targets),
                                name=f"sparktrain-feed-e{epoch}", daemon=True)
         self.jobs.append(job)
         job.start()
@@ -158,13 +159,14 @@ class Feeding:
                 self.stalled[tag] = why
             cancel_tag(self.spark, tag)
 
-    def _run(self, token: str, tag: str, epoch: int, addresses: List[str]) -> None:
+    def _run(self, token: str, tag: str, epoch: int, addresses: List[str],
+             targets: Optional[Targets]) -> None:
         started = time.perf_counter()
         with self.lock:
             self.watched[tag] = [epoch, None, time.monotonic()]
         marks = self.folder if self.marked else None
         names = self.names
-        partition_fn = _feeder(names, epoch, addresses, tag, marks, self.secret)
+        partition_fn = _feeder(names, epoch, addresses, targets, tag, marks, self.secret)
         try:
             with job_tag(self.spark, tag, f"sparktrain: rows for epoch {epoch + 1}"):
                 rows = self.df.mapInArrow(partition_fn, "rows long").collect()
@@ -187,9 +189,10 @@ class Feeding:
             self.folder.answer_failed(text)
 
 
-def _feeder(names: List[str], epoch: int, addresses: List[str], tag: str,
-            marks: Optional[FeedFolder], secret: str) -> Any:
-    """The function each feeding task runs over its partition's Arrow batches; ``marks``: the
+def _feeder(names: List[str], epoch: int, addresses: List[str], targets: Optional[Targets],
+            tag: str, marks: Optional[FeedFolder], secret: str) -> Any:
+    """The function each feeding task runs over its partition's Arrow batches (to the
+    partition's ranks in ``targets``, all when ``None``); ``marks``: the
     feed folder where tasks mark their start and end (Spark Connect); ``secret``: the fit's
     key for the ranks' receivers (in the function's closure: the job's payload only)."""
     folder, options = (marks.folder, marks.storage_options) if marks is not None else ("", {})
@@ -207,7 +210,8 @@ def _feeder(names: List[str], epoch: int, addresses: List[str], tag: str,
             wire.task_mark(tag, partition, "started")
         try:
             sent = send_partition(batches, {"epoch": epoch, "partition": partition},
-                                  addresses, names, split_col=SPLIT_COL, secret=secret)
+                                  addresses, names, split_col=SPLIT_COL, secret=secret,
+                                  targets=targets[partition] if targets else None)
         finally:
             if wire is not None:
                 wire.task_mark(tag, partition, "ended")

@@ -30,14 +30,14 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from sparktrain.data.columns import ColumnSpec
 from sparktrain.data.rank_cache import row_bytes
 from sparktrain.data.sources.fed_shard import FedShard
-from sparktrain.data.sources.fed_wire import FeedFolder, Receiver, share
+from sparktrain.data.sources.fed_wire import FeedFolder, Receiver, Targets, host_targets, share
 from sparktrain.faults import mark_user_error
 from sparktrain.options.spec import LoopSpec
 
@@ -55,11 +55,16 @@ class FedRows:
 
     def __init__(self, spec: LoopSpec, rank: int, world_size: int,
                  all_gather: Optional[Callable[[str], List[str]]],
-                 say: Optional[Callable[[str], None]] = None, host: str = "") -> None:
+                 say: Optional[Callable[[str], None]] = None, hosts: Sequence[str] = ()) -> None:
         plan = spec.rows
         self.rank, self.world_size, self.chunk = rank, world_size, plan.chunk
-        self.host, self.plan_secret = host, plan.secret  # where and how the receiver listens
+        # where and how the receiver listens: this rank's executor address, the fit's secret
+        self.host, self.plan_secret = (hosts[rank] if hosts else ""), plan.secret
         self.say = say
+        # each partition's ranks: one host's where the ranks span several (fed_wire)
+        rows = [sum(c) for c in zip(*plan.counts.values(), strict=True)]
+        self.targets: Optional[Targets] = host_targets(hosts, rows, plan.chunk) \
+            if len(hosts) == world_size else None
         self.folder = FeedFolder(plan.feed_dir, spec.storage_options) if plan.feed_dir else None
         columns = [ColumnSpec.from_json(c) for c in spec.columns]
         self.error: Optional[BaseException] = None
@@ -104,20 +109,34 @@ class FedRows:
         self.token = everyone[0]["token"]
         self.re_read = any(e["re_read"] for e in everyone)
 
+    def _ranks_of(self, partition: int) -> List[int]:
+        """The ranks ``partition``'s rows are dealt to (:func:`.fed_wire.host_targets`)."""
+        if self.targets is None:
+            return list(range(self.world_size))
+        return self.targets[partition]
+
     def _shares(self, counts: List[int], rank: int, chunk: int) -> List[int]:
         """Rank ``rank``'s rows of each partition, as they are dealt (:func:`.fed_wire.share`)."""
-        return [share(c, p, self.world_size, rank, chunk) for p, c in enumerate(counts)]
+        found = []
+        for p, c in enumerate(counts):
+            ranks = self._ranks_of(p)
+            found.append(share(c, p, len(ranks), ranks.index(rank), chunk)
+                         if rank in ranks else 0)
+        return found
 
     def offsets(self, partition: int, index: np.ndarray) -> np.ndarray:
         """The offsets in ``partition`` of this rank's rows ``index`` of it (dealt in turns of
-        ``chunk`` rows: :func:`.fed_wire.dealt`)."""
+        ``chunk`` rows among the partition's ranks: :func:`.fed_wire.dealt`)."""
+        ranks = self._ranks_of(partition)
         turn, within = np.divmod(index, self.chunk)
-        first = (self.rank - partition) % self.world_size
-        return (first + turn * self.world_size) * self.chunk + within
+        first = (ranks.index(self.rank) - partition) % len(ranks) if self.rank in ranks else 0
+        return (first + turn * len(ranks)) * self.chunk + within
 
     def owners(self, partition: int, offsets: np.ndarray, world_size: int) -> np.ndarray:
-        """The rank each of ``partition``'s rows at ``offsets`` is dealt to."""
-        return (offsets // self.chunk + partition) % world_size
+        """The rank each of ``partition``'s rows at ``offsets`` is dealt to (``world_size``:
+        this generation's, the ranks' own)."""
+        ranks = np.asarray(self._ranks_of(partition))
+        return ranks[(offsets // self.chunk + partition) % len(ranks)]
 
     def _on_batch(self, header: Dict[str, Any], start: int, batch: Any) -> None:
         reader = self.readers.get(header.get("split", "train"))
@@ -134,7 +153,7 @@ class FedRows:
             return
         self.requested.add(epoch)
         if self.rank == 0 and self.folder is not None:
-            self.folder.ask(self.token, epoch, self.addresses)
+            self.folder.ask(self.token, epoch, self.addresses, self.targets)
 
     def fed_all(self, epoch: int) -> bool:
         """Whether every row of ``epoch`` was sent."""

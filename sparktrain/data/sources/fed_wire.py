@@ -5,7 +5,8 @@ receiving side, a rank). Agreement between the ranks goes over :mod:`sparktrain.
 rank_gather`, as for every fit.
 
 **The feed folder** (``<run>/_feed/<id>`` in the store, :class:`FeedFolder`): a request is
-``<token>-e<epoch>.json`` (``{"epoch", "addresses"}``: the ranks' receivers), written by rank
+``<token>-e<epoch>.json`` (``{"epoch", "addresses", "targets"}``: the ranks' receivers and
+each partition's ranks, or ``null`` for all), written by rank
 0 under a token fresh for each attempt or elastic generation; the driver answers with
 ``<token>-e<epoch>.done`` once every row of the epoch was sent, or one ``failed`` file (the
 text of why) that stops every rank. Over Spark Connect, where the driver cannot see a job's
@@ -13,12 +14,15 @@ tasks, each feeding task also marks its start and end (``<job tag>.p<partition>.
 ``.ended``): the driver tells a feed that got no task slot from a slow one by them.
 
 **The rows**:
-Each feeding task sends its partition's rows to every rank, dealt in chunks of
-:data:`CHUNK_ROWS` rows in turn (row ``i`` of partition ``p`` goes to rank
-``(i // chunk + p) % world_size``): every running feeder feeds every rank, so ranks that train
-in step never wait on a feeder stuck behind another rank, and every rank's share of a
-partition is known from the partition's row count alone (:func:`share`). One connection per
-(rank, split) carries a JSON header line, then an Arrow IPC stream of the rank's rows in order.
+Each feeding task sends its partition's rows to the partition's ranks (its *targets*), dealt in
+chunks of :data:`CHUNK_ROWS` rows in turn (row ``i`` of partition ``p`` goes to
+``targets[(i // chunk + p) % len(targets)]``), and every rank's share of a partition is known
+from the partition's row count alone (:func:`share`). On one host every partition's targets are
+all the ranks: every running feeder feeds every rank, so ranks that train in step never wait
+on a feeder stuck behind another rank. Where the ranks span hosts, each partition goes to the
+ranks of one host (:func:`host_targets`, balanced by rows), so a feeder opens as many
+connections as a host has ranks, not as the fit has. One connection per (rank, split) carries
+a JSON header line, then an Arrow IPC stream of the rank's rows in order.
 
 **The lock**: a rank's receiver listens on its executor's address only (the one it publishes,
 never every interface) and reads nothing from a connection before it proved the fit's secret
@@ -82,11 +86,13 @@ class FeedFolder:
         self.seen: set = set()
 
     # -- the ranks' side --------------------------------------------------------------------
-    def ask(self, token: str, epoch: int, addresses: Sequence[str]) -> None:
-        """Ask for ``epoch``'s rows, sent to the receivers at ``addresses`` (rank order)."""
+    def ask(self, token: str, epoch: int, addresses: Sequence[str],
+            targets: Optional[Targets] = None) -> None:
+        """Ask for ``epoch``'s rows, sent to the receivers at ``addresses`` (rank order), each
+        partition's to its ``targets`` (:func:`host_targets`; ``None``: to every rank)."""
         self.fs.makedirs(self.folder, exist_ok=True)
-        self.fs.pipe_file(f"{self.folder}/{token}-e{epoch}.json",
-                          json.dumps({"epoch": epoch, "addresses": list(addresses)}).encode())
+        self.fs.pipe_file(f"{self.folder}/{token}-e{epoch}.json", json.dumps(
+            {"epoch": epoch, "addresses": list(addresses), "targets": targets}).encode())
 
     def done(self, token: str, epoch: int) -> bool:
         """Whether every row of ``epoch`` was sent."""
@@ -126,8 +132,8 @@ class FeedFolder:
     def open(self) -> None:
         self.fs.makedirs(self.folder, exist_ok=True)
 
-    def requests(self) -> List[Tuple[str, int, List[str]]]:
-        """The requests not seen before: ``[(token, epoch, addresses)]``."""
+    def requests(self) -> List[Tuple[str, int, List[str], Optional[Targets]]]:
+        """The requests not seen before: ``[(token, epoch, addresses, targets)]``."""
         try:
             self.fs.invalidate_cache(self.folder)
             names = sorted(n for n in self.fs.ls(self.folder, detail=False)
@@ -144,7 +150,8 @@ class FeedFolder:
             except (FileNotFoundError, OSError, ValueError):
                 continue
             token = name.rsplit("/", 1)[-1].split("-e", 1)[0]
-            found.append((token, int(request["epoch"]), list(request["addresses"])))
+            found.append((token, int(request["epoch"]), list(request["addresses"]),
+                          request.get("targets")))
         return found
 
     def answer_done(self, token: str, epoch: int) -> None:
@@ -168,9 +175,46 @@ CHUNK_ROWS = 1024
 CONNECT_SECONDS = 60.0  # a rank not accepting for this long is gone
 
 
+#: each partition's ranks, in partition order (``None`` where every partition goes to all)
+Targets = List[List[int]]
+#: how much more than an even share host-grouped dealing may give a rank (else all-to-all)
+HOST_SLACK = 1.1
+
+
+def host_targets(hosts: Sequence[str], rows: Sequence[int], chunk: int = CHUNK_ROWS
+                 ) -> Optional[Targets]:
+    """The ranks each partition's rows go to where the ranks (``hosts``: each rank's host)
+    span several hosts: the ranks of one host, chosen partition by partition, largest first,
+    for the host whose ranks have the fewest rows so far (``rows``: each partition's); ``None``
+    (every partition to
+    every rank) on one host, or where whole partitions cannot be spread within
+    :data:`HOST_SLACK` of an even share (a few large partitions).
+
+    >>> host_targets(["a", "a", "b", "b"], [4000, 4000])
+    [[0, 1], [2, 3]]
+    """
+    groups: Dict[str, List[int]] = {}
+    for rank, host in enumerate(hosts):
+        groups.setdefault(host, []).append(rank)
+    if len(groups) < 2:
+        return None
+    ranks = list(groups.values())
+    load = [0.0] * len(ranks)  # rows per rank so far, per host
+    targets: Targets = [[] for _ in rows]
+    # the largest partitions first (longest processing time first: within 4/3 of the best)
+    for partition in sorted(range(len(rows)), key=lambda p: (-rows[p], p)):
+        count = rows[partition]
+        pick = min(range(len(ranks)), key=lambda h: (load[h] + count / len(ranks[h]), h))
+        load[pick] += count / len(ranks[pick])
+        targets[partition] = ranks[pick]
+    even = sum(rows) / len(hosts)
+    return targets if max(load) <= HOST_SLACK * even + chunk else None
+
+
 def share(rows: int, partition: int, world_size: int, rank: int,
           chunk: int = CHUNK_ROWS) -> int:
-    """How many of a partition's ``rows`` rank ``rank`` gets.
+    """How many of a partition's ``rows`` the ``rank``-th of its ``world_size`` targets gets
+    (with every rank a target: rank ``rank`` of ``world_size``).
 
     >>> [share(2500, 0, 2, r, chunk=1000) for r in (0, 1)]
     [1500, 1000]
@@ -221,15 +265,18 @@ class _Connection:
 
 def send_partition(batches: Iterable[Any], header: Dict[str, Any], addresses: Sequence[str],
                    names: Sequence[str], split_col: Optional[str] = None,
-                   chunk: int = CHUNK_ROWS, *, secret: str) -> Dict[str, int]:
-    """Send the Arrow record ``batches`` of partition ``header["partition"]`` to the ranks at
-    ``addresses``, dealt as the module docstring says, per split when ``split_col`` names the
-    split of each row (else all rows are ``"train"``), proving the fit's ``secret`` to each;
-    rows sent per split."""
+                   chunk: int = CHUNK_ROWS, *, secret: str,
+                   targets: Optional[Sequence[int]] = None) -> Dict[str, int]:
+    """Send the Arrow record ``batches`` of partition ``header["partition"]`` to its
+    ``targets`` (ranks; all when ``None``) at ``addresses``, dealt as the module docstring
+    says, per split when ``split_col`` names the split of each row (else all rows are
+    ``"train"``), proving the fit's ``secret`` to each; rows sent per split."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    partition, world_size = int(header["partition"]), len(addresses)
+    partition = int(header["partition"])
+    ranks = np.asarray(list(targets) if targets is not None else range(len(addresses)))
+    world_size = len(ranks)
     connections: Dict[Tuple[str, int], _Connection] = {}
     sent: Dict[str, int] = {}
     try:
@@ -241,13 +288,14 @@ def send_partition(batches: Iterable[Any], header: Dict[str, Any], addresses: Se
                 part = batch if not split_col else batch.filter(
                     pc.equal(batch.column(split_col), split))
                 part = pa.RecordBatch.from_arrays([part.column(n) for n in names], names=names)
-                ranks = dealt(sent.get(split, 0), part.num_rows, partition, world_size, chunk)
-                for rank in np.unique(ranks):
+                dest = ranks[dealt(sent.get(split, 0), part.num_rows, partition, world_size,
+                                   chunk)]
+                for rank in np.unique(dest):
                     key = (split, int(rank))
                     if key not in connections:
                         connections[key] = _Connection(addresses[rank],
                                                        dict(header, split=split), secret)
-                    connections[key].write(part.take(pa.array(np.flatnonzero(ranks == rank))))
+                    connections[key].write(part.take(pa.array(np.flatnonzero(dest == rank))))
                 sent[split] = sent.get(split, 0) + part.num_rows
     finally:
         for connection in connections.values():
