@@ -328,8 +328,10 @@ def test_host_targets_keep_a_partition_on_one_host_and_the_hosts_even():
     per_rank = [sum(n / len(t) for n, t in zip(rows, targets, strict=True) if r in t)
                 for r in range(len(hosts))]
     assert max(per_rank) <= 1.1 * sum(rows) / len(hosts) + 100
-    # a few large partitions cannot be spread over the hosts: all-to-all
+    # a few large partitions cannot be spread over the hosts, or leave one without rows:
+    # every partition to every rank, as on one host
     assert host_targets(["a", "b"], [100_000]) is None
+    assert host_targets(["a", "b", "c", "d"], [1000, 1000, 1000]) is None
 
 
 @pytest.mark.parametrize("cache_limit", [None, 16.0], ids=["cached", "re_read"])

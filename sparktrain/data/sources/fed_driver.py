@@ -6,8 +6,8 @@ The barrier stage only starts the ranks (one task each, no input); each rank lis
 (:class:`~.fed_wire.FeedFolder`). :class:`Feeding` watches that folder and answers each
 request with a job over the DataFrame as it is partitioned (no shuffle: every task deals its
 partition's rows to the partition's ranks, every rank or one host's,
-:func:`~.fed_wire.send_partition`), on the task slots the ranks leave free. A new attempt or elastic
-generation asks under a new token: the jobs feeding the old one are cancelled. A feeding job
+:func:`~.fed_wire.send_partition`), on the task slots the ranks leave free. A new attempt or
+elastic generation asks under a new token: the jobs feeding the old one are cancelled. A feeding job
 that fails (the DataFrame's own computation, after Spark's task retries) writes ``failed``,
 and the ranks stop with its message, not retried.
 

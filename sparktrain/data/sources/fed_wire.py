@@ -185,10 +185,10 @@ def host_targets(hosts: Sequence[str], rows: Sequence[int], chunk: int = CHUNK_R
                  ) -> Optional[Targets]:
     """The ranks each partition's rows go to where the ranks (``hosts``: each rank's host)
     span several hosts: the ranks of one host, chosen partition by partition, largest first,
-    for the host whose ranks have the fewest rows so far (``rows``: each partition's); ``None``
-    (every partition to
-    every rank) on one host, or where whole partitions cannot be spread within
-    :data:`HOST_SLACK` of an even share (a few large partitions).
+    for the host whose ranks have the fewest rows so far (``rows``: each partition's).
+    ``None`` (every partition to every rank) on one host, or where whole partitions cannot
+    be spread within :data:`HOST_SLACK` of an even share or leave a host without rows (a few
+    large partitions).
 
     >>> host_targets(["a", "a", "b", "b"], [4000, 4000])
     [[0, 1], [2, 3]]
@@ -208,7 +208,8 @@ def host_targets(hosts: Sequence[str], rows: Sequence[int], chunk: int = CHUNK_R
         load[pick] += count / len(ranks[pick])
         targets[partition] = ranks[pick]
     even = sum(rows) / len(hosts)
-    return targets if max(load) <= HOST_SLACK * even + chunk else None
+    spread = max(load) <= HOST_SLACK * even + chunk and min(load) > 0
+    return targets if spread else None
 
 
 def share(rows: int, partition: int, world_size: int, rank: int,
