@@ -31,6 +31,12 @@ def available() -> Optional[str]:
         return "network namespaces need root"
     if shutil.which("ip") is None or shutil.which("ss") is None:
         return "iproute2 (ip, ss) is not installed"
+    if shutil.which("unshare") is None:
+        return "util-linux's unshare is not installed"
+    try:
+        os.makedirs("/etc/netns", exist_ok=True)  # where each host's /etc/hosts goes
+    except OSError as exc:
+        return f"cannot write /etc/netns: {exc}"
     probe = f"stprobe{os.getpid()}"
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
