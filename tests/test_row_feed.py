@@ -328,6 +328,15 @@ def test_host_targets_keep_a_partition_on_one_host_and_the_hosts_even():
     per_rank = [sum(n / len(t) for n, t in zip(rows, targets, strict=True) if r in t)
                 for r in range(len(hosts))]
     assert max(per_rank) <= 1.1 * sum(rows) / len(hosts) + 100
+    # where Spark computed a partition ("homes"), its host's ranks get it while they stay even
+    homes = ["b", "a", "a", "c", "b", "c", "a", "b", "", "c", "a", "b"]
+    at_home = host_targets(hosts, rows, chunk=100, homes=homes)
+    assert sum(hosts[t[0]] == h for t, h in zip(at_home, homes, strict=True)) >= 9, at_home
+    per_rank = [sum(n / len(t) for n, t in zip(rows, at_home, strict=True) if r in t)
+                for r in range(len(hosts))]
+    assert max(per_rank) <= 1.1 * sum(rows) / len(hosts) + 100
+    # homes all on one host: as many as fit there, the rest spread
+    assert host_targets(["a", "b"], [4000] * 4, homes=["b"] * 4) == [[1], [1], [0], [0]]
     # a few large partitions cannot be spread over the hosts, or leave one without rows:
     # every partition to every rank, as on one host
     assert host_targets(["a", "b"], [100_000]) is None

@@ -81,6 +81,9 @@ class RowsPlan:
     # fed: the fit's key, which feeders prove to the ranks' receivers (fed_wire's lock); in
     # the fit's payload only, never in the store or a repr
     secret: str = field(default="", repr=False)
+    # fed: the host where Spark computed each partition when it was counted ("" unknown): the
+    # ranks there get its rows (sparktrain.data.sources.fed_wire.host_targets)
+    homes: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.way not in WAYS:

@@ -84,13 +84,14 @@ def _streamed(df: "DataFrame", columns: Sequence[ColumnSpec],
     frame = df.select(*selected, *split)
     own = own_ranks is not None and num_partitions(df) == own_ranks and cacheable(specs)
     if feed_dir is not None or own:
-        from sparktrain.data.sources.fed_driver import partition_counts
+        from sparktrain.data.sources.fed_driver import counted_where, partition_counts
         from sparktrain.data.sources.fed_wire import CHUNK_ROWS, new_secret
 
         counts = partition_counts(frame)
         plan = RowsPlan("fed" if feed_dir is not None else "own", counts=counts,
                         chunk=CHUNK_ROWS, feed_dir=feed_dir or "", cache_limit=cache_limit,
-                        secret=new_secret() if feed_dir is not None else "")
+                        secret=new_secret() if feed_dir is not None else "",
+                        homes=counted_where(frame, counts) if feed_dir is not None else [])
         there = sum(counts.get("train", []))
     else:
         from sparktrain.data.sources.trained_rows import ROW_ID

@@ -52,17 +52,88 @@ _GONE = ("Connection refused", "Connection reset", "Broken pipe", "ConnectionRef
          "BrokenPipeError", "ConnectionResetError", "timed out")
 
 
+#: the job tag of the counting jobs, which :func:`counted_where` finds in Spark's status API
+COUNT_TAG = "sparktrain-count"
+#: how long :func:`counted_where` waits for the status store to show the counting job's tasks
+WHERE_WAIT_SECONDS = 1.0
+
+
 def partition_counts(df: DataFrame) -> Dict[str, List[int]]:
     """Rows per input partition of ``df`` (its stored form with the split column), by split,
     counted by a job that reads no column it does not need (Parquet footers, or nothing for
     ``spark.range``): what every rank plans its share and its steps from."""
-    counted = (df.select(F.spark_partition_id().alias("p"), F.col(SPLIT_COL))
-               .groupBy("p", SPLIT_COL).count().collect())
+    # tagged (classic sessions) so that counted_where finds it; nothing else of the thread's
+    # job properties changes
+    sc = None if is_remote(df.sparkSession) else df.sparkSession.sparkContext
+    if sc is not None:
+        sc.addJobTag(COUNT_TAG)
+    try:
+        counted = (df.select(F.spark_partition_id().alias("p"), F.col(SPLIT_COL))
+                   .groupBy("p", SPLIT_COL).count().collect())
+    finally:
+        if sc is not None:
+            sc.removeJobTag(COUNT_TAG)
     partitions = 1 + max((row["p"] for row in counted), default=0)
     counts: Dict[str, List[int]] = {}
     for row in counted:
         counts.setdefault(row[SPLIT_COL], [0] * partitions)[row["p"]] = int(row["count"])
     return counts
+
+
+def counted_where(df: DataFrame, counts: Dict[str, List[int]]) -> List[str]:
+    """The host where Spark computed each of ``df``'s partitions in the latest counting job
+    (:func:`partition_counts`; "" where unknown), from the driver's status REST API. The
+    feeding tasks of a cached DataFrame run where its blocks are, which is where its count
+    ran, so dealing a partition to that host's ranks keeps its rows there
+    (:func:`.fed_wire.host_targets`). ``[]`` where it cannot tell: over Spark Connect, in local
+    mode (one host) or without Spark's UI."""
+    spark, partitions = df.sparkSession, len(next(iter(counts.values()), []))
+    if is_remote(spark) or not partitions:
+        return []
+    sc = spark.sparkContext
+    if (sc.master or "").startswith("local") or not sc.uiWebUrl:
+        return []
+    base = f"{sc.uiWebUrl}/api/v1/applications/{sc.applicationId}"
+    deadline = time.monotonic() + WHERE_WAIT_SECONDS
+    while True:
+        try:
+            found = _count_hosts(base, partitions)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.debug("where the partitions were counted is unknown: %s", exc)
+            return []
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+def _count_hosts(base: str, partitions: int) -> List[str]:
+    """Each partition's host in the newest complete stage of ``partitions`` tasks among the
+    counting jobs (with adaptive execution the map stage is a job of its own)."""
+    import json
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the driver itself
+
+    def get(path: str) -> Any:
+        with opener.open(f"{base}{path}", timeout=5) as answer:
+            return json.load(answer)
+
+    jobs = [j for j in get("/jobs") if COUNT_TAG in (j.get("jobTags") or [])]
+    if not jobs:
+        return []
+    newest = max(j["jobId"] for j in jobs)
+    stages = sorted({s for j in jobs if j["jobId"] >= newest - 1 for s in j["stageIds"]},
+                    reverse=True)
+    for stage in stages:
+        for attempt in get(f"/stages/{stage}"):
+            if attempt.get("status") != "COMPLETE" or attempt.get("numTasks") != partitions:
+                continue
+            tasks = get(f"/stages/{stage}/{attempt['attemptId']}/taskList"
+                        f"?length={4 * partitions}")
+            hosts = {t["index"]: t["host"] for t in tasks if t.get("status") == "SUCCESS"}
+            if len(hosts) == partitions:
+                return [hosts[p] for p in range(partitions)]
+    return []
 
 
 class Feeding:

@@ -63,7 +63,7 @@ class FedRows:
         self.say = say
         # each partition's ranks: one host's where the ranks span several (fed_wire)
         rows = [sum(c) for c in zip(*plan.counts.values(), strict=True)]
-        self.targets: Optional[Targets] = host_targets(hosts, rows, plan.chunk) \
+        self.targets: Optional[Targets] = host_targets(hosts, rows, plan.chunk, plan.homes) \
             if len(hosts) == world_size else None
         self.folder = FeedFolder(plan.feed_dir, spec.storage_options) if plan.feed_dir else None
         columns = [ColumnSpec.from_json(c) for c in spec.columns]

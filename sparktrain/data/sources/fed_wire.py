@@ -181,35 +181,51 @@ Targets = List[List[int]]
 HOST_SLACK = 1.1
 
 
-def host_targets(hosts: Sequence[str], rows: Sequence[int], chunk: int = CHUNK_ROWS
-                 ) -> Optional[Targets]:
+def host_targets(hosts: Sequence[str], rows: Sequence[int], chunk: int = CHUNK_ROWS,
+                 homes: Sequence[str] = ()) -> Optional[Targets]:
     """The ranks each partition's rows go to where the ranks (``hosts``: each rank's host)
-    span several hosts: the ranks of one host, chosen partition by partition, largest first,
-    for the host whose ranks have the fewest rows so far (``rows``: each partition's).
-    ``None`` (every partition to every rank) on one host, or where whole partitions cannot
-    be spread within :data:`HOST_SLACK` of an even share or leave a host without rows (a few
-    large partitions).
+    span several hosts: the ranks of one host, chosen partition by partition, largest first:
+    the partition's own host (``homes``: where Spark computed it, "" unknown) while its ranks
+    stay within :data:`HOST_SLACK` of an even share, else the host whose ranks have the fewest
+    rows so far (``rows``: each partition's). ``None`` (every partition to every rank) on one
+    host, or where whole partitions cannot be spread within that slack or leave a host without
+    rows (a few large partitions).
 
     >>> host_targets(["a", "a", "b", "b"], [4000, 4000])
     [[0, 1], [2, 3]]
+    >>> host_targets(["a", "b"], [4000, 4000], homes=["b", "a"])
+    [[1], [0]]
     """
     groups: Dict[str, List[int]] = {}
     for rank, host in enumerate(hosts):
         groups.setdefault(host, []).append(rank)
     if len(groups) < 2:
         return None
-    ranks = list(groups.values())
+    for prefer in ([h for h in homes] if len(homes) == len(rows) else [], []):
+        targets = _place(groups, rows, chunk, prefer)
+        if targets is not None:
+            return targets
+    return None
+
+
+def _place(groups: Dict[str, List[int]], rows: Sequence[int], chunk: int,
+           homes: Sequence[str]) -> Optional[Targets]:
+    """:func:`host_targets`' placement, with (``homes``) or without the partitions' hosts."""
+    names, ranks = list(groups), list(groups.values())
+    even = sum(rows) / sum(len(r) for r in ranks)  # rows per rank
+    limit = HOST_SLACK * even + chunk
     load = [0.0] * len(ranks)  # rows per rank so far, per host
     targets: Targets = [[] for _ in rows]
     # the largest partitions first (longest processing time first: within 4/3 of the best)
     for partition in sorted(range(len(rows)), key=lambda p: (-rows[p], p)):
         count = rows[partition]
         pick = min(range(len(ranks)), key=lambda h: (load[h] + count / len(ranks[h]), h))
+        home = names.index(homes[partition]) if homes and homes[partition] in groups else None
+        if home is not None and load[home] + count / len(ranks[home]) <= limit:
+            pick = home
         load[pick] += count / len(ranks[pick])
         targets[partition] = ranks[pick]
-    even = sum(rows) / len(hosts)
-    spread = max(load) <= HOST_SLACK * even + chunk and min(load) > 0
-    return targets if spread else None
+    return targets if max(load) <= limit and min(load) > 0 else None
 
 
 def share(rows: int, partition: int, world_size: int, rank: int,
