@@ -274,6 +274,21 @@ def _read(shards, **epoch):
     return threads, out
 
 
+def _first_batches(ranks, partitions, take):
+    """Each of ``ranks``' first ``take`` batches of epoch 0 as its rows are fed, and each one's
+    position after them (its shards closed)."""
+    shards = [rows.readers["train"] for rows in ranks]
+    try:
+        threads, batches = _read(shards, take=take)
+        _feed(ranks[0], 0, partitions)
+        for thread in threads:
+            thread.join(30)
+        return batches, [shard.position(take) for shard in shards]
+    finally:
+        for shard in shards:
+            shard.close()
+
+
 @pytest.mark.parametrize("cache_limit", [None, 16.0], ids=["cached", "re_read"])
 def test_an_epoch_resumed_with_fewer_ranks_trains_exactly_the_rows_left(tmp_path, cache_limit):
     """3 ranks train 4 batches of an epoch and write their positions; 2 ranks resume it from
@@ -284,16 +299,7 @@ def test_an_epoch_resumed_with_fewer_ranks_trains_exactly_the_rows_left(tmp_path
     partitions = [700, 0, 1234]
     expected = {p * 10**6 + i for p, n in enumerate(partitions) for i in range(n)}
     three = _ranks(tmp_path / "a", partitions, 3, cache_limit)
-    shards = [rows.readers["train"] for rows in three]
-    try:
-        threads, before = _read(shards, take=4)
-        _feed(three[0], 0, partitions)
-        for thread in threads:
-            thread.join(30)
-        positions = [shard.position(4) for shard in shards]
-    finally:
-        for shard in shards:
-            shard.close()
+    before, positions = _first_batches(three, partitions, 4)
     trained = TrainedRows.union(positions)
     first = [i for rank in before.values() for i in _ids(rank)]
     assert trained.count() == len(set(first)) == 3 * 4 * 64
@@ -357,16 +363,7 @@ def test_ranks_on_two_hosts_get_each_partition_from_one_and_resume_exactly(tmp_p
                    hosts=["127.0.0.1", "127.0.0.2", "127.0.0.2"])
     targets = three[0].targets
     assert targets is not None and all(rows.targets == targets for rows in three)
-    shards = [rows.readers["train"] for rows in three]
-    try:
-        threads, before = _read(shards, take=4)
-        _feed(three[0], 0, partitions)
-        for thread in threads:
-            thread.join(30)
-        positions = [shard.position(4) for shard in shards]
-    finally:
-        for shard in shards:
-            shard.close()
+    before, positions = _first_batches(three, partitions, 4)
     for rank, batches in before.items():
         for row in _ids(batches):
             assert rank in targets[row // 10**6], (rank, row)

@@ -201,11 +201,9 @@ def host_targets(hosts: Sequence[str], rows: Sequence[int], chunk: int = CHUNK_R
         groups.setdefault(host, []).append(rank)
     if len(groups) < 2:
         return None
-    for prefer in ([h for h in homes] if len(homes) == len(rows) else [], []):
-        targets = _place(groups, rows, chunk, prefer)
-        if targets is not None:
-            return targets
-    return None
+    known = len(homes) == len(rows) and any(homes)
+    # at home where it keeps the ranks even, else by rows alone
+    return (known and _place(groups, rows, chunk, homes)) or _place(groups, rows, chunk, ())
 
 
 def _place(groups: Dict[str, List[int]], rows: Sequence[int], chunk: int,
