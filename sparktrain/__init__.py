@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from sparktrain.estimators.keras import KerasModel as KerasModel
     from sparktrain.estimators.torch import TorchEstimator as TorchEstimator
     from sparktrain.estimators.torch_model import TorchModel as TorchModel
+    from sparktrain.generation.engines import (
+        register_generation_engine as register_generation_engine,
+    )
+    from sparktrain.generation.generator import TextGenerator as TextGenerator
     from sparktrain.loop.callbacks import Callback as Callback
     from sparktrain.loop.callbacks import EarlyStopping as EarlyStopping
     from sparktrain.mlflow.tracking import MlflowLoggingWarning as MlflowLoggingWarning
@@ -58,6 +62,8 @@ _EXPORTS = {
     "ExecutorEnvironmentError": "sparktrain.errors",
     "IgnoredParamWarning": "sparktrain.errors",
     "MlflowLoggingWarning": "sparktrain.mlflow.tracking",
+    "TextGenerator": "sparktrain.generation.generator",
+    "register_generation_engine": "sparktrain.generation.engines",
     "local_spark": "sparktrain.session.local",
     "remote_spark": "sparktrain.session.local",
     "ConnectServer": "sparktrain.session.local",

@@ -153,6 +153,8 @@ LAYERS = (
     ("strategies", ("sparktrain.strategies",)),
     ("rank loops", ("sparktrain.loop",)),
     ("estimators", ("sparktrain.estimators",)),
+    # a fitted language model's text over a DataFrame: a transformer beside the models
+    ("generation", ("sparktrain.generation",)),
     ("plug-ins", ("sparktrain.mlflow",)),
 )
 #: the package itself: its exports are imported lazily (``__getattr__``), so any layer may

@@ -121,7 +121,7 @@ def _without_env_values(params: Dict[str, Any], owner: Any) -> Tuple[Dict[str, A
     return {k: v for k, v in params.items() if k != "backend_env"}, sorted(env)
 
 
-class _Writer(MLWriter):
+class SessionWriter(MLWriter):
     """An MLWriter that works on classic and Spark Connect sessions alike."""
 
     def __init__(self, instance: Any) -> None:
@@ -140,7 +140,7 @@ class _Writer(MLWriter):
         return saved_root(self.sparkSession, path)
 
 
-class EstimatorWriter(_Writer):
+class EstimatorWriter(SessionWriter):
     """JSON params in ``metadata``, object params (model, optimizer...) in ``objects.pkl``;
     the store's ``storage_options`` are left out (see the module docstring)."""
 
@@ -179,7 +179,7 @@ class EstimatorReader(MLReader):
         return instance
 
 
-class ModelWriter(_Writer):
+class ModelWriter(SessionWriter):
     """JSON params and model metadata in ``metadata``; framework files under ``model/``."""
 
     def saveImpl(self, path: str) -> None:

@@ -162,14 +162,34 @@ class TorchModel(ModelBase, TorchModelParams):
         """The predictor factory: the weights by file reference (a few KiB) when the module
         still equals its file, else inside it (``portable``: always inside, e.g. an MLflow
         pyfunc that must not depend on the store)."""
-        files = None if portable else self._current_files()
-        if files is not None:
-            source: Tuple[Any, ...] = ("file", files.architecture, files.weights)
-        else:
-            source = ("inline",) + _module_bytes(self.getModel())
-        return functools.partial(_make_predictor, source, self.getInputShapes(),
+        return functools.partial(_make_predictor, self.module_source(portable),
+                                 self.getInputShapes(),
                                  self.getUseGpu(), list(self.getFeatureCols()),
                                  self.getOutputKey())
+
+    def module_source(self, portable: bool = False) -> Tuple[Any, ...]:
+        """What an executor loads the module from (:func:`load_source`): the weights by file
+        reference (a few KiB) when the module still equals its file, else inside the tuple
+        (``portable``: always inside)."""
+        files = None if portable else self._current_files()
+        if files is not None:
+            return ("file", files.architecture, files.weights)
+        return ("inline",) + _module_bytes(self.getModel())
+
+
+def load_source(source: Tuple[Any, ...]) -> Any:
+    """Executor side: the module from :meth:`TorchModel.module_source`'s tuple (a file's
+    weights memory-mapped: Python workers on one host share its pages)."""
+    import torch
+
+    from sparktrain.loop.torch_files import load_module, load_weights
+
+    kind, architecture, weights = source
+    if kind == "file":
+        state = load_weights(weights.local_path())
+    else:
+        state = torch.load(io.BytesIO(weights), map_location="cpu", weights_only=True)
+    return load_module(architecture, state)
 
 
 def predict_device(address: Optional[str]) -> Any:
@@ -207,15 +227,9 @@ def _make_predictor(source: Tuple[Any, ...],
     from pyspark import TaskContext
 
     from sparktrain.launch.gpus import task_gpu
-    from sparktrain.loop.torch_files import load_module, load_weights
     from sparktrain.loop.torch_forward import ForwardRule
 
-    kind, architecture, weights = source
-    if kind == "file":  # memory-mapped: Python workers on one host share its pages
-        state = load_weights(weights.local_path())
-    else:
-        state = torch.load(io.BytesIO(weights), map_location="cpu", weights_only=True)
-    module = load_module(architecture, state)
+    module = load_source(source)
     forward = ForwardRule.for_model(module, feature_names or [], output_key=output_key)
     placed = {torch.device("cpu"): module}  # the module on each device used so far
     context = TaskContext.get()

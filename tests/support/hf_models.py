@@ -75,3 +75,84 @@ def accuracy(predictions: Any, column: str = "label__output") -> float:
     """Share of rows whose argmax of the logits column equals ``label``."""
     rows = predictions.select("label", column).collect()
     return float(np.mean([int(np.argmax(r[column])) == r["label"] for r in rows]))
+
+
+# -- a causal language model that learns to count ------------------------------------------------
+COUNT_WORDS = ["<pad>", "<unk>", "<s>", "</s>", "count", "from", ":"] + [str(i) for i in range(40)]
+COUNT_LENGTH = 20  # tokens of prompt + answer + end-of-sequence, padded
+
+
+def count_rows(n: int, seed: int = 0) -> List[Tuple[str, str]]:
+    """``n`` rows of ``(prompt, answer)``: "count 3 from 7 :" -> "8 9 10". Answers have 1 to 8
+    numbers: mixed lengths, each ended by the model's end-of-sequence token once learned."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        start, k = rng.randint(0, 20), rng.randint(1, 8)
+        rows.append((f"count {k} from {start} :",
+                     " ".join(str(start + i) for i in range(1, k + 1))))
+    return rows
+
+
+def count_tokenizer() -> Any:
+    """A word-level ``PreTrainedTokenizerFast`` over the counting task's words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(COUNT_WORDS)},
+                                     unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", unk_token="<unk>",
+                                   bos_token="<s>", eos_token="</s>")
+
+
+def tiny_llama(seed: int = 0, context: int = 64) -> Any:
+    """A 2-layer ``LlamaForCausalLM`` over :data:`COUNT_WORDS`, from a config."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(COUNT_WORDS), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=context, eos_token_id=3, pad_token_id=0,
+                         bos_token_id=2)
+    return LlamaForCausalLM(config)
+
+
+class CountTokenize:
+    """``transformation_fn`` for the counting task: ``prompt`` + ``answer`` + end-of-sequence
+    as ``input_ids``, and ``labels`` that score the answer only (-100 elsewhere)."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+
+    def __call__(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        ids = np.zeros((len(batch["prompt"]), COUNT_LENGTH), dtype="int64")
+        labels = np.full_like(ids, -100)
+        for i, (prompt, answer) in enumerate(zip(batch["prompt"], batch["answer"], strict=True)):
+            p = self.tok(str(prompt))["input_ids"]
+            a = self.tok(str(answer))["input_ids"] + [self.tok.eos_token_id]
+            row = (p + a)[:COUNT_LENGTH]
+            ids[i, :len(row)] = row
+            labels[i, len(p):len(row)] = a[:len(row) - len(p)]
+        return {"input_ids": ids, "attention_mask": (ids != 0).astype("int64"), "labels": labels}
+
+
+def train_counting(steps: int = 250, seed: int = 0) -> Any:
+    """The tiny Llama trained on the counting task in this process (a few seconds): greedy
+    decoding then answers every prompt exactly."""
+    import torch
+
+    model, tok = tiny_llama(seed), count_tokenizer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    encode = CountTokenize(tok)
+    rows = count_rows(steps * 64, seed)
+    for step in range(steps):
+        chunk = rows[step * 64:(step + 1) * 64]
+        batch = encode({"prompt": np.array([p for p, _ in chunk]),
+                        "answer": np.array([a for _, a in chunk])})
+        loss = model(**{k: torch.from_numpy(v) for k, v in batch.items()}).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()

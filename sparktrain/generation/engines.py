@@ -1,0 +1,95 @@
+"""Generation engines: what turns token ids into answers on an executor, as registered
+plug-ins (like the training engines).
+
+Built in: ``"continuous"`` (transformers' continuous batching: a row joins the running batch as
+soon as another finishes, so no row waits for the longest answer of its batch) and ``"static"``
+(padded batches through ``model.generate``: what a hand-written UDF does; the baseline of
+``bench/bench_generate.py``). An engine is built once per Python worker and kept across tasks.
+
+Example::
+
+    register_generation_engine("vllm", "my_pkg.vllm_engine:VllmEngine")
+    TextGenerator(..., engine="vllm")
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, Iterator, List, Optional
+
+from sparktrain.generation.settings import GenerationSettings
+from sparktrain.plugins import check_entry, load
+
+
+@dataclass(frozen=True)
+class Request:
+    """One row to answer: ``key`` (the caller's), the prompt's token ids."""
+
+    key: int
+    input_ids: List[int]
+
+
+@dataclass
+class Completion:
+    """A row's answer: the new token ids (without the end-of-sequence token), whether an
+    end-of-sequence token ended it, or the engine's ``error`` for this row alone."""
+
+    key: int
+    tokens: List[int] = field(default_factory=list)
+    ended: bool = False
+    error: Optional[str] = None
+
+
+class GenerationEngine:
+    """The engine interface. ``model``: a transformers causal LM, on its device, in eval mode;
+    ``eos_ids``: the token ids that end an answer; ``window``: how many rows may be in flight.
+
+    :meth:`generate` pulls requests lazily (at most ``window`` unanswered at once) and yields
+    each completion as soon as it is done, in any order; a row the engine rejects comes back
+    with ``error`` set, and the others go on.
+    """
+
+    def __init__(self, model: Any, settings: GenerationSettings, eos_ids: List[int],
+                 pad_id: int, window: int) -> None:
+        self.model, self.settings = model, settings
+        self.eos_ids, self.pad_id, self.window = list(eos_ids), pad_id, window
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Free what the engine holds (threads, caches); the worker may build another."""
+
+    def finish(self, key: int, tokens: List[int]) -> Completion:
+        """A completion from generated ``tokens``: cut at the first end-of-sequence token and
+        at ``max_new_tokens``."""
+        tokens = list(tokens)[:self.settings.max_new_tokens]
+        for i, token in enumerate(tokens):
+            if token in self.eos_ids:
+                return Completion(key, tokens[:i], ended=True)
+        return Completion(key, tokens)
+
+
+ENGINES: Dict[str, Any] = {
+    "continuous": "sparktrain.generation.hf_continuous:ContinuousEngine",
+    "static": "sparktrain.generation.hf_static:StaticEngine",
+}
+
+
+def register_generation_engine(name: str, entry: Any) -> None:
+    """Add (or replace) a generation engine: a :class:`GenerationEngine` subclass or its
+    ``"module:Class"`` string, imported when first used."""
+    check_entry("generation engine", name, entry, GenerationEngine)
+    ENGINES[name] = entry
+
+
+def check_engine(name: str) -> None:
+    """``ValueError`` naming the registered engines where ``name`` is none of them."""
+    if name not in ENGINES:
+        raise ValueError(f"engine {name!r} is not a registered generation engine; registered: "
+                         f"{sorted(ENGINES)} (add one with register_generation_engine)")
+
+
+def engine_class(name: str) -> Any:
+    """The engine class registered as ``name``."""
+    check_engine(name)
+    return load(ENGINES[name])

@@ -1,0 +1,236 @@
+"""``TextGenerator``: a fitted causal language model writes an answer for every row of a
+DataFrame, as a Spark ML transformer (saved and loaded with a pipeline, usable over Spark
+Connect).
+
+Example::
+
+    generator = TextGenerator(model=fitted, tokenizer=tokenizer,
+                              promptTemplate="Q: {question}\\nA:", maxNewTokens=64)
+    answers = generator.transform(df)   # adds "generated": text, finish_reason, token counts
+    answers.select("id", "generated.text", "generated.error")
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import tempfile
+from typing import Any, Dict
+
+import cloudpickle
+from pyspark.ml import Model
+from pyspark.ml.param import Param, Params, TypeConverters
+from pyspark.ml.util import DefaultParamsReader, MLReadable, MLReader, MLWritable
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from sparktrain.estimators.persistence import (
+    SessionWriter,
+    ml_context,
+    read_file,
+    saved_root,
+    write_file,
+)
+from sparktrain.generation.engines import check_engine
+from sparktrain.generation.prompts import PromptSpec
+from sparktrain.generation.rows import WorkerPlan, generation_udf
+from sparktrain.generation.settings import GenerationSettings
+from sparktrain.model_files import ModelFile
+
+_CHAT = {"auto": None, "on": True, "off": False}
+_INTEGERS = ("tinyint", "smallint", "int", "bigint")
+
+
+def _param(name: str, doc: str, converter: Any) -> Param:
+    return Param(Params._dummy(), name, doc, typeConverter=converter)
+
+
+class TextGenerator(Model, MLWritable, MLReadable):
+    """Generate text with a fine-tuned causal language model (a ``TorchModel`` from
+    ``TorchEstimator.fit``, or a transformers model as it is) over a DataFrame.
+
+    Each row's prompt is ``promptCol``'s text or ``promptTemplate`` over columns (``{name}``),
+    wrapped in the tokenizer's chat template where it has one (``chatTemplate``: auto, on,
+    off). ``transform`` adds ``outputCol``, a struct: ``text``, ``finish_reason`` (``stop``:
+    an end-of-sequence token or a ``stop`` string; ``length``: ``maxNewTokens`` reached;
+    ``error``), ``prompt_tokens``, ``completion_tokens`` and ``error`` (null where the row was
+    answered). A row that cannot be answered (a prompt longer than the model's context, a null
+    field, a row the engine rejects) gets its error and an empty text; the task's other rows
+    are kept. Wrong settings (an unknown column, a bad template) fail before any job.
+
+    Each Python worker loads the model once (a LoRA fine-tune merged into its base weights)
+    and keeps its engine across tasks; ``engine``: ``"continuous"`` (transformers' continuous
+    batching, ``maxRowsInFlight`` rows at once across a task's batches) or ``"static"``
+    (padded batches of ``maxRowsInFlight`` rows through ``generate``), or one registered with
+    ``register_generation_engine``. ``temperature=0`` (the default) decodes greedily: a rerun
+    writes the same text.
+    """
+
+    promptCol = _param("promptCol", "the column holding each row's prompt",
+                       TypeConverters.toString)
+    promptTemplate = _param("promptTemplate", "a str.format template over columns, e.g. "
+                            "'Q: {question}\\nA:'", TypeConverters.toString)
+    outputCol = _param("outputCol", "the struct column the answers go to",
+                       TypeConverters.toString)
+    maxNewTokens = _param("maxNewTokens", "the most tokens an answer has", TypeConverters.toInt)
+    temperature = _param("temperature", "0: greedy; above 0: sampling at this temperature",
+                         TypeConverters.toFloat)
+    topP = _param("topP", "nucleus sampling's probability mass", TypeConverters.toFloat)
+    stop = _param("stop", "strings that end an answer", TypeConverters.toListString)
+    seed = _param("seed", "the sampling seed", TypeConverters.toInt)
+    maxPromptTokens = _param("maxPromptTokens", "longer prompts are row errors (0: the "
+                             "model's context less maxNewTokens)", TypeConverters.toInt)
+    chatTemplate = _param("chatTemplate", "auto, on or off: the tokenizer's chat template",
+                          TypeConverters.toString)
+    systemPrompt = _param("systemPrompt", "a system message before each prompt (chat)",
+                          TypeConverters.toString)
+    engine = _param("engine", "the generation engine's registered name",
+                    TypeConverters.toString)
+    maxRowsInFlight = _param("maxRowsInFlight", "rows a Python worker generates at once",
+                             TypeConverters.toInt)
+    useGpu = _param("useGpu", "generate on the task's GPU where Spark gives one (None: "
+                    "where it does)", TypeConverters.toBoolean)
+
+    def __init__(self, model: Any = None, tokenizer: Any = None, **params: Any) -> None:
+        super().__init__()
+        self._setDefault(outputCol="generated", maxNewTokens=128, temperature=0.0, topP=1.0,
+                         stop=[], seed=0, maxPromptTokens=0, chatTemplate="auto",
+                         engine="continuous", maxRowsInFlight=32)
+        self._torch: Any = None
+        self._tokenizer = tokenizer
+        if model is not None:
+            self.setModel(model)
+        self._set(**params)
+
+    # -- the model and the settings -------------------------------------------------------------
+    def setModel(self, model: Any) -> "TextGenerator":
+        """A ``TorchModel`` (fitted or loaded) or a transformers module."""
+        from sparktrain.estimators.torch_model import TorchModel
+
+        self._torch = model if isinstance(model, TorchModel) else TorchModel(model=model)
+        return self
+
+    def getModel(self) -> Any:
+        """The transformers module (read from its weights file on first use)."""
+        return None if self._torch is None else self._torch.getModel()
+
+    def setTokenizer(self, tokenizer: Any) -> "TextGenerator":
+        self._tokenizer = tokenizer
+        return self
+
+    def getTokenizer(self) -> Any:
+        return self._tokenizer
+
+    def setParams(self, **params: Any) -> "TextGenerator":
+        return self._set(**params)
+
+    def _prompt(self) -> PromptSpec:
+        chat = self.getOrDefault("chatTemplate")
+        if chat not in _CHAT:
+            raise ValueError(f"chatTemplate must be one of {sorted(_CHAT)}, got {chat!r}")
+        get = self._optional
+        return PromptSpec(column=get("promptCol"), template=get("promptTemplate"),
+                          chat=_CHAT[chat], system=get("systemPrompt"))
+
+    def _optional(self, name: str) -> Any:
+        return self.getOrDefault(name) if self.isDefined(name) else None
+
+    def _settings(self) -> GenerationSettings:
+        get = self.getOrDefault
+        return GenerationSettings(max_new_tokens=get("maxNewTokens"),
+                                  temperature=get("temperature"), top_p=get("topP"),
+                                  stop=tuple(get("stop")), seed=get("seed"),
+                                  max_prompt_tokens=get("maxPromptTokens"))
+
+    def plan(self, spark: Any = None) -> WorkerPlan:
+        """What the executors get; every setting checked (``ValueError`` naming it)."""
+        prompt, settings = self._prompt(), self._settings()
+        engine = self.getOrDefault("engine")
+        check_engine(engine)
+        window = self.getOrDefault("maxRowsInFlight")
+        if window < 1:
+            raise ValueError(f"maxRowsInFlight must be >= 1, got {window}")
+        if self._torch is None:
+            raise ValueError("TextGenerator has no model; pass model= (a TorchModel or a "
+                             "transformers causal language model)")
+        if self._tokenizer is None:
+            raise ValueError("TextGenerator has no tokenizer; pass tokenizer= (the one the "
+                             "model was fine-tuned with)")
+        prompt.uses_chat(self._tokenizer)
+        if spark is not None:
+            self._torch._keep_in_file(spark)
+        return WorkerPlan(self._torch.module_source(), cloudpickle.dumps(self._tokenizer),
+                          prompt, settings, engine, window, self._optional("useGpu"))
+
+    def _transform(self, dataset: DataFrame) -> DataFrame:
+        output = self.getOrDefault("outputCol")
+        if output in dataset.columns:
+            raise ValueError(f"outputCol {output!r} is already a column of the DataFrame; "
+                             f"choose another with setParams(outputCol=...)")
+        types = dict(dataset.dtypes)
+        self._prompt().check(types)
+        plan = dataclasses.replace(self.plan(dataset.sparkSession), integers=tuple(
+            name for name, kind in types.items() if kind in _INTEGERS))
+        # a Python worker keeps an engine per key: any change of model or setting makes another
+        key = hashlib.sha1(cloudpickle.dumps(plan)).hexdigest()
+        udf = generation_udf(key, plan)
+        return dataset.withColumn(output, udf(*[F.col(f"`{c}`") for c in plan.prompt.columns()]))
+
+    # -- persistence ----------------------------------------------------------------------------
+    def write(self) -> "_GeneratorWriter":
+        return _GeneratorWriter(self)
+
+    @classmethod
+    def read(cls) -> "_GeneratorReader":
+        return _GeneratorReader()
+
+
+class _GeneratorWriter(SessionWriter):
+    """Params in ``metadata``; the model's files under ``model/`` (weights streamed from the
+    store), the tokenizer's ``save_pretrained`` files under ``tokenizer/``."""
+
+    def saveImpl(self, path: str) -> None:
+        generator = self.instance
+        params = {p.name: generator.getOrDefault(p) for p in generator.params
+                  if generator.isSet(p)}
+        files = generator._torch._framework_files()
+        with tempfile.TemporaryDirectory() as tmp:
+            generator.getTokenizer().save_pretrained(tmp)
+            tokenizer = {name: open(os.path.join(tmp, name), "rb").read()
+                         for name in sorted(os.listdir(tmp))}
+        root = self._save_metadata(path, params, extraMetadata={
+            "framework_files": sorted(files), "tokenizer_files": sorted(tokenizer)})
+        for name, data in files.items():
+            if isinstance(data, ModelFile):
+                data.copy_to(f"{root}/model/{name}")
+            else:
+                write_file(root, f"model/{name}", data)
+        for name, data in tokenizer.items():
+            write_file(root, f"tokenizer/{name}", data)
+
+
+class _GeneratorReader(MLReader):
+    """Reads what :class:`_GeneratorWriter` wrote. The model's architecture is a pickle, which
+    runs code: load only paths you trust."""
+
+    def load(self, path: str) -> TextGenerator:
+        from transformers import AutoTokenizer
+
+        from sparktrain.estimators.torch_model import TorchModel
+
+        metadata = DefaultParamsReader.loadMetadata(path, ml_context(self))
+        root = saved_root(self.sparkSession, path)
+        files = {name: ModelFile.of(f"{root}/model/{name}")
+                 for name in metadata["framework_files"]}
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in metadata["tokenizer_files"]:
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(read_file(root, f"tokenizer/{name}"))
+            tokenizer = AutoTokenizer.from_pretrained(tmp)
+        generator = TextGenerator(model=TorchModel._from_framework_files(files),
+                                  tokenizer=tokenizer)
+        generator._resetUid(metadata["uid"])
+        known = {p.name for p in generator.params}
+        values: Dict[str, Any] = {k: v for k, v in metadata["paramMap"].items() if k in known}
+        generator._set(**values)
+        return generator

@@ -1,0 +1,108 @@
+"""The continuous engine: transformers' continuous batching
+(``transformers.generation.continuous_batching``, transformers >= 4.56). Rows join the running
+batch as others finish; the KV cache is paged, so a short answer frees its pages at once. The
+manager and its generation thread are built once per Python worker and kept across tasks.
+
+Example::
+
+    engine = ContinuousEngine(model, GenerationSettings(max_new_tokens=16), [2], 0, window=32)
+    for done in engine.generate(requests): ...
+"""
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Dict, Iterable, Iterator
+
+from sparktrain.generation.engines import Completion, GenerationEngine, Request
+
+#: tokens per page of the paged KV cache on a CPU (transformers' default, 256, sizes for GPUs)
+CPU_PAGE = 32
+#: the most tokens one forward step takes on a CPU (prefill chunks included)
+CPU_BATCH_TOKENS = 2048
+
+
+class ContinuousEngine(GenerationEngine):
+    """Up to ``window`` rows in transformers' continuous batching manager at once."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._manager: Any = None
+
+    def _start(self, context: int) -> Any:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        settings = self.settings
+        config = GenerationConfig(max_new_tokens=settings.max_new_tokens,
+                                  do_sample=settings.sampling, eos_token_id=self.eos_ids,
+                                  pad_token_id=self.pad_id)
+        if settings.sampling:
+            config.temperature, config.top_p = settings.temperature, settings.top_p
+        cache: Dict[str, Any] = dict(seed=settings.seed, max_requests_per_batch=self.window)
+        if next(self.model.parameters()).device.type == "cpu":
+            # sized by the rows in flight: the default sizes by a share of the device's memory,
+            # which on a CPU allocates gigabytes and takes seconds
+            # which on a CPU allocates gigabytes and takes seconds. Twice what the rows in
+            # flight can hold at their longest: a cache the scheduler fills stalls or evicts
+            longest = min(context, settings.prompt_limit(context) + settings.max_new_tokens)
+            cache.update(page_size=CPU_PAGE, max_batch_tokens=CPU_BATCH_TOKENS,
+                         num_blocks=2 * self.window * math.ceil(longest / CPU_PAGE) + 1)
+        manager = self.model.init_continuous_batching(
+            generation_config=config,
+            continuous_batching_config=ContinuousBatchingConfig(**cache))
+        # started from a daemon thread, so its generation thread is a daemon too (a thread
+        # inherits it): a Python worker that exits does not wait for an idle engine
+        starter = threading.Thread(target=_start_in_inference_mode, args=(manager,),
+                                   daemon=True)
+        starter.start()
+        starter.join()
+        return manager
+
+    def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
+        if self._manager is None:
+            context = getattr(self.model.config, "max_position_embeddings", 2048)
+            self._manager = self._start(context)
+        manager = self._manager
+        pending = iter(requests)
+        in_flight = 0
+        exhausted = False
+        while True:
+            while not exhausted and in_flight < self.window:
+                request = next(pending, None)
+                if request is None:
+                    exhausted = True
+                    break
+                manager.add_request(request.input_ids, request_id=str(request.key),
+                                    max_new_tokens=self.settings.max_new_tokens)
+                in_flight += 1
+            if not in_flight:
+                return
+            result = manager.get_result(timeout=1.0)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching stopped with rows "
+                                       "still in flight (its generation thread ended); see "
+                                       "the executor's log for its error")
+                continue
+            if not result.is_finished():
+                continue
+            in_flight -= 1
+            key = int(result.request_id)
+            if result.error is not None:
+                yield Completion(key, error=str(result.error))
+            else:
+                yield self.finish(key, result.generated_tokens)
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.stop(block=True, timeout=10)
+            self._manager = None
+
+
+def _start_in_inference_mode(manager: Any) -> None:
+    """The manager's loop runs in inference mode when its starter does (no autograd graph)."""
+    import torch
+
+    with torch.inference_mode():
+        manager.start()

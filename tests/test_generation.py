@@ -1,0 +1,189 @@
+"""Generation in transform: a fine-tuned causal language model answers every row.
+
+The model is a tiny Llama built from a config that learns to count ("count 3 from 7 :" ->
+"8 9 10", then its end-of-sequence token), so answers have mixed lengths and can be checked
+exactly; the tokenizer is a word list: nothing is downloaded."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from sparktrain import TextGenerator, TorchEstimator, register_generation_engine
+from sparktrain.estimators.torch_model import TorchModel
+from sparktrain.generation.engines import Completion, GenerationEngine, Request, engine_class
+from sparktrain.generation.prompts import PromptSpec
+from sparktrain.generation.rows import Worker, WorkerPlan, answer_batches, load_worker
+from sparktrain.generation.settings import GenerationSettings
+from support import hf_models
+
+pytest.importorskip("transformers")  # installed by the test set-up: never skipped there
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return hf_models.count_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def counter():
+    """The tiny Llama trained to count, in this process (a few seconds)."""
+    return hf_models.train_counting()
+
+
+def _worker(model, tok, engine="continuous", window=8, limit=40, **settings):
+    options = GenerationSettings(**dict(dict(max_new_tokens=12), **settings))
+    built = engine_class(engine)(model, options, [tok.eos_token_id], tok.pad_token_id, window)
+    return Worker(built, tok, PromptSpec(column="prompt"), options, limit)
+
+
+def _answers(worker, prompts, batch=5):
+    batches = [{"prompt": prompts[i:i + batch]} for i in range(0, len(prompts), batch)]
+    outs = list(answer_batches(iter(batches), worker))
+    assert [len(o["text"]) for o in outs] == [len(b["prompt"]) for b in batches]
+    return {name: [v for o in outs for v in o[name]] for name in outs[0]}
+
+
+# -- without Spark ------------------------------------------------------------------------------
+def test_prompt_spec_reads_columns_and_names_what_is_wrong():
+    spec = PromptSpec(template="count {k} from {start} : {k}")
+    assert spec.columns() == ["k", "start"]
+    assert spec.render({"k": [3, None], "start": [7, 1]}) == [
+        ("count 3 from 7 : 3", None), (None, "column 'k' is null in this row")]
+    spec.check({"k": "int", "start": "bigint", "id": "bigint"})
+    with pytest.raises(ValueError, match=r"reads column 'start', which the DataFrame does not "
+                                         r"have; its columns: \['id', 'k'\]"):
+        spec.check({"k": "int", "id": "bigint"})
+    with pytest.raises(ValueError, match="promptCol 'k' must be a string column, found int"):
+        PromptSpec(column="k").check({"k": "int"})
+    with pytest.raises(ValueError, match="set exactly one of promptCol"):
+        PromptSpec(column="a", template="{a}")
+    with pytest.raises(ValueError, match="positional field"):
+        PromptSpec(template="count {} from {start}")
+    with pytest.raises(ValueError, match="names no column"):
+        PromptSpec(template="no fields")
+    with pytest.raises(ValueError, match="not a valid str.format template"):
+        PromptSpec(template="count {k")
+
+
+def test_settings_are_checked_where_they_are_set():
+    for bad, message in ((dict(max_new_tokens=0), "maxNewTokens must be a positive integer"),
+                         (dict(temperature=-1), "temperature must be >= 0"),
+                         (dict(top_p=0), r"topP must be in \(0, 1\]"),
+                         (dict(stop=("",)), "stop must hold non-empty strings")):
+        with pytest.raises(ValueError, match=message):
+            GenerationSettings(**bad)
+    settings = GenerationSettings(max_new_tokens=8, stop=(" 9", "!"))
+    assert settings.cut_at_stop("7 8 9 10") == ("7 8", True)
+    assert settings.prompt_limit(64) == 56
+    assert GenerationSettings(max_new_tokens=8, max_prompt_tokens=10).prompt_limit(64) == 10
+
+
+@pytest.mark.parametrize("engine", ["continuous", "static"])
+def test_engines_answer_every_row_in_order_and_keep_row_errors(counter, tok, engine):
+    rows = hf_models.count_rows(60, seed=11)
+    worker = _worker(counter, tok, engine, limit=6)
+    prompts = [p for p, _ in rows] + [None, "count 2 from 3 : 4 5 6 7"]  # null, too long
+    out = _answers(worker, prompts)
+    assert out["text"][:60] == [a for _, a in rows]          # learned, greedy, exact
+    assert out["finish_reason"][:60] == ["stop"] * 60
+    assert out["completion_tokens"][:60] == [len(a.split()) for _, a in rows]
+    assert out["prompt_tokens"][:2] == [5, 5] and out["error"][:60] == [None] * 60
+    assert out["text"][60:] == ["", ""] and out["finish_reason"][60:] == ["error", "error"]
+    assert out["error"][60] == "column 'prompt' is null in this row"
+    assert out["error"][61].startswith("the prompt has 9 tokens; at most 6 fit")
+    short = _answers(_worker(counter, tok, engine, max_new_tokens=2, stop=(" 5",)),
+                     ["count 6 from 1 :", "count 6 from 3 :"])
+    assert short["text"] == ["2 3", "4"] and short["finish_reason"] == ["length", "stop"]
+
+
+def test_continuous_batching_admits_the_next_batch_before_the_first_is_answered(counter, tok):
+    pulled = []
+
+    def batches():
+        for i in range(4):
+            pulled.append(("in", i))
+            yield {"prompt": ["count 8 from 1 :", "count 1 from 1 :"]}
+
+    worker = _worker(counter, tok, "continuous", window=6)
+    for _ in answer_batches(batches(), worker):
+        pulled.append(("out",))
+    first_out = pulled.index(("out",))
+    assert ("in", 2) in pulled[:first_out], pulled   # 6 rows in flight: 3 batches' worth
+
+
+def test_a_lora_fine_tune_generates_merged(counter, tok):
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(copy.deepcopy(counter),
+                             LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    plan = WorkerPlan(TorchModel(model=adapted).module_source(),
+                      __import__("cloudpickle").dumps(tok), PromptSpec(column="prompt"),
+                      GenerationSettings(max_new_tokens=10))
+    worker = load_worker(plan)
+    assert not hasattr(worker.engine.model, "peft_config")     # merged into the base weights
+    rows = hf_models.count_rows(10, seed=3)
+    assert _answers(worker, [p for p, _ in rows])["text"] == [a for _, a in rows]
+    worker.engine.close()
+
+
+class _Echo(GenerationEngine):
+    """A registered engine: answers each prompt with its own last token."""
+
+    def generate(self, requests):
+        for request in requests:
+            yield Completion(request.key, [request.input_ids[-1]], ended=True)
+
+
+def test_a_registered_engine_answers_rows(tok):
+    register_generation_engine("echo-test", _Echo)
+    worker = _worker(torch.nn.Linear(1, 1), tok, "echo-test")
+    assert _answers(worker, ["count 2 from 9 :"])["text"] == [":"]
+    with pytest.raises(TypeError, match="must subclass"):
+        register_generation_engine("bad", int)
+    with pytest.raises(ValueError, match=r"engine 'nope' is not a registered generation "
+                                         r"engine; registered: \[.*'continuous'"):
+        engine_class("nope")
+    assert Request(1, [2]).key == 1
+
+
+# -- in Spark -----------------------------------------------------------------------------------
+def test_fine_tune_then_generate_over_a_dataframe(spark, store, tok, tmp_path):
+    train = spark.createDataFrame(hf_models.count_rows(4000, seed=1),
+                                  "prompt string, answer string")
+    model = hf_models.tiny_llama(seed=1)
+    fitted = TorchEstimator(
+        num_proc=2, store=store, model=model, loss=None,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
+        transformation_fn=hf_models.CountTokenize(tok),
+        feature_cols=["input_ids", "attention_mask"], label_cols=["labels"],
+        batch_size=32, epochs=5, random_seed=1, verbose=0).fit(train)
+    rows = [(i, int(p.split()[1]), int(p.split()[3]), a)
+            for i, (p, a) in enumerate(hf_models.count_rows(40, seed=2))]
+    df = spark.createDataFrame(rows + [(40, None, 1, ""), (41, 30, 1, "")],
+                               "id long, k int, start int, expected string").repartition(3)
+    generator = TextGenerator(model=fitted, tokenizer=tok, maxNewTokens=10, maxPromptTokens=8,
+                              promptTemplate="count {k} from {start} :")
+    with pytest.raises(ValueError, match=r"reads column 'begin', which the DataFrame does not"):
+        generator.copy({generator.promptTemplate: "count {k} from {begin} :"}).transform(df)
+    out = {r["id"]: r for r in generator.transform(df).select("id", "expected",
+                                                              "generated.*").collect()}
+    exact = np.mean([out[i]["text"] == out[i]["expected"] for i in range(40)])
+    assert exact >= 0.9, [(out[i]["text"], out[i]["expected"]) for i in range(40)
+                          if out[i]["text"] != out[i]["expected"]]
+    assert out[40]["error"] == "column 'k' is null in this row"
+    assert out[41]["error"] is None                 # unlike anything trained on, still answered
+    short = generator.copy({generator.maxPromptTokens: 4}).transform(df.limit(2))
+    assert [r["error"] for r in short.select("generated.error").collect()] == [
+        "the prompt has 5 tokens; at most 4 fit (the model's context less maxNewTokens, or "
+        "maxPromptTokens)"] * 2
+    from pyspark.ml import PipelineModel
+
+    PipelineModel([generator]).write().overwrite().save(str(tmp_path / "gen"))
+    loaded = PipelineModel.load(str(tmp_path / "gen")).stages[0]
+    assert isinstance(loaded, TextGenerator) and loaded.getOrDefault("maxNewTokens") == 10
+    again = {r["id"]: r["text"] for r in loaded.transform(df).select("id", "generated.text")
+             .collect()}
+    assert again == {i: r["text"] for i, r in out.items()}
