@@ -91,8 +91,9 @@ def test_interrupts_over_connect(connect_server, tmp_path, framework, points):
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario,module,epochs,more", [
     ("horovod", "horovod.torch", 3, {}),
-    # a Hugging Face model as it is
-    ("huggingface", "transformers", 2, {"predicted": 50, "width": 2}),
+    # a Hugging Face model as it is; a causal LM's generation in transform, saved and loaded
+    ("huggingface", "transformers", 2, {"predicted": 50, "width": 2, "generated_exact": 20,
+                                        "generated_reloaded": True}),
     # input_mode="stream": the barrier stage takes the rows, no dataset in the store
     ("stream", "torch", 3, {"datasets": 0, "predicted": 1000}),
 ], ids=["horovod", "huggingface", "stream"])

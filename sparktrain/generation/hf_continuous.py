@@ -38,7 +38,8 @@ class ContinuousEngine(GenerationEngine):
                                   do_sample=settings.sampling, eos_token_id=self.eos_ids,
                                   pad_token_id=self.pad_id)
         if settings.sampling:
-            config.temperature, config.top_p = settings.temperature, settings.top_p
+            config.temperature, config.top_p, config.top_k = settings.temperature, \
+                settings.top_p, 0
         cache: Dict[str, Any] = dict(seed=settings.seed, max_requests_per_batch=self.window)
         if next(self.model.parameters()).device.type == "cpu":
             # sized by the rows in flight: the default sizes by a share of the device's memory,

@@ -25,7 +25,8 @@ class StaticEngine(GenerationEngine):
         options = dict(max_new_tokens=settings.max_new_tokens, do_sample=settings.sampling,
                        eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
         if settings.sampling:
-            options.update(temperature=settings.temperature, top_p=settings.top_p)
+            # no top-k (generate's default keeps 50 tokens): the nucleus alone, as continuous
+            options.update(temperature=settings.temperature, top_p=settings.top_p, top_k=0)
         device = next(self.model.parameters()).device
         pending = iter(requests)
         while True:

@@ -340,7 +340,25 @@ def huggingface(spark, workdir: str) -> Dict[str, Any]:
         label_cols=["label"], batch_size=32, epochs=2, verbose=0).fit(df)
     predicted = fitted.transform(df.select("text").limit(50)).toPandas()["label__output"]
     return {"history": fitted.getHistory()["loss"], "predicted": len(predicted),
-            "width": len(predicted[0])}
+            "width": len(predicted[0]), **_generation(spark, workdir)}
+
+
+def _generation(spark, workdir: str) -> Dict[str, Any]:
+    """A causal LM trained here (to count) answers rows over Connect; saved and loaded."""
+    from sparktrain import TextGenerator
+    from support import hf_models
+
+    rows = hf_models.count_rows(20, seed=4)
+    prompts = spark.createDataFrame(rows, "prompt string, expected string")
+    generator = TextGenerator(model=hf_models.train_counting(150),
+                              tokenizer=hf_models.count_tokenizer(), promptCol="prompt",
+                              maxNewTokens=10)
+    first = generator.transform(prompts).select("expected", "generated.text").collect()
+    path = os.path.join(workdir, "generator")
+    generator.write().overwrite().save(path)
+    again = TextGenerator.load(path).transform(prompts).select("generated.text").collect()
+    return {"generated_exact": sum(r["text"] == r["expected"] for r in first),
+            "generated_reloaded": [r["text"] for r in again] == [r["text"] for r in first]}
 
 
 def mlflow_tracking(spark, workdir: str) -> Dict[str, Any]:
