@@ -1,5 +1,6 @@
 """The continuous engine: transformers' continuous batching
-(``transformers.generation.continuous_batching``, transformers >= 4.56). Rows join the running
+(``transformers.generation.continuous_batching``; tested with transformers 5.24, and a
+transformers without its ``ContinuousBatchingConfig`` is refused by name). Rows join the running
 batch as others finish; the KV cache is paged, so a short answer frees its pages at once. The
 manager and its generation thread are built once per Python worker and kept across tasks.
 
@@ -30,8 +31,16 @@ class ContinuousEngine(GenerationEngine):
         self._manager: Any = None
 
     def _start(self, context: int) -> Any:
+        import transformers
         from transformers import GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        try:
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        except ImportError:
+            raise RuntimeError(
+                f"engine='continuous' needs transformers' continuous batching with its "
+                f"ContinuousBatchingConfig (transformers 5); this executor has transformers "
+                f"{transformers.__version__}: upgrade it, or use engine='static'") from None
 
         settings = self.settings
         config = GenerationConfig(max_new_tokens=settings.max_new_tokens,
