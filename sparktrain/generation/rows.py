@@ -74,6 +74,7 @@ def load_worker(plan: WorkerPlan) -> Worker:
         raise TypeError(f"TextGenerator needs a transformers causal language model (with "
                         f"generate() and a config); the model is a {type(module).__name__}")
     module = module.to(predict_device(task_gpu(plan.use_gpu))).eval()
+    _task_threads()
     tokenizer = pickle.loads(plan.tokenizer)
     eos = {tokenizer.eos_token_id, getattr(module.generation_config, "eos_token_id", None)}
     eos_ids = sorted(e for item in eos for e in (item if isinstance(item, list) else [item])
@@ -83,6 +84,17 @@ def load_worker(plan: WorkerPlan) -> Worker:
     engine = engine_class(plan.engine)(module, plan.settings, eos_ids, pad, plan.window)
     limit = plan.settings.prompt_limit(context_length(module.config))
     return Worker(engine, tokenizer, plan.prompt, plan.settings, limit)
+
+
+def _task_threads() -> None:
+    """torch's CPU threads: the task's cores (its default, every core of the machine, makes
+    the tasks of one executor fight over them), as prediction does."""
+    import torch
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    if context is not None:
+        torch.set_num_threads(max(1, context.cpus()))
 
 
 # One engine per Python worker and plan, kept across tasks (Python workers are reused).
@@ -97,6 +109,13 @@ def worker_for(key: str, plan: WorkerPlan) -> Worker:
         _WORKERS.clear()
         worker = _WORKERS[key] = load_worker(plan)
     return worker
+
+
+def drop_worker(key: str) -> None:
+    """Close and forget the engine kept for ``key`` (after it failed)."""
+    worker = _WORKERS.pop(key, None)
+    if worker is not None:
+        worker.engine.close()
 
 
 @dataclass
@@ -204,8 +223,12 @@ def generation_udf(key: str, plan: WorkerPlan) -> Any:
                 series = series if isinstance(series, tuple) else (series,)
                 yield {name: values(name, s) for name, s in zip(names, series, strict=True)}
 
-        for out in answer_batches(columns(), worker):
-            yield pd.DataFrame(out)
+        try:
+            for out in answer_batches(columns(), worker):
+                yield pd.DataFrame(out)
+        except BaseException:  # an engine that failed mid-task is not kept for the next task
+            drop_worker(key)
+            raise
 
     answer.__annotations__ = {
         "batches": Iter[Tup[pd.Series, ...]] if len(names) > 1 else Iter[pd.Series],
