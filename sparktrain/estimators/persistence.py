@@ -91,6 +91,16 @@ def read_file(root: str, name: str) -> bytes:
         return f.read()
 
 
+def write_model_files(root: str, files: Dict[str, Any]) -> None:
+    """A model's framework files under ``root/model/``: bytes written, a :class:`ModelFile`
+    (weights already in the store) streamed, never read into memory."""
+    for name, data in files.items():
+        if isinstance(data, ModelFile):
+            data.copy_to(f"{root}/model/{name}")
+        else:
+            write_file(root, f"model/{name}", data)
+
+
 def _apply_params(instance: Any, metadata: Dict[str, Any]) -> None:
     params = {p.name: p for p in instance.params}
     values = {name: value for name, value in metadata["paramMap"].items() if name in params}
@@ -185,11 +195,7 @@ class ModelWriter(SessionWriter):
     def saveImpl(self, path: str) -> None:
         files = self.instance._framework_files()
         root = self._save_metadata(path, extraMetadata=self.instance._extra_metadata(sorted(files)))
-        for name, data in files.items():
-            if isinstance(data, ModelFile):  # weights in the store: streamed, not read into memory
-                data.copy_to(f"{root}/model/{name}")
-            else:
-                write_file(root, f"model/{name}", data)
+        write_model_files(root, files)
         transform = self.instance.getPredictTransformationFn()
         if transform is not None:  # by value, like the model's own classes
             write_file(root, PREDICT_FN_FILE, dumps(transform))

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import tempfile
+from pathlib import Path
 from typing import Any, Dict
 
 import cloudpickle
@@ -30,6 +30,7 @@ from sparktrain.estimators.persistence import (
     read_file,
     saved_root,
     write_file,
+    write_model_files,
 )
 from sparktrain.generation.engines import check_engine
 from sparktrain.generation.prompts import PromptSpec
@@ -196,15 +197,10 @@ class _GeneratorWriter(SessionWriter):
         files = generator._torch._framework_files()
         with tempfile.TemporaryDirectory() as tmp:
             generator.getTokenizer().save_pretrained(tmp)
-            tokenizer = {name: open(os.path.join(tmp, name), "rb").read()
-                         for name in sorted(os.listdir(tmp))}
+            tokenizer = {file.name: file.read_bytes() for file in sorted(Path(tmp).iterdir())}
         root = self._save_metadata(path, params, extraMetadata={
             "framework_files": sorted(files), "tokenizer_files": sorted(tokenizer)})
-        for name, data in files.items():
-            if isinstance(data, ModelFile):
-                data.copy_to(f"{root}/model/{name}")
-            else:
-                write_file(root, f"model/{name}", data)
+        write_model_files(root, files)
         for name, data in tokenizer.items():
             write_file(root, f"tokenizer/{name}", data)
 
@@ -224,8 +220,7 @@ class _GeneratorReader(MLReader):
                  for name in metadata["framework_files"]}
         with tempfile.TemporaryDirectory() as tmp:
             for name in metadata["tokenizer_files"]:
-                with open(os.path.join(tmp, name), "wb") as f:
-                    f.write(read_file(root, f"tokenizer/{name}"))
+                Path(tmp, name).write_bytes(read_file(root, f"tokenizer/{name}"))
             tokenizer = AutoTokenizer.from_pretrained(tmp)
         generator = TextGenerator(model=TorchModel._from_framework_files(files),
                                   tokenizer=tokenizer)

@@ -76,9 +76,10 @@ def load_worker(plan: WorkerPlan) -> Worker:
     module = module.to(predict_device(task_gpu(plan.use_gpu))).eval()
     _task_threads()
     tokenizer = pickle.loads(plan.tokenizer)
-    eos = {tokenizer.eos_token_id, getattr(module.generation_config, "eos_token_id", None)}
-    eos_ids = sorted(e for item in eos for e in (item if isinstance(item, list) else [item])
-                     if e is not None)
+    # the model's may be a list (Llama 3: end of text and end of turn)
+    eos = [tokenizer.eos_token_id, getattr(module.generation_config, "eos_token_id", None)]
+    eos_ids = sorted({e for item in eos for e in (item if isinstance(item, list) else [item])
+                      if e is not None})
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
         (eos_ids[0] if eos_ids else 0)
     engine = engine_class(plan.engine)(module, plan.settings, eos_ids, pad, plan.window)
@@ -226,7 +227,8 @@ def generation_udf(key: str, plan: WorkerPlan) -> Any:
         try:
             for out in answer_batches(columns(), worker):
                 yield pd.DataFrame(out)
-        except BaseException:  # an engine that failed mid-task is not kept for the next task
+        except BaseException:  # failed, or closed early (a limit): rows may still be in flight,
+            # and the next task must not get their answers
             drop_worker(key)
             raise
 
