@@ -6,6 +6,7 @@ exactly; the tokenizer is a word list: nothing is downloaded."""
 from __future__ import annotations
 
 import copy
+import pathlib
 
 import numpy as np
 import pytest
@@ -78,6 +79,8 @@ def test_settings_are_checked_where_they_are_set():
     settings = GenerationSettings(max_new_tokens=8, stop=(" 9", "!"))
     assert settings.cut_at_stop("7 8 9 10") == ("7 8", True)
     assert settings.prompt_limit(64) == 56
+    with pytest.raises(ValueError, match="maxNewTokens=8 leaves no room"):
+        settings.prompt_limit(8)
     assert GenerationSettings(max_new_tokens=8, max_prompt_tokens=10).prompt_limit(64) == 10
 
 
@@ -187,3 +190,53 @@ def test_fine_tune_then_generate_over_a_dataframe(spark, store, tok, tmp_path):
     again = {r["id"]: r["text"] for r in loaded.transform(df).select("id", "generated.text")
              .collect()}
     assert again == {i: r["text"] for i, r in out.items()}
+
+
+#: while this file exists, _Flaky fails (a fixed path: executors see this module's constants)
+FLAKY_MARKER = "/tmp/sparktrain-test-generation-flaky"
+
+
+class _Flaky(GenerationEngine):
+    """A registered engine (its class travels to the executors): echoes each prompt's last
+    token, and fails on the word "39" while :data:`FLAKY_MARKER` exists."""
+
+    def generate(self, requests):
+        import os
+
+        for request in requests:
+            if os.path.exists(FLAKY_MARKER) and 46 in request.input_ids:  # "39"
+                raise RuntimeError("boom: the engine failed mid-job")
+            yield Completion(request.key, [request.input_ids[-1]], ended=True)
+
+
+def test_a_long_job_answers_every_row_once_across_a_failure(spark, tok, tmp_path):
+    from pyspark.sql import functions as F
+
+    assert tok.convert_tokens_to_ids("39") == 46
+    marker = pathlib.Path(FLAKY_MARKER)
+    marker.write_text("")
+    register_generation_engine("flaky-test", _Flaky)
+    # the failing row in the last of 4 slices: the three before it are written first
+    boom = spark.range(1000).where(F.pmod(F.hash("id"), F.lit(4)) == 3).first()["id"]
+    rows = [(i, f"count 1 from {39 if i == boom else i % 30} :") for i in range(300)]
+    df = spark.createDataFrame(rows, "id long, prompt string")
+    generator = TextGenerator(model=hf_models.tiny_llama(), tokenizer=tok, promptCol="prompt",
+                              engine="flaky-test", maxNewTokens=4)
+    with pytest.raises(ValueError, match="maxNewTokens=128 leaves no room for a prompt in the "
+                                         "model's context of 64 tokens"):
+        generator.copy({generator.maxNewTokens: 128}).transform(df)
+    out = str(tmp_path / "answers")
+    try:
+        with pytest.raises(Exception, match="boom: the engine failed mid-job"):
+            generator.answer_into(df, out, "id", slices=4)
+    finally:
+        marker.unlink()
+    before = spark.read.parquet(out).count()
+    assert 0 < before < 300                       # three slices kept, the failed one left none
+    assert generator.answer_into(df, out, "id", slices=4) == 4
+    answered = spark.read.parquet(out).collect()
+    assert sorted(r["id"] for r in answered) == list(range(300))     # each exactly once
+    assert {r["text"] for r in answered} == {":"} and {r["finish_reason"] for r in answered} == {
+        "stop"}
+    with pytest.raises(ValueError, match="id_col 'key' is not a column"):
+        generator.answer_into(df, out, "key")

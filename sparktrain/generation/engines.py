@@ -13,10 +13,12 @@ Example::
 """
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 from sparktrain.generation.settings import GenerationSettings
+from sparktrain.pickling import dumps
 from sparktrain.plugins import check_entry, load
 
 
@@ -90,6 +92,22 @@ def check_engine(name: str) -> None:
 
 
 def engine_class(name: str) -> Any:
-    """The engine class registered as ``name``."""
+    """The engine class registered as ``name`` (in this process)."""
     check_engine(name)
     return load(ENGINES[name])
+
+
+def shipped_engine(name: str) -> Any:
+    """What executors load the engine ``name`` from: its ``"module:Class"`` string, or a
+    class registered here pickled with its module by value (executors run other processes,
+    where the registration never ran and the user's module may not be importable)."""
+    check_engine(name)
+    entry = ENGINES[name]
+    return entry if isinstance(entry, str) else dumps(entry)
+
+
+def load_engine(shipped: Any) -> Any:
+    """The engine class from :func:`shipped_engine`'s value (or a name registered here)."""
+    if isinstance(shipped, bytes):
+        return pickle.loads(shipped)
+    return engine_class(shipped) if shipped in ENGINES else load(shipped)

@@ -32,11 +32,13 @@ from sparktrain.estimators.persistence import (
     write_file,
     write_model_files,
 )
-from sparktrain.generation.engines import check_engine
+from sparktrain.generation.engines import check_engine, shipped_engine
 from sparktrain.generation.prompts import PromptSpec
-from sparktrain.generation.rows import WorkerPlan, generation_udf
+from sparktrain.generation.resume import answer_into
+from sparktrain.generation.rows import WorkerPlan, context_length, generation_udf
 from sparktrain.generation.settings import GenerationSettings
 from sparktrain.model_files import ModelFile
+from sparktrain.pickling import dumps
 
 _CHAT = {"auto": None, "on": True, "off": False}
 _INTEGERS = ("tinyint", "smallint", "int", "bigint")
@@ -158,10 +160,13 @@ class TextGenerator(Model, MLWritable, MLReadable):
             raise ValueError("TextGenerator has no tokenizer; pass tokenizer= (the one the "
                              "model was fine-tuned with)")
         prompt.uses_chat(self._tokenizer)
+        if self._torch._model is not None and hasattr(self._torch._model, "config"):
+            settings.prompt_limit(context_length(self._torch._model.config))  # before any job
         if spark is not None:
             self._torch._keep_in_file(spark)
-        return WorkerPlan(self._torch.module_source(), cloudpickle.dumps(self._tokenizer),
-                          prompt, settings, engine, window, self._optional("useGpu"))
+        # sparktrain's pickling: a tokenizer class from the user's own module travels by value
+        return WorkerPlan(self._torch.module_source(), dumps(self._tokenizer), prompt,
+                          settings, shipped_engine(engine), window, self._optional("useGpu"))
 
     def _transform(self, dataset: DataFrame) -> DataFrame:
         output = self.getOrDefault("outputCol")
@@ -176,6 +181,12 @@ class TextGenerator(Model, MLWritable, MLReadable):
         key = hashlib.sha1(cloudpickle.dumps(plan)).hexdigest()
         udf = generation_udf(key, plan)
         return dataset.withColumn(output, udf(*[F.col(f"`{c}`") for c in plan.prompt.columns()]))
+
+    def answer_into(self, dataset: DataFrame, path: str, id_col: str, slices: int = 8) -> int:
+        """Answer ``dataset`` into Parquet at ``path``, a slice of the ids per job, skipping
+        ids already there: after a failure, the same call answers only what is missing
+        (:func:`sparktrain.generation.resume.answer_into`)."""
+        return answer_into(self, dataset, path, id_col, slices)
 
     # -- persistence ----------------------------------------------------------------------------
     def write(self) -> "_GeneratorWriter":

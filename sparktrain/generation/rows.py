@@ -15,7 +15,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
-from sparktrain.generation.engines import Completion, Request, engine_class
+from sparktrain.generation.engines import Completion, Request, load_engine
 from sparktrain.generation.prompts import PromptSpec
 from sparktrain.generation.settings import GenerationSettings
 
@@ -28,13 +28,13 @@ OUTPUT_FIELDS = (("text", "string"), ("finish_reason", "string"), ("prompt_token
 class WorkerPlan:
     """All an executor needs to answer rows (picklable, a few KiB for a model in a file):
     the module's source (:meth:`TorchModel.module_source`), the pickled tokenizer, the
-    prompt, the settings, the engine's name, the rows in flight and the GPU choice."""
+    prompt, the settings, the engine, the rows in flight and the GPU choice."""
 
     source: Tuple[Any, ...]
     tokenizer: bytes
     prompt: PromptSpec
     settings: GenerationSettings
-    engine: str = "continuous"
+    engine: Any = "continuous"  # engines.shipped_engine: "module:Class", or a pickled class
     window: int = 32
     use_gpu: Optional[bool] = None
     integers: Tuple[str, ...] = ()  # integer columns: pandas hands them as floats with a null
@@ -82,7 +82,7 @@ def load_worker(plan: WorkerPlan) -> Worker:
                       if e is not None})
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
         (eos_ids[0] if eos_ids else 0)
-    engine = engine_class(plan.engine)(module, plan.settings, eos_ids, pad, plan.window)
+    engine = load_engine(plan.engine)(module, plan.settings, eos_ids, pad, plan.window)
     limit = plan.settings.prompt_limit(context_length(module.config))
     return Worker(engine, tokenizer, plan.prompt, plan.settings, limit)
 

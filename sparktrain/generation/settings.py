@@ -47,8 +47,13 @@ class GenerationSettings:
         return self.temperature > 0
 
     def prompt_limit(self, context: int) -> int:
-        """The most prompt tokens a row may have for a model whose context is ``context``."""
-        room = max(1, context - self.max_new_tokens)
+        """The most prompt tokens a row may have for a model whose context is ``context``;
+        ``ValueError`` where ``max_new_tokens`` leaves no room for a prompt."""
+        room = context - self.max_new_tokens
+        if room < 1:
+            raise ValueError(f"maxNewTokens={self.max_new_tokens} leaves no room for a prompt "
+                             f"in the model's context of {context} tokens; set maxNewTokens "
+                             f"below {context}")
         return min(self.max_prompt_tokens, room) if self.max_prompt_tokens else room
 
     def cut_at_stop(self, text: str) -> Tuple[str, bool]:
