@@ -184,13 +184,18 @@ def _predictor(key: str, factory: Callable) -> Callable:
     return predict
 
 
-def _worker_transform(transform_bytes: Optional[bytes]) -> Optional[Callable]:
+def one_tokenizer_thread() -> None:
+    """A Hugging Face tokenizer in a Python worker: one thread, the task slots being the
+    parallelism (as in the decode workers); the user's value wins."""
     import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _worker_transform(transform_bytes: Optional[bytes]) -> Optional[Callable]:
     import pickle
 
-    # A Hugging Face tokenizer in the transformation: one thread per Python worker, the task
-    # slots being the parallelism (as in the decode workers); the user's value wins.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    one_tokenizer_thread()
     return pickle.loads(transform_bytes) if transform_bytes is not None else None
 
 

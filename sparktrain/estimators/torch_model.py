@@ -192,6 +192,17 @@ def load_source(source: Tuple[Any, ...]) -> Any:
     return load_module(architecture, state)
 
 
+def use_task_cores() -> None:
+    """torch's CPU threads in a Python worker: the task's cores. torch's default, every core
+    of the machine, makes the tasks of one executor fight over them."""
+    import torch
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    if context is not None:
+        torch.set_num_threads(max(1, context.cpus()))
+
+
 def predict_device(address: Optional[str]) -> Any:
     """The ``torch.device`` to predict on for the task's GPU ``address`` (``None``: CPU); a
     ``RuntimeError`` when torch cannot use that GPU (as training's ``select_device``)."""
@@ -224,7 +235,6 @@ def _make_predictor(source: Tuple[Any, ...],
 
     import numpy as np
     import torch
-    from pyspark import TaskContext
 
     from sparktrain.launch.gpus import task_gpu
     from sparktrain.loop.torch_forward import ForwardRule
@@ -232,9 +242,7 @@ def _make_predictor(source: Tuple[Any, ...],
     module = load_source(source)
     forward = ForwardRule.for_model(module, feature_names or [], output_key=output_key)
     placed = {torch.device("cpu"): module}  # the module on each device used so far
-    context = TaskContext.get()
-    if context is not None:
-        torch.set_num_threads(max(1, context.cpus()))
+    use_task_cores()
 
     def predict(features: List[np.ndarray]) -> List[np.ndarray]:
         device = predict_device(task_gpu(use_gpu))

@@ -64,7 +64,7 @@ def load_worker(plan: WorkerPlan) -> Worker:
     """Build the engine for ``plan``: the module loaded (a LoRA fine-tune merged into its base
     weights: generation then runs the plain model, with no adapter matmuls per token), on the
     task's GPU where Spark gave one, in eval mode."""
-    from sparktrain.estimators.torch_model import load_source, predict_device
+    from sparktrain.estimators.torch_model import load_source, predict_device, use_task_cores
     from sparktrain.launch.gpus import task_gpu
 
     module = load_source(plan.source)
@@ -74,7 +74,7 @@ def load_worker(plan: WorkerPlan) -> Worker:
         raise TypeError(f"TextGenerator needs a transformers causal language model (with "
                         f"generate() and a config); the model is a {type(module).__name__}")
     module = module.to(predict_device(task_gpu(plan.use_gpu))).eval()
-    _task_threads()
+    use_task_cores()
     tokenizer = pickle.loads(plan.tokenizer)
     # the model's may be a list (Llama 3: end of text and end of turn)
     eos = [tokenizer.eos_token_id, getattr(module.generation_config, "eos_token_id", None)]
@@ -85,17 +85,6 @@ def load_worker(plan: WorkerPlan) -> Worker:
     engine = load_engine(plan.engine)(module, plan.settings, eos_ids, pad, plan.window)
     limit = plan.settings.prompt_limit(context_length(module.config))
     return Worker(engine, tokenizer, plan.prompt, plan.settings, limit)
-
-
-def _task_threads() -> None:
-    """torch's CPU threads: the task's cores (its default, every core of the machine, makes
-    the tasks of one executor fight over them), as prediction does."""
-    import torch
-    from pyspark import TaskContext
-
-    context = TaskContext.get()
-    if context is not None:
-        torch.set_num_threads(max(1, context.cpus()))
 
 
 # One engine per Python worker and plan, kept across tasks (Python workers are reused).
@@ -208,9 +197,9 @@ def generation_udf(key: str, plan: WorkerPlan) -> Any:
     schema = ", ".join(f"{name} {kind}" for name, kind in OUTPUT_FIELDS)
 
     def answer(batches):  # type hints set below: they select the UDF's shape
-        import os
+        from sparktrain.estimators.prediction import one_tokenizer_thread
 
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        one_tokenizer_thread()
         worker = worker_for(key, plan)
 
         def values(name: str, s: pd.Series) -> List[Any]:
