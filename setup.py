@@ -45,7 +45,9 @@ PLOT = ["matplotlib>=3.7"]
 MLFLOW = ["mlflow-skinny>=3.1,<4"] + PLOT
 # Hugging Face fine-tuning (docs/huggingface.md): models, tokenizers and LoRA adapters; the
 # estimators take their models as they are, nothing in sparktrain imports these unless used.
-HF = ["transformers>=4.40", "tokenizers>=0.15", "peft>=0.10", "safetensors>=0.4"]
+# llguidance: answers that follow a responseSchema (TextGenerator, docs/generation.md).
+HF = ["transformers>=4.40", "tokenizers>=0.15", "peft>=0.10", "safetensors>=0.4",
+      "llguidance>=1.0"]
 # Stores on HDFS from the driver and the ranks (docs/yarn-and-hdfs.md): hdfs-native, a native
 # HDFS client with an fsspec interface (no JVM, no libhdfs.so, reads HADOOP_CONF_DIR). Where it
 # is not installed, fsspec's hdfs:// is pyarrow's HadoopFileSystem (libhdfs.so and a Hadoop

@@ -6,6 +6,7 @@ exactly; the tokenizer is a word list: nothing is downloaded."""
 from __future__ import annotations
 
 import copy
+import json
 import pathlib
 
 import numpy as np
@@ -36,7 +37,8 @@ def counter():
 
 def _worker(model, tok, engine="continuous", window=8, limit=40, **settings):
     options = GenerationSettings(**dict(dict(max_new_tokens=12), **settings))
-    built = engine_class(engine)(model, options, [tok.eos_token_id], tok.pad_token_id, window)
+    built = engine_class(engine)(model, options, [tok.eos_token_id], tok.pad_token_id, window,
+                                 tokenizer=tok)
     return Worker(built, tok, PromptSpec(column="prompt"), options, limit)
 
 
@@ -151,6 +153,81 @@ def test_a_registered_engine_answers_rows(tok):
         engine_class("nope")
 
 
+def test_a_response_schema_is_read_both_ways_and_named_where_it_cannot_be_followed():
+    from pyspark.sql import types as T
+
+    from sparktrain.generation.json_constraint import compile_grammar
+    from sparktrain.generation.response_schema import ResponseSchema, as_text
+
+    inner = T.StructType([T.StructField("x", T.DoubleType())])
+    spark_type = T.StructType([
+        T.StructField("ok", T.BooleanType(), False), T.StructField("n", T.ByteType(), False),
+        T.StructField("day", T.DateType(), False), T.StructField("inner", inner),
+        T.StructField("tags", T.ArrayType(T.StringType()), False),
+        T.StructField("scores", T.MapType(T.StringType(), T.LongType()), False)])
+    shape = ResponseSchema.of(as_text(spark_type))          # the param holds the type's JSON
+    schema = json.loads(shape.json_schema)
+    assert schema["required"] == ["ok", "n", "day", "inner", "tags", "scores"]
+    assert schema["additionalProperties"] is False
+    props = schema["properties"]
+    assert props["n"] == {"type": "integer", "minimum": -128, "maximum": 127}
+    assert props["day"] == {"type": "string", "format": "date"}
+    assert props["inner"]["anyOf"][1] == {"type": "null"}   # nullable: null allowed
+    assert props["scores"]["additionalProperties"]["type"] == "integer"
+    assert T.StructType.fromJson(json.loads(shape.spark_type)) == spark_type
+    compile_grammar(shape.json_schema)
+
+    from_json_schema = ResponseSchema.of({"type": "object", "properties": {
+        "answer": {"enum": ["yes", "no"]}, "n": {"type": ["integer", "null"]},
+        "xs": {"type": "array", "items": {"type": "number"}},
+        "meta": {"type": "object", "additionalProperties": {"type": "boolean"}},
+        "either": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+        "maybe": {"anyOf": [{"type": "object", "properties": {"a": {"const": 1}}},
+                            {"type": "null"}]}}})
+    assert T.StructType.fromJson(json.loads(from_json_schema.spark_type)).simpleString() == (
+        "struct<answer:string,n:bigint,xs:array<double>,meta:map<string,boolean>,"
+        "either:string,maybe:struct<a:bigint>>")
+
+    for wrong, message in [
+            (T.StructType([T.StructField("blob", T.BinaryType())]),
+             r"responseSchema.blob: binary has no JSON form"),
+            (T.StructType([T.StructField("m", T.MapType(T.IntegerType(), T.StringType()))]),
+             r"responseSchema.m: a map's keys must be strings"),
+            (T.ArrayType(T.StringType()), r"must be a struct \(an answer is a JSON object\), "
+                                          r"got array<string>"),
+            ({"type": "string"}, r"JSON schema must describe an object"),
+            ("answer string", r"DDL text needs a Spark session")]:
+        with pytest.raises(ValueError, match=message):
+            ResponseSchema.of(wrong)
+    with pytest.raises(ValueError, match=r"responseSchema cannot be followed: .*strin"):
+        compile_grammar(json.dumps({"type": "object", "properties": {"a": {"type": "strin"}}}))
+
+
+ANSWER = {"type": "object", "additionalProperties": False, "required": ["answer", "n", "tags"],
+          "properties": {"answer": {"enum": ["yes", "no"]},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "tags": {"type": "array", "maxItems": 3,
+                                  "items": {"type": "string", "maxLength": 6}}}}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_answers_follow_a_json_schema_even_from_an_untrained_model(temperature):
+    tok = hf_models.byte_tokenizer()
+    model = hf_models.untrained_llama(len(tok))
+    prompts = [f"row {i}: answer in JSON" for i in range(20)]
+    free = _answers(_worker(model, tok, "static", max_new_tokens=40), prompts[:4])
+    assert not any(text.startswith("{") for text in free["text"])      # noise without it
+    worker = _worker(model, tok, "static", max_new_tokens=80, temperature=temperature,
+                     top_p=0.9, json_schema=json.dumps(ANSWER))
+    out = _answers(worker, prompts)
+    assert set(out["finish_reason"]) == {"stop"} and set(out["error"]) == {None}, out
+    for text in out["text"]:
+        value = json.loads(text)
+        assert list(value) == ["answer", "n", "tags"] and value["answer"] in ("yes", "no")
+        assert 0 <= value["n"] <= 99 and len(value["tags"]) <= 3
+        assert all(isinstance(t, str) and len(t) <= 6 for t in value["tags"])
+
+
 # -- in Spark -----------------------------------------------------------------------------------
 def test_fine_tune_then_generate_over_a_dataframe(spark, store, tok, tmp_path):
     train = spark.createDataFrame(hf_models.count_rows(4000, seed=1),
@@ -239,3 +316,46 @@ def test_a_long_job_answers_every_row_once_across_a_failure(spark, tok, tmp_path
         "stop"}
     with pytest.raises(ValueError, match="id_col 'key' is not a column"):
         generator.answer_into(df, out, "key")
+
+
+def test_a_response_schema_types_the_answers_column(spark, tmp_path):
+    """An untrained model over a DataFrame: every answer parses into the StructType, typed; a
+    continuous engine asked for by name is refused before any job."""
+    from pyspark.ml import PipelineModel
+    from pyspark.sql import types as T
+
+    tok = hf_models.byte_tokenizer()
+    shape = T.StructType([
+        T.StructField("ok", T.BooleanType(), False), T.StructField("n", T.ByteType(), False),
+        T.StructField("day", T.DateType(), False),
+        T.StructField("inner", T.StructType([T.StructField("flag", T.BooleanType())])),
+        T.StructField("m", T.ShortType(), False)])
+    generator = TextGenerator(model=hf_models.untrained_llama(len(tok)), tokenizer=tok,
+                              promptCol="prompt", maxNewTokens=120, responseSchema=shape)
+    df = spark.createDataFrame([(i, f"row {i}") for i in range(24)],
+                               "id long, prompt string").repartition(3)
+    before = len(spark.sparkContext.statusTracker().getJobIdsForGroup(None)) \
+        if hasattr(spark, "sparkContext") else None
+    with pytest.raises(ValueError, match="engine 'continuous' cannot make answers follow "
+                                         "responseSchema"):
+        generator.copy({generator.engine: "continuous"}).transform(df)
+    with pytest.raises(ValueError, match=r"responseSchema.blob: binary has no JSON form"):
+        generator.copy({generator.responseSchema: "blob binary"}).transform(df)
+    if before is not None:
+        assert len(spark.sparkContext.statusTracker().getJobIdsForGroup(None)) == before
+    answers = generator.transform(df)
+    # from_json makes every field nullable (Spark's JsonToStructs): the same types
+    assert answers.schema["generated"].dataType["parsed"].dataType.simpleString() == \
+        shape.simpleString()
+    rows = answers.select("id", "generated.*").collect()
+    assert {r["finish_reason"] for r in rows} == {"stop"} and len(rows) == 24
+    for row in rows:
+        assert row["parsed"] is not None and json.loads(row["text"])["n"] == row["parsed"]["n"]
+        assert -128 <= row["parsed"]["n"] <= 127 and row["parsed"]["day"].year >= 1
+    PipelineModel([generator]).write().overwrite().save(str(tmp_path / "gen"))
+    loaded = PipelineModel.load(str(tmp_path / "gen")).stages[0]
+    again = loaded.transform(df).select("id", "generated.parsed").collect()
+    assert {r["id"]: r["parsed"] for r in again} == {r["id"]: r["parsed"] for r in rows}
+    ddl = generator.copy({generator.responseSchema: "ok boolean not null, n smallint not null"})
+    parsed = ddl.transform(df.limit(4)).select("generated.parsed.*")
+    assert parsed.dtypes == [("ok", "boolean"), ("n", "smallint")] and parsed.count() == 4

@@ -43,16 +43,21 @@ class Completion:
 
 class GenerationEngine:
     """The engine interface. ``model``: a transformers causal LM, on its device, in eval mode;
-    ``eos_ids``: the token ids that end an answer; ``window``: how many rows may be in flight.
+    ``eos_ids``: the token ids that end an answer; ``window``: how many rows may be in flight;
+    ``tokenizer``: the model's (a Hugging Face tokenizer).
 
     :meth:`generate` pulls requests lazily (at most ``window`` unanswered at once) and yields
     each completion as soon as it is done, in any order; a row the engine rejects comes back
-    with ``error`` set, and the others go on.
+    with ``error`` set, and the others go on. An engine that sets ``follows_schema`` decodes
+    ``settings.json_schema`` (where set) into JSON valid for it; ``TextGenerator`` gives a
+    ``responseSchema`` only to such an engine.
     """
 
+    follows_schema = False
+
     def __init__(self, model: Any, settings: GenerationSettings, eos_ids: List[int],
-                 pad_id: int, window: int) -> None:
-        self.model, self.settings = model, settings
+                 pad_id: int, window: int, tokenizer: Any = None) -> None:
+        self.model, self.settings, self.tokenizer = model, settings, tokenizer
         self.eos_ids, self.pad_id, self.window = list(eos_ids), pad_id, window
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:

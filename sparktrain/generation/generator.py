@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import tempfile
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import cloudpickle
 from pyspark.ml import Model
@@ -32,8 +33,9 @@ from sparktrain.estimators.persistence import (
     write_file,
     write_model_files,
 )
-from sparktrain.generation.engines import check_engine, shipped_engine
+from sparktrain.generation.engines import check_engine, engine_class, shipped_engine
 from sparktrain.generation.prompts import PromptSpec
+from sparktrain.generation.response_schema import ResponseSchema, as_text
 from sparktrain.generation.resume import answer_into
 from sparktrain.generation.rows import WorkerPlan, context_length, generation_udf
 from sparktrain.generation.settings import GenerationSettings
@@ -60,6 +62,11 @@ class TextGenerator(Model, MLWritable, MLReadable):
     answered). A row that cannot be answered (a prompt longer than the model's context, a null
     field, a row the engine rejects) gets its error and an empty text; the task's other rows
     are kept. Wrong settings (an unknown column, a bad template) fail before any job.
+
+    ``responseSchema`` (a ``StructType``, DDL text, or a JSON schema) constrains decoding so
+    that every answer is JSON valid for it, parsed into the struct's ``parsed`` field, typed
+    (null where the answer did not end: ``finish_reason="length"``). Such answers are decoded
+    by an engine that follows schemas (``"static"``, chosen where ``engine`` is not set).
 
     Each Python worker loads the model once (a LoRA fine-tune merged into its base weights)
     and keeps its engine across tasks; ``engine``: ``"continuous"`` (transformers' continuous
@@ -93,6 +100,9 @@ class TextGenerator(Model, MLWritable, MLReadable):
                              TypeConverters.toInt)
     useGpu = _param("useGpu", "generate on the task's GPU where Spark gives one (None: "
                     "where it does)", TypeConverters.toBoolean)
+    responseSchema = _param("responseSchema", "the shape of every answer: a StructType, DDL "
+                            "text or a JSON schema; answers are decoded to follow it",
+                            as_text)
 
     def __init__(self, model: Any = None, tokenizer: Any = None, **params: Any) -> None:
         super().__init__()
@@ -145,11 +155,35 @@ class TextGenerator(Model, MLWritable, MLReadable):
                                   stop=tuple(get("stop")), seed=get("seed"),
                                   max_prompt_tokens=get("maxPromptTokens"))
 
-    def plan(self, spark: Any = None) -> WorkerPlan:
-        """What the executors get; every setting checked (``ValueError`` naming it)."""
-        prompt, settings = self._prompt(), self._settings()
+    def _shape(self, spark: Any = None) -> Optional[ResponseSchema]:
+        """``responseSchema`` read (a DDL string with ``spark``'s parser), or None."""
+        text = self._optional("responseSchema")
+        if text is None:
+            return None
+        ddl = None if spark is None else (lambda t: spark.createDataFrame([], t).schema)
+        return ResponseSchema.of(text, ddl)
+
+    def _engine(self, shape: Optional[ResponseSchema]) -> str:
+        """The engine's name: ``engine``, or one that follows schemas for ``shape``."""
         engine = self.getOrDefault("engine")
         check_engine(engine)
+        if shape is not None and not engine_class(engine).follows_schema:
+            if self.isSet("engine"):
+                raise ValueError(f"engine {engine!r} cannot make answers follow responseSchema "
+                                 f"(transformers' continuous batching takes no grammar); use "
+                                 f"engine='static' or leave engine unset")
+            engine = "static"
+        return engine
+
+    def plan(self, spark: Any = None) -> WorkerPlan:
+        """What the executors get; every setting checked (``ValueError`` naming it)."""
+        prompt, settings, shape = self._prompt(), self._settings(), self._shape(spark)
+        engine = self._engine(shape)
+        if shape is not None:
+            from sparktrain.generation.json_constraint import compile_grammar
+
+            compile_grammar(shape.json_schema)  # a schema it cannot follow: named before any job
+            settings = dataclasses.replace(settings, json_schema=shape.json_schema)
         window = self.getOrDefault("maxRowsInFlight")
         if window < 1:
             raise ValueError(f"maxRowsInFlight must be >= 1, got {window}")
@@ -180,7 +214,17 @@ class TextGenerator(Model, MLWritable, MLReadable):
         # a Python worker keeps an engine per key: any change of model or setting makes another
         key = hashlib.sha1(cloudpickle.dumps(plan)).hexdigest()
         udf = generation_udf(key, plan)
-        return dataset.withColumn(output, udf(*[F.col(f"`{c}`") for c in plan.prompt.columns()]))
+        answers = dataset.withColumn(output, udf(*[F.col(f"`{c}`")
+                                                   for c in plan.prompt.columns()]))
+        shape = self._shape(dataset.sparkSession)
+        if shape is None:
+            return answers
+        from pyspark.sql.types import StructType
+
+        out = F.col(f"`{output}`")
+        parsed = F.when(out["finish_reason"] == "stop", F.from_json(
+            out["text"], StructType.fromJson(json.loads(shape.spark_type))))
+        return answers.withColumn(output, out.withField("parsed", parsed))
 
     def answer_into(self, dataset: DataFrame, path: str, id_col: str, slices: int = 8) -> int:
         """Answer ``dataset`` into Parquet at ``path``, a slice of the ids per job, skipping

@@ -1,6 +1,8 @@
 """The static engine: rows in padded batches through ``model.generate``, each batch running
 until its longest answer ends. What a hand-written ``predict_batch_udf`` does, kept as the
-baseline of ``bench/bench_generate.py`` and for models continuous batching cannot run.
+baseline of ``bench/bench_generate.py``, for models continuous batching cannot run, and for
+answers that follow a ``responseSchema`` (:mod:`.json_constraint`: ``generate`` takes a logits
+processor per call, where continuous batching builds its own from the generation config).
 
 Example::
 
@@ -10,7 +12,7 @@ Example::
 from __future__ import annotations
 
 import itertools
-from typing import Iterable, Iterator
+from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 from sparktrain.generation.engines import Completion, GenerationEngine, Request
 
@@ -18,15 +20,39 @@ from sparktrain.generation.engines import Completion, GenerationEngine, Request
 class StaticEngine(GenerationEngine):
     """Batches of ``window`` rows, left-padded, one ``generate`` call each."""
 
+    follows_schema = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._json: Optional[Dict[str, Any]] = None  # the grammar and llguidance's tokenizer
+
+    def _constraint(self, rows: int) -> Any:
+        """A batch's :class:`~.json_constraint.JsonConstraint`, or None without a schema."""
+        if not self.settings.json_schema:
+            return None
+        from sparktrain.generation import json_constraint as jc
+
+        if self._json is None:
+            self._json = dict(grammar=jc.compile_grammar(self.settings.json_schema),
+                              tokenizer=jc.json_tokenizer(self.tokenizer,
+                                                          self.model.config.vocab_size,
+                                                          self.eos_ids))
+        top_p = self.settings.top_p if self.settings.sampling else 1.0
+        return jc.JsonConstraint(self._json["tokenizer"], self._json["grammar"], rows,
+                                 self.eos_ids, top_p)
+
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
         import torch
+        from transformers import LogitsProcessorList
 
         settings = self.settings
         options = dict(max_new_tokens=settings.max_new_tokens, do_sample=settings.sampling,
                        eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
         if settings.sampling:
-            # no top-k (generate's default keeps 50 tokens): the nucleus alone, as continuous
-            options.update(temperature=settings.temperature, top_p=settings.top_p, top_k=0)
+            # no top-k (generate's default keeps 50 tokens): the nucleus alone, as continuous;
+            # with a schema, the nucleus is taken after its mask (json_constraint)
+            options.update(temperature=settings.temperature, top_k=0,
+                           top_p=1.0 if settings.json_schema else settings.top_p)
         device = next(self.model.parameters()).device
         pending = iter(requests)
         while True:
@@ -41,8 +67,12 @@ class StaticEngine(GenerationEngine):
                 mask[i, longest - len(request.input_ids):] = 1
             if settings.sampling:
                 torch.manual_seed(settings.seed + batch[0].key)
+            constraint = self._constraint(len(batch))
+            processors = LogitsProcessorList([constraint] if constraint else [])
             with torch.inference_mode():
-                out = self.model.generate(input_ids=ids.to(device),
-                                          attention_mask=mask.to(device), **options)
-            for request, row in zip(batch, out[:, longest:].tolist(), strict=True):
-                yield self.finish(request.key, row)
+                out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(
+                    device), logits_processor=processors, **options)
+            errors: List[Optional[str]] = constraint.errors if constraint else [None] * len(batch)
+            for request, row, error in zip(batch, out[:, longest:].tolist(), errors, strict=True):
+                yield Completion(request.key, error=error) if error else \
+                    self.finish(request.key, row)

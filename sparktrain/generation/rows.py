@@ -82,7 +82,8 @@ def load_worker(plan: WorkerPlan) -> Worker:
                       if e is not None})
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
         (eos_ids[0] if eos_ids else 0)
-    engine = load_engine(plan.engine)(module, plan.settings, eos_ids, pad, plan.window)
+    engine = load_engine(plan.engine)(module, plan.settings, eos_ids, pad, plan.window,
+                                      tokenizer=tokenizer)
     limit = plan.settings.prompt_limit(context_length(module.config))
     return Worker(engine, tokenizer, plan.prompt, plan.settings, limit)
 

@@ -18,6 +18,8 @@ class GenerationSettings:
     from the ``top_p`` nucleus, seeded by ``seed``. ``stop``: strings that end an answer
     (the answer is cut before the first one). ``max_prompt_tokens``: a longer prompt is a row
     error, not a job failure (0: the model's context less ``max_new_tokens``).
+    ``json_schema``: where set, the JSON schema every answer follows
+    (:mod:`~sparktrain.generation.response_schema`).
     """
 
     max_new_tokens: int = 128
@@ -26,6 +28,7 @@ class GenerationSettings:
     stop: Tuple[str, ...] = ()
     seed: int = 0
     max_prompt_tokens: int = 0
+    json_schema: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

@@ -156,3 +156,35 @@ def train_counting(steps: int = 250, seed: int = 0) -> Any:
         loss.backward()
         optimizer.step()
     return model.eval()
+
+
+# -- a byte-level tokenizer for JSON answers ------------------------------------------------------
+def byte_tokenizer() -> Any:
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained in memory on a few JSON lines: every
+    byte has a token, as in GPT-2's and Llama 3's, so any JSON can be written."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    lines = [json.dumps({"answer": word, "n": i, "ok": i % 2 == 0})
+             for i, word in enumerate(["yes", "no", "maybe", "count", "from"] * 20)]
+    raw.train_from_iterator(lines, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<pad>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="</s>")
+
+
+def untrained_llama(vocab_size: int, seed: int = 0) -> Any:
+    """A 2-layer ``LlamaForCausalLM`` with random weights: left to itself it writes noise."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, eos_token_id=1, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
