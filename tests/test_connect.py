@@ -91,9 +91,11 @@ def test_interrupts_over_connect(connect_server, tmp_path, framework, points):
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario,module,epochs,more", [
     ("horovod", "horovod.torch", 3, {}),
-    # a Hugging Face model as it is; a causal LM's generation in transform, saved and loaded
+    # a Hugging Face model as it is; a causal LM's generation in transform, saved and loaded,
+    # and answers typed by a responseSchema
     ("huggingface", "transformers", 2, {"predicted": 50, "width": 2, "generated_exact": 20,
-                                        "generated_reloaded": True}),
+                                        "generated_reloaded": True, "schema_parsed": 6,
+                                        "schema_types": [["ok", "boolean"], ["n", "tinyint"]]}),
     # input_mode="stream": the barrier stage takes the rows, no dataset in the store
     ("stream", "torch", 3, {"datasets": 0, "predicted": 1000}),
 ], ids=["horovod", "huggingface", "stream"])

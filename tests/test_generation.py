@@ -102,6 +102,12 @@ def test_engines_answer_every_row_in_order_and_keep_row_errors(counter, tok, eng
     short = _answers(_worker(counter, tok, engine, max_new_tokens=2, stop=(" 5",)),
                      ["count 6 from 1 :", "count 6 from 3 :"])
     assert short["text"] == ["2 3", "4"] and short["finish_reason"] == ["length", "stop"]
+    # a stop string ends decoding, not only the text: 4 tokens ("4 5 6 7"), not 8
+    stopped = _answers(_worker(counter, tok, engine, stop=(" 7",)),
+                       ["count 8 from 3 :", "count 2 from 0 :", "count 3 from 5 :"], batch=3)
+    assert stopped["text"] == ["4 5 6", "1 2", "6"], stopped
+    assert stopped["completion_tokens"] == [4, 2, 2] and set(stopped["finish_reason"]) == {
+        "stop"}
 
 
 def test_continuous_batching_admits_the_next_batch_before_the_first_is_answered(counter, tok):

@@ -66,6 +66,11 @@ class GenerationEngine:
     def close(self) -> None:
         """Free what the engine holds (threads, caches); the worker may build another."""
 
+    def has_stop(self, tokens: List[int]) -> bool:
+        """Whether the text of generated ``tokens`` holds one of ``settings.stop``."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self.settings.cut_at_stop(text)[1]
+
     def finish(self, key: int, tokens: List[int]) -> Completion:
         """A completion from generated ``tokens``: cut at the first end-of-sequence token and
         at ``max_new_tokens``."""

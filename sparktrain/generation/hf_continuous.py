@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Dict, Iterable, Iterator
+from typing import Any, Dict, Iterable, Iterator, Set
 
 from sparktrain.generation.engines import Completion, GenerationEngine, Request
 
@@ -75,17 +75,21 @@ class ContinuousEngine(GenerationEngine):
             self._manager = self._start(context)
         manager = self._manager
         pending = iter(requests)
-        in_flight = 0
+        in_flight: Set[int] = set()
+        # with stop strings, rows stream their tokens: a row whose text has one is cancelled
+        # at once, not decoded on to its end-of-sequence token or maxNewTokens
+        streaming = bool(self.settings.stop)
         exhausted = False
         while True:
-            while not exhausted and in_flight < self.window:
+            while not exhausted and len(in_flight) < self.window:
                 request = next(pending, None)
                 if request is None:
                     exhausted = True
                     break
                 manager.add_request(request.input_ids, request_id=str(request.key),
-                                    max_new_tokens=self.settings.max_new_tokens)
-                in_flight += 1
+                                    max_new_tokens=self.settings.max_new_tokens,
+                                    streaming=streaming)
+                in_flight.add(request.key)
             if not in_flight:
                 return
             result = manager.get_result(timeout=1.0)
@@ -95,10 +99,14 @@ class ContinuousEngine(GenerationEngine):
                                        "still in flight (its generation thread ended); see "
                                        "the executor's log for its error")
                 continue
-            if not result.is_finished():
-                continue
-            in_flight -= 1
             key = int(result.request_id)
+            if key not in in_flight:  # a row cancelled at its stop string: already answered
+                continue
+            if not result.is_finished():
+                if not (streaming and self.has_stop(result.generated_tokens)):
+                    continue
+                manager.cancel_request(result.request_id)
+            in_flight.discard(key)
             if result.error is not None:
                 yield Completion(key, error=str(result.error))
             else:

@@ -43,11 +43,12 @@ class StaticEngine(GenerationEngine):
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
         import torch
-        from transformers import LogitsProcessorList
+        from transformers import LogitsProcessorList, StoppingCriteriaList
 
         settings = self.settings
-        options = dict(max_new_tokens=settings.max_new_tokens, do_sample=settings.sampling,
-                       eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
+        options: Dict[str, Any] = dict(max_new_tokens=settings.max_new_tokens,
+                                       do_sample=settings.sampling, eos_token_id=self.eos_ids,
+                                       pad_token_id=self.pad_id)
         if settings.sampling:
             # no top-k (generate's default keeps 50 tokens): the nucleus alone, as continuous;
             # with a schema, the nucleus is taken after its mask (json_constraint)
@@ -69,10 +70,37 @@ class StaticEngine(GenerationEngine):
                 torch.manual_seed(settings.seed + batch[0].key)
             constraint = self._constraint(len(batch))
             processors = LogitsProcessorList([constraint] if constraint else [])
+            # a row stops decoding at its first stop string (generate's own stop_strings needs
+            # a tokenizer that can encode any text: a word-level one cannot)
+            stops = StoppingCriteriaList([_StopStrings(self, longest)] if settings.stop else [])
             with torch.inference_mode():
                 out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(
-                    device), logits_processor=processors, **options)
+                    device), logits_processor=processors, stopping_criteria=stops, **options)
             errors: List[Optional[str]] = constraint.errors if constraint else [None] * len(batch)
             for request, row, error in zip(batch, out[:, longest:].tolist(), errors, strict=True):
                 yield Completion(request.key, error=error) if error else \
-                    self.finish(request.key, row)
+                    self.finish(request.key, self._unpadded(row))
+
+    def _unpadded(self, row: List[int]) -> List[int]:
+        """A row without the padding ``generate`` put after it once it stopped at a stop
+        string while others went on (an end-of-sequence token is cut by ``finish``)."""
+        if not self.settings.stop or self.pad_id in self.eos_ids:
+            return row
+        end = len(row)
+        while end and row[end - 1] == self.pad_id:
+            end -= 1
+        return row[:end]
+
+
+class _StopStrings:
+    """A ``generate`` stopping criterion: the rows whose new text holds a stop string."""
+
+    def __init__(self, engine: GenerationEngine, prompt_length: int) -> None:
+        self.engine, self.prompt_length = engine, prompt_length
+
+    def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+        import torch
+
+        rows = input_ids[:, self.prompt_length:].tolist()
+        return torch.tensor([self.engine.has_stop(row) for row in rows], dtype=torch.bool,
+                            device=input_ids.device)

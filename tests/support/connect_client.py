@@ -357,8 +357,16 @@ def _generation(spark, workdir: str) -> Dict[str, Any]:
     path = os.path.join(workdir, "generator")
     generator.write().overwrite().save(path)
     again = TextGenerator.load(path).transform(prompts).select("generated.text").collect()
+    # answers shaped by DDL text (parsed by the server), typed by from_json over Connect
+    tok = hf_models.byte_tokenizer()
+    shaped = TextGenerator(model=hf_models.untrained_llama(len(tok)), tokenizer=tok,
+                           promptCol="prompt", maxNewTokens=40,
+                           responseSchema="ok boolean not null, n tinyint not null")
+    typed = shaped.transform(prompts.limit(6)).select("generated.parsed.*")
     return {"generated_exact": sum(r["text"] == r["expected"] for r in first),
-            "generated_reloaded": [r["text"] for r in again] == [r["text"] for r in first]}
+            "generated_reloaded": [r["text"] for r in again] == [r["text"] for r in first],
+            "schema_types": typed.dtypes, "schema_parsed": sum(
+                r["ok"] is not None and r["n"] is not None for r in typed.collect())}
 
 
 def mlflow_tracking(spark, workdir: str) -> Dict[str, Any]:
