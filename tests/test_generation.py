@@ -35,11 +35,11 @@ def counter():
     return hf_models.train_counting()
 
 
-def _worker(model, tok, engine="continuous", window=8, limit=40, **settings):
+def _worker(model, tok, engine="continuous", window=8, limit=40, seed_col=None, **settings):
     options = GenerationSettings(**dict(dict(max_new_tokens=12), **settings))
     built = engine_class(engine)(model, options, [tok.eos_token_id], tok.pad_token_id, window,
                                  tokenizer=tok)
-    return Worker(built, tok, PromptSpec(column="prompt"), options, limit)
+    return Worker(built, tok, PromptSpec(column="prompt"), options, limit, seed_col)
 
 
 def _answers(worker, prompts, batch=5):
@@ -108,6 +108,28 @@ def test_engines_answer_every_row_in_order_and_keep_row_errors(counter, tok, eng
     assert stopped["text"] == ["4 5 6", "1 2", "6"], stopped
     assert stopped["completion_tokens"] == [4, 2, 2] and set(stopped["finish_reason"]) == {
         "stop"}
+
+
+def test_a_sampled_row_writes_the_same_text_whatever_rows_are_beside_it():
+    tok = hf_models.byte_tokenizer()
+    model = hf_models.untrained_llama(len(tok))
+    prompts = [f"row {i}" for i in range(12)]
+
+    def sampled(order, window, batch, seed=0):
+        worker = _worker(model, tok, "static", window=window, temperature=1.0, seed=seed)
+        texts = _answers(worker, [prompts[i] for i in order], batch=batch)["text"]
+        return {i: text for i, text in zip(order, texts, strict=True)}
+
+    first = sampled(list(range(12)), window=8, batch=5)
+    assert len(set(first.values())) == 12                    # sampled: every row its own
+    assert sampled(list(range(11, -1, -1)), window=3, batch=4) == first  # other neighbours
+    other = sampled(list(range(12)), window=8, batch=5, seed=1)
+    assert sum(other[i] != first[i] for i in range(12)) >= 10
+    # seedCol: one prompt four times, each row drawn from its own value; a null is a row error
+    worker = _worker(model, tok, "static", seed_col="s", temperature=1.0)
+    out = next(answer_batches(iter([{"prompt": ["same"] * 4, "s": [1, 2, 1, None]}]), worker))
+    assert out["text"][0] == out["text"][2] != out["text"][1]
+    assert out["error"][3] == "column 's' is null in this row"
 
 
 def test_continuous_batching_admits_the_next_batch_before_the_first_is_answered(counter, tok):
@@ -272,6 +294,16 @@ def test_fine_tune_then_generate_over_a_dataframe(spark, store, tok, tmp_path):
     again = {r["id"]: r["text"] for r in loaded.transform(df).select("id", "generated.text")
              .collect()}
     assert again == {i: r["text"] for i, r in out.items()}
+    # sampled, each row from its own seed: the same texts over other partitions and batches
+    sampling = generator.copy({generator.temperature: 1.5, generator.seedCol: "id"})
+    spread = sampling.transform(df).select("id", "generated.text").collect()
+    together = sampling.copy({sampling.maxRowsInFlight: 5}).transform(df.coalesce(1))
+    assert dict(spread) == dict(together.select("id", "generated.text").collect())
+    with pytest.raises(ValueError, match="seedCol 'expected' must be an integer column; it is "
+                                         "string"):
+        sampling.copy({sampling.seedCol: "expected"}).transform(df)
+    with pytest.raises(ValueError, match="engine 'continuous' cannot seed each row by seedCol"):
+        sampling.copy({sampling.engine: "continuous"}).transform(df)
 
 
 #: while this file exists, _Flaky fails (a fixed path: executors see this module's constants)

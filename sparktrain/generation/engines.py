@@ -13,6 +13,7 @@ Example::
 """
 from __future__ import annotations
 
+import hashlib
 import pickle
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional
@@ -24,10 +25,23 @@ from sparktrain.plugins import check_entry, load
 
 @dataclass(frozen=True)
 class Request:
-    """One row to answer: ``key`` (the caller's), the prompt's token ids."""
+    """One row to answer: ``key`` (the caller's), the prompt's token ids, and with sampling
+    the row's own ``seed`` (:func:`row_seed`)."""
 
     key: int
     input_ids: List[int]
+    seed: Optional[int] = None
+
+
+def row_seed(seed: int, identity: Any) -> int:
+    """A row's sampling seed from the transform's ``seed`` and what identifies the row (its
+    ``seedCol`` value, or its prompt's token ids): the same in every process and rerun.
+
+    >>> row_seed(0, 7) == row_seed(0, 7) != row_seed(1, 7)
+    True
+    """
+    digest = hashlib.blake2b(repr((seed, identity)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass
@@ -49,11 +63,13 @@ class GenerationEngine:
     :meth:`generate` pulls requests lazily (at most ``window`` unanswered at once) and yields
     each completion as soon as it is done, in any order; a row the engine rejects comes back
     with ``error`` set, and the others go on. An engine that sets ``follows_schema`` decodes
-    ``settings.json_schema`` (where set) into JSON valid for it; ``TextGenerator`` gives a
-    ``responseSchema`` only to such an engine.
+    ``settings.json_schema`` (where set) into JSON valid for it; one that sets ``seeds_rows``
+    samples each row from its request's ``seed`` alone, whatever rows are decoded beside it.
+    ``TextGenerator`` gives a ``responseSchema`` or a ``seedCol`` only to such engines.
     """
 
     follows_schema = False
+    seeds_rows = False
 
     def __init__(self, model: Any, settings: GenerationSettings, eos_ids: List[int],
                  pad_id: int, window: int, tokenizer: Any = None) -> None:

@@ -73,7 +73,10 @@ class TextGenerator(Model, MLWritable, MLReadable):
     batching, ``maxRowsInFlight`` rows at once across a task's batches) or ``"static"``
     (padded batches of ``maxRowsInFlight`` rows through ``generate``), or one registered with
     ``register_generation_engine``. ``temperature=0`` (the default) decodes greedily: a rerun
-    writes the same text.
+    writes the same text. With sampling, the static engine draws each row from its own seed
+    (``seedCol``'s value where set, else its prompt's tokens, with ``seed``): a row's text
+    is the same on every rerun, whatever rows are decoded beside it; ``seedCol`` asks for the
+    static engine where ``engine`` is not set.
     """
 
     promptCol = _param("promptCol", "the column holding each row's prompt",
@@ -88,6 +91,9 @@ class TextGenerator(Model, MLWritable, MLReadable):
     topP = _param("topP", "nucleus sampling's probability mass", TypeConverters.toFloat)
     stop = _param("stop", "strings that end an answer", TypeConverters.toListString)
     seed = _param("seed", "the sampling seed", TypeConverters.toInt)
+    seedCol = _param("seedCol", "an integer column: each row samples from its own seed (its "
+                     "value with seed), whatever rows are decoded beside it",
+                     TypeConverters.toString)
     maxPromptTokens = _param("maxPromptTokens", "longer prompts are row errors (0: the "
                              "model's context less maxNewTokens)", TypeConverters.toInt)
     chatTemplate = _param("chatTemplate", "auto, on or off: the tokenizer's chat template",
@@ -164,16 +170,20 @@ class TextGenerator(Model, MLWritable, MLReadable):
         return ResponseSchema.of(text, ddl)
 
     def _engine(self, shape: Optional[ResponseSchema]) -> str:
-        """The engine's name: ``engine``, or one that follows schemas for ``shape``."""
+        """The engine's name: ``engine``, or, where it is not set, one that can do what
+        ``responseSchema`` and ``seedCol`` ask (the static engine)."""
         engine = self.getOrDefault("engine")
         check_engine(engine)
-        if shape is not None and not engine_class(engine).follows_schema:
-            if self.isSet("engine"):
-                raise ValueError(f"engine {engine!r} cannot make answers follow responseSchema "
-                                 f"(transformers' continuous batching takes no grammar); use "
-                                 f"engine='static' or leave engine unset")
-            engine = "static"
-        return engine
+        needs = [(ability, param) for ability, param, asked in [
+            ("follows_schema", "make answers follow responseSchema", shape is not None),
+            ("seeds_rows", "seed each row by seedCol", self.isDefined("seedCol"))] if asked]
+        missing = [param for ability, param in needs
+                   if not getattr(engine_class(engine), ability, False)]
+        if missing and self.isSet("engine"):
+            raise ValueError(f"engine {engine!r} cannot {' or '.join(missing)} (transformers' "
+                             f"continuous batching takes no grammar and samples every row "
+                             f"from one generator); use engine='static' or leave engine unset")
+        return "static" if missing else engine
 
     def plan(self, spark: Any = None) -> WorkerPlan:
         """What the executors get; every setting checked (``ValueError`` naming it)."""
@@ -200,7 +210,8 @@ class TextGenerator(Model, MLWritable, MLReadable):
             self._torch._keep_in_file(spark)
         # sparktrain's pickling: a tokenizer class from the user's own module travels by value
         return WorkerPlan(self._torch.module_source(), dumps(self._tokenizer), prompt,
-                          settings, shipped_engine(engine), window, self._optional("useGpu"))
+                          settings, shipped_engine(engine), window, self._optional("useGpu"),
+                          seed_col=self._optional("seedCol"))
 
     def _transform(self, dataset: DataFrame) -> DataFrame:
         output = self.getOrDefault("outputCol")
@@ -209,13 +220,17 @@ class TextGenerator(Model, MLWritable, MLReadable):
                              f"choose another with setParams(outputCol=...)")
         types = dict(dataset.dtypes)
         self._prompt().check(types)
+        seed_col = self._optional("seedCol")
+        if seed_col is not None and types.get(seed_col) not in _INTEGERS:
+            found = f"it is {types[seed_col]}" if seed_col in types else \
+                f"the DataFrame has no such column; its columns: {list(types)}"
+            raise ValueError(f"seedCol {seed_col!r} must be an integer column; {found}")
         plan = dataclasses.replace(self.plan(dataset.sparkSession), integers=tuple(
             name for name, kind in types.items() if kind in _INTEGERS))
         # a Python worker keeps an engine per key: any change of model or setting makes another
         key = hashlib.sha1(cloudpickle.dumps(plan)).hexdigest()
         udf = generation_udf(key, plan)
-        answers = dataset.withColumn(output, udf(*[F.col(f"`{c}`")
-                                                   for c in plan.prompt.columns()]))
+        answers = dataset.withColumn(output, udf(*[F.col(f"`{c}`") for c in plan.columns()]))
         shape = self._shape(dataset.sparkSession)
         if shape is None:
             return answers

@@ -18,9 +18,11 @@ from sparktrain.generation.engines import Completion, GenerationEngine, Request
 
 
 class StaticEngine(GenerationEngine):
-    """Batches of ``window`` rows, left-padded, one ``generate`` call each."""
+    """Batches of ``window`` rows, left-padded, one ``generate`` call each; with sampling,
+    each row drawn from its own seed (:class:`_RowSampler`)."""
 
     follows_schema = True
+    seeds_rows = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -66,10 +68,12 @@ class StaticEngine(GenerationEngine):
             for i, request in enumerate(batch):
                 ids[i, longest - len(request.input_ids):] = torch.tensor(request.input_ids)
                 mask[i, longest - len(request.input_ids):] = 1
-            if settings.sampling:
+            seeds = [request.seed for request in batch]
+            sampler = _RowSampler(seeds) if settings.sampling and None not in seeds else None
+            if settings.sampling and sampler is None:
                 torch.manual_seed(settings.seed + batch[0].key)
             constraint = self._constraint(len(batch))
-            processors = LogitsProcessorList([constraint] if constraint else [])
+            processors = LogitsProcessorList([p for p in (constraint, sampler) if p])
             # a row stops decoding at its first stop string (generate's own stop_strings needs
             # a tokenizer that can encode any text: a word-level one cannot)
             stops = StoppingCriteriaList([_StopStrings(self, longest)] if settings.stop else [])
@@ -104,3 +108,25 @@ class _StopStrings:
         rows = input_ids[:, self.prompt_length:].tolist()
         return torch.tensor([self.engine.has_stop(row) for row in rows], dtype=torch.bool,
                             device=input_ids.device)
+
+
+class _RowSampler:
+    """A ``generate`` logits processor, last in the list: draws each row's next token from the
+    row's own generator (seeded by its request), then leaves ``generate``'s sampling only
+    that token. A row's text then depends on its seed and its logits, not on the rows beside
+    it or on how many batches came before."""
+
+    def __init__(self, seeds: List[Optional[int]]) -> None:
+        import torch
+
+        self._generators = [torch.Generator().manual_seed(int(seed or 0)) for seed in seeds]
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        probs = scores.float().softmax(dim=-1).cpu()
+        chosen = torch.cat([torch.multinomial(probs[i], 1, generator=generator)
+                            for i, generator in enumerate(self._generators)])
+        only = torch.full_like(scores, -torch.inf)
+        only[torch.arange(len(chosen)), chosen.to(scores.device)] = 0.0
+        return only

@@ -15,7 +15,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
-from sparktrain.generation.engines import Completion, Request, load_engine
+from sparktrain.generation.engines import Completion, Request, load_engine, row_seed
 from sparktrain.generation.prompts import PromptSpec
 from sparktrain.generation.settings import GenerationSettings
 
@@ -38,6 +38,13 @@ class WorkerPlan:
     window: int = 32
     use_gpu: Optional[bool] = None
     integers: Tuple[str, ...] = ()  # integer columns: pandas hands them as floats with a null
+    seed_col: Optional[str] = None  # an integer column seeding each row's sampling
+
+    def columns(self) -> List[str]:
+        """The columns the UDF reads: the prompt's, then ``seed_col``."""
+        names = self.prompt.columns()
+        return names + [self.seed_col] if self.seed_col and self.seed_col not in names \
+            else names
 
 
 @dataclass
@@ -49,6 +56,7 @@ class Worker:
     prompt: PromptSpec
     settings: GenerationSettings
     prompt_limit: int
+    seed_col: Optional[str] = None
 
 
 def context_length(config: Any) -> int:
@@ -85,7 +93,7 @@ def load_worker(plan: WorkerPlan) -> Worker:
     engine = load_engine(plan.engine)(module, plan.settings, eos_ids, pad, plan.window,
                                       tokenizer=tokenizer)
     limit = plan.settings.prompt_limit(context_length(module.config))
-    return Worker(engine, tokenizer, plan.prompt, plan.settings, limit)
+    return Worker(engine, tokenizer, plan.prompt, plan.settings, limit, plan.seed_col)
 
 
 # One engine per Python worker and plan, kept across tasks (Python workers are reused).
@@ -132,6 +140,25 @@ def _answer(worker: Worker, done: Completion, prompt_tokens: int) -> Dict[str, A
     return _row(text, reason, prompt_tokens, len(done.tokens))
 
 
+def _seeds(worker: Worker, batch: Dict[str, List[Any]], encoded: List[List[int]],
+           texts: List[Tuple[int, str]]) -> Dict[int, Any]:
+    """With sampling, each prompt row's seed (:func:`~.engines.row_seed` of its ``seed_col``
+    value, or of its prompt's tokens), or its error where that value is null."""
+    settings = worker.settings
+    if not settings.sampling:
+        return {}
+    values = batch.get(worker.seed_col) if worker.seed_col else None
+    seeds: Dict[int, Any] = {}
+    for (i, _), ids in zip(texts, encoded, strict=True):
+        if values is None:
+            seeds[i] = row_seed(settings.seed, tuple(ids))
+        elif values[i] is None:
+            seeds[i] = f"column {worker.seed_col!r} is null in this row"
+        else:
+            seeds[i] = row_seed(settings.seed, int(values[i]))
+    return seeds
+
+
 def answer_batches(batches: Iterator[Dict[str, List[Any]]],
                    worker: Worker) -> Iterator[Dict[str, List[Any]]]:
     """Each input batch (columns by name) answered: one output batch per input batch, in
@@ -153,6 +180,7 @@ def answer_batches(batches: Iterator[Dict[str, List[Any]]],
             for i, (_, error) in enumerate(rendered):
                 if error is not None:
                     entry.rows[i] = _row(error=error)
+            seeds = _seeds(worker, batch, encoded, texts)
             for (i, _), ids in zip(texts, encoded, strict=True):
                 if not ids:
                     entry.rows[i] = _row(error="the prompt is empty")
@@ -160,10 +188,12 @@ def answer_batches(batches: Iterator[Dict[str, List[Any]]],
                     entry.rows[i] = _row(prompt=len(ids), error=(
                         f"the prompt has {len(ids)} tokens; at most {limit} fit (the model's "
                         f"context less maxNewTokens, or maxPromptTokens)"))
+                elif isinstance(seeds.get(i), str):
+                    entry.rows[i] = _row(prompt=len(ids), error=seeds[i])
                 else:
                     key = next(counter)
                     keys[key] = (entry, i, len(ids))
-                    ready.append(Request(key, ids))
+                    ready.append(Request(key, ids, seeds.get(i)))
             entry.missing = len(ready)  # counted before any is sent: none can finish it early
             queue.append(entry)
             yield from ready
@@ -186,7 +216,7 @@ def answer_batches(batches: Iterator[Dict[str, List[Any]]],
 
 def generation_udf(key: str, plan: WorkerPlan) -> Any:
     """The iterator ``pandas_udf`` answering the prompt's columns (in
-    ``plan.prompt.columns()`` order) as a struct of :data:`OUTPUT_FIELDS`. A pandas UDF on
+    ``plan.columns()`` order) as a struct of :data:`OUTPUT_FIELDS`. A pandas UDF on
     every pyspark (classic, Connect, 3.5 and 4): the model's time dwarfs pandas' here."""
     from typing import Iterator as Iter
     from typing import Tuple as Tup
@@ -194,7 +224,7 @@ def generation_udf(key: str, plan: WorkerPlan) -> Any:
     import pandas as pd
     from pyspark.sql import functions as F
 
-    names = plan.prompt.columns()
+    names = plan.columns()
     schema = ", ".join(f"{name} {kind}" for name, kind in OUTPUT_FIELDS)
 
     def answer(batches):  # type hints set below: they select the UDF's shape
