@@ -35,10 +35,23 @@ def counter():
     return hf_models.train_counting()
 
 
+_ENGINES = []  # built by _worker in the running test: closed after it
+
+
+@pytest.fixture(autouse=True)
+def _close_engines():
+    """An engine left open keeps its generation thread and cache over the shared model; the
+    next engine on that model must not meet them (executors hold one engine at a time)."""
+    yield
+    while _ENGINES:
+        _ENGINES.pop().close()
+
+
 def _worker(model, tok, engine="continuous", window=8, limit=40, seed_col=None, **settings):
     options = GenerationSettings(**dict(dict(max_new_tokens=12), **settings))
     built = engine_class(engine)(model, options, [tok.eos_token_id], tok.pad_token_id, window,
                                  tokenizer=tok)
+    _ENGINES.append(built)
     return Worker(built, tok, PromptSpec(column="prompt"), options, limit, seed_col)
 
 

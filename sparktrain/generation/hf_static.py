@@ -15,11 +15,13 @@ import itertools
 from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 from sparktrain.generation.engines import Completion, GenerationEngine, Request
+from sparktrain.generation.row_sampling import RowSampler
 
 
 class StaticEngine(GenerationEngine):
     """Batches of ``window`` rows, left-padded, one ``generate`` call each; with sampling,
-    each row drawn from its own seed (:class:`_RowSampler`)."""
+    each row drawn from its own seed (:class:`~.row_sampling.RowSampler`: no top-k, the
+    ``topP`` nucleus, as the continuous engine samples)."""
 
     follows_schema = True
     seeds_rows = True
@@ -39,23 +41,17 @@ class StaticEngine(GenerationEngine):
                               tokenizer=jc.json_tokenizer(self.tokenizer,
                                                           self.model.config.vocab_size,
                                                           self.eos_ids))
-        top_p = self.settings.top_p if self.settings.sampling else 1.0
         return jc.JsonConstraint(self._json["tokenizer"], self._json["grammar"], rows,
-                                 self.eos_ids, top_p)
+                                 self.eos_ids)
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
         import torch
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
         settings = self.settings
-        options: Dict[str, Any] = dict(max_new_tokens=settings.max_new_tokens,
-                                       do_sample=settings.sampling, eos_token_id=self.eos_ids,
-                                       pad_token_id=self.pad_id)
-        if settings.sampling:
-            # no top-k (generate's default keeps 50 tokens): the nucleus alone, as continuous;
-            # with a schema, the nucleus is taken after its mask (json_constraint)
-            options.update(temperature=settings.temperature, top_k=0,
-                           top_p=1.0 if settings.json_schema else settings.top_p)
+        # greedy over the processed scores: with sampling, RowSampler has already chosen
+        options = dict(max_new_tokens=settings.max_new_tokens, do_sample=False,
+                       eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
         device = next(self.model.parameters()).device
         pending = iter(requests)
         while True:
@@ -68,10 +64,9 @@ class StaticEngine(GenerationEngine):
             for i, request in enumerate(batch):
                 ids[i, longest - len(request.input_ids):] = torch.tensor(request.input_ids)
                 mask[i, longest - len(request.input_ids):] = 1
-            seeds = [request.seed for request in batch]
-            sampler = _RowSampler(seeds) if settings.sampling and None not in seeds else None
-            if settings.sampling and sampler is None:
-                torch.manual_seed(settings.seed + batch[0].key)
+            sampler = RowSampler([settings.seed + r.key if r.seed is None else r.seed
+                                  for r in batch], settings.temperature, settings.top_p) \
+                if settings.sampling else None
             constraint = self._constraint(len(batch))
             processors = LogitsProcessorList([p for p in (constraint, sampler) if p])
             # a row stops decoding at its first stop string (generate's own stop_strings needs
@@ -109,24 +104,3 @@ class _StopStrings:
         return torch.tensor([self.engine.has_stop(row) for row in rows], dtype=torch.bool,
                             device=input_ids.device)
 
-
-class _RowSampler:
-    """A ``generate`` logits processor, last in the list: draws each row's next token from the
-    row's own generator (seeded by its request), then leaves ``generate``'s sampling only
-    that token. A row's text then depends on its seed and its logits, not on the rows beside
-    it or on how many batches came before."""
-
-    def __init__(self, seeds: List[Optional[int]]) -> None:
-        import torch
-
-        self._generators = [torch.Generator().manual_seed(int(seed or 0)) for seed in seeds]
-
-    def __call__(self, input_ids: Any, scores: Any) -> Any:
-        import torch
-
-        probs = scores.float().softmax(dim=-1).cpu()
-        chosen = torch.cat([torch.multinomial(probs[i], 1, generator=generator)
-                            for i, generator in enumerate(self._generators)])
-        only = torch.full_like(scores, -torch.inf)
-        only[torch.arange(len(chosen)), chosen.to(scores.device)] = 0.0
-        return only

@@ -59,29 +59,18 @@ def json_tokenizer(tokenizer: Any, vocab: int, eos_ids: Sequence[int]) -> Any:
                          f"{error}") from None
 
 
-def nucleus(scores: Any, top_p: float) -> Any:
-    """``scores`` with every token outside the ``top_p`` probability mass at ``-inf`` (the
-    most likely token is always kept)."""
-    import torch
-
-    ranked, order = scores.sort(dim=-1, descending=True)
-    probs = ranked.softmax(dim=-1)
-    beyond = probs.cumsum(dim=-1) - probs > top_p
-    return scores.scatter(-1, order, ranked.masked_fill(beyond, -torch.inf))
-
-
 class JsonConstraint:
     """A ``model.generate`` logits processor for one batch of ``rows``: each row follows
-    ``grammar`` from its first new token. ``top_p`` < 1 is applied here, after the mask
-    (generate's own nucleus comes before it, and could leave a row no allowed token)."""
+    ``grammar`` from its first new token (sampling, where asked, comes after it:
+    :class:`~.row_sampling.RowSampler`, so its nucleus is taken among allowed tokens)."""
 
-    def __init__(self, tokenizer: Any, grammar: str, rows: int, eos_ids: Sequence[int],
-                 top_p: float = 1.0) -> None:
+    def __init__(self, tokenizer: Any, grammar: str, rows: int,
+                 eos_ids: Sequence[int]) -> None:
         template = _llguidance().LLMatcher(tokenizer, grammar, log_level=0)
         if template.is_error():
             raise ValueError(f"responseSchema cannot be followed: {template.get_error()}")
         self._matchers = [template.deep_copy() for _ in range(rows)]
-        self._eos, self._top_p = set(eos_ids), top_p
+        self._eos = set(eos_ids)
         self._done = [False] * rows
         self._started = False
         self.errors: List[Optional[str]] = [None] * rows
@@ -114,5 +103,4 @@ class JsonConstraint:
         # token 32k+j is bit j of word k: little-endian bytes, their bits least first
         bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")
         allowed = torch.from_numpy(bits[:, :vocab].view(bool)).to(scores.device)
-        scores = scores.masked_fill(~allowed, -torch.inf)
-        return nucleus(scores, self._top_p) if self._top_p < 1 else scores
+        return scores.masked_fill(~allowed, -torch.inf)

@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Benchmark answers shaped by a schema: what llguidance's constraint costs per decoding step
+against the same engine decoding freely, as the vocabulary grows (the mask is as wide as the
+vocabulary), and how many answers parse with and without it.
+
+    .venv/bin/python bench/bench_structured.py            # vocabularies 1k, 8k, 32k
+    .venv/bin/python bench/bench_structured.py --quick    # 1k and 8k, fewer rows
+
+For each vocabulary size: a byte-level BPE tokenizer trained in memory on synthetic words, the
+small Llama-style config of bench_generate.py (4 layers of 256, random weights, so answers
+are noise without the constraint) and 64 prompts through sparktrain's static engine (the one
+that takes a responseSchema), greedy, in batches of 16, at most 64 new tokens: once free and
+once with a JSON schema (an enum, a string of at most 48 characters, an integer 0..999).
+Figures: seconds per decoding step (a batch's step) with and without the schema (ratio =
+constrained / free: the cost of the constraint per step), the constraint's own share of the
+constrained time, and the share of answers that parse. No Spark: the engine alone, so the
+figures are the constraint's. Writes bench/results/bench_structured.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from typing import Any, Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import figure, progress, report, versions  # noqa: E402
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "why", "n"],
+          "properties": {"answer": {"enum": ["yes", "no", "unsure"]},
+                         "why": {"type": "string", "maxLength": 48},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 999}}}
+SMALL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=4)
+
+
+def tokenizer(vocab: int) -> Any:
+    """A byte-level BPE of ``vocab`` tokens trained on random words (a few seconds at 32k)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+             for _ in range(60000)]
+    lines = [" ".join(rng.choice(words) for _ in range(30)) for _ in range(20000)]
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(lines, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<pad>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="</s>")
+
+
+def decode(model: Any, tok: Any, prompts: List[str], schema: str) -> Dict[str, Any]:
+    """The static engine over ``prompts``: seconds, decoding steps, the constraint's seconds,
+    and how many answers parse as JSON."""
+    from sparktrain.generation import json_constraint
+    from sparktrain.generation.engines import Request
+    from sparktrain.generation.hf_static import StaticEngine
+    from sparktrain.generation.settings import GenerationSettings
+
+    spent = [0.0]
+    original = json_constraint.JsonConstraint.__call__
+
+    def timed(self: Any, input_ids: Any, scores: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(self, input_ids, scores)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    settings = GenerationSettings(max_new_tokens=64, json_schema=schema)
+    engine = StaticEngine(model, settings, [tok.eos_token_id], tok.pad_token_id, 16,
+                          tokenizer=tok)
+    requests = [Request(i, tok(p)["input_ids"]) for i, p in enumerate(prompts)]
+    json_constraint.JsonConstraint.__call__ = timed  # type: ignore[method-assign]
+    try:
+        if schema:
+            list(engine.generate(requests[:16]))  # llguidance's tokenizer built once, untimed
+        spent[0] = 0.0
+        start = time.perf_counter()
+        done = list(engine.generate(requests))
+        seconds = time.perf_counter() - start
+    finally:
+        json_constraint.JsonConstraint.__call__ = original  # type: ignore[method-assign]
+    steps = sum(max(len(d.tokens) + (0 if d.ended else -1) for d in done[i:i + 16]) + 1
+                for i in range(0, len(done), 16))
+    parsed = 0
+    for d in done:
+        try:
+            json.loads(tok.decode(d.tokens, skip_special_tokens=True))
+            parsed += 1
+        except ValueError:
+            pass
+    return {"seconds": seconds, "steps": steps, "constraint_seconds": spent[0],
+            "parsed": parsed / len(done), "tokens": sum(len(d.tokens) for d in done)}
+
+
+def main(argv: Any = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results",
+                                                       "bench_structured.json"))
+    args = parser.parse_args(argv)
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(2)
+    rows = 32 if args.quick else args.rows
+    prompts = [f"row {i}: is it good? answer in JSON" for i in range(rows)]
+    results = []
+    for vocab in ((1024, 8192) if args.quick else (1024, 8192, 32000)):
+        progress(f"vocabulary {vocab}: training the tokenizer")
+        tok = tokenizer(vocab)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), max_position_embeddings=256,
+                                             eos_token_id=tok.eos_token_id,
+                                             pad_token_id=tok.pad_token_id, **SMALL)).eval()
+        free = decode(model, tok, prompts, "")
+        shaped = decode(model, tok, prompts, json.dumps(SCHEMA))
+        per_step = shaped["seconds"] / shaped["steps"]
+        free_step = free["seconds"] / free["steps"]
+        progress(f"vocabulary {vocab}: free {free}, shaped {shaped}")
+        results.append(figure(
+            f"constrained step, vocabulary {vocab}", "seconds per decoding step (16 rows)",
+            "s", per_step, free_step, "the same engine decoding freely",
+            per_step / free_step, 1.5, "<=", extras={
+                "constraint share of the constrained time": round(
+                    shaped["constraint_seconds"] / shaped["seconds"], 3),
+                "constraint ms per step": round(
+                    1000 * shaped["constraint_seconds"] / shaped["steps"], 2),
+                "answers that parse, constrained": shaped["parsed"],
+                "answers that parse, free": free["parsed"]}))
+    report(results, args.json, lambda: {"versions": versions("transformers", "llguidance"),
+                                        "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
