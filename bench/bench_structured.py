@@ -11,10 +11,12 @@ small Llama-style config of bench_generate.py (4 layers of 256, random weights, 
 are noise without the constraint) and 64 prompts through sparktrain's static engine (the one
 that takes a responseSchema), greedy, in batches of 16, at most 64 new tokens: once free and
 once with a JSON schema (an enum, a string of at most 48 characters, an integer 0..999).
-Figures: seconds per decoding step (a batch's step) with and without the schema (ratio =
-constrained / free: the cost of the constraint per step), the constraint's own share of the
-constrained time, and the share of answers that parse. No Spark: the engine alone, so the
-figures are the constraint's. Writes bench/results/bench_structured.json.
+Figures: the constrained run's seconds against the same run less the constraint's own time
+(measured around each call of the logits processor: ratio = what the constraint adds), its
+milliseconds per decoding step of 16 rows, and the share of answers that parse with and without
+it. (Seconds per step of the two runs are not compared: constrained answers are shorter, so the
+prompts' prefill weighs more in each of their steps.) No Spark: the engine alone, so the figures
+are the constraint's. Writes bench/results/bench_structured.json.
 """
 from __future__ import annotations
 
@@ -123,17 +125,14 @@ def main(argv: Any = None) -> None:
                                              pad_token_id=tok.pad_token_id, **SMALL)).eval()
         free = decode(model, tok, prompts, "")
         shaped = decode(model, tok, prompts, json.dumps(SCHEMA))
-        per_step = shaped["seconds"] / shaped["steps"]
-        free_step = free["seconds"] / free["steps"]
+        own = shaped["constraint_seconds"]
         progress(f"vocabulary {vocab}: free {free}, shaped {shaped}")
         results.append(figure(
-            f"constrained step, vocabulary {vocab}", "seconds per decoding step (16 rows)",
-            "s", per_step, free_step, "the same engine decoding freely",
-            per_step / free_step, 1.5, "<=", extras={
-                "constraint share of the constrained time": round(
-                    shaped["constraint_seconds"] / shaped["seconds"], 3),
-                "constraint ms per step": round(
-                    1000 * shaped["constraint_seconds"] / shaped["steps"], 2),
+            f"constrained decoding, vocabulary {vocab}", "seconds to answer the rows", "s",
+            shaped["seconds"], shaped["seconds"] - own, "the same steps without the constraint",
+            shaped["seconds"] / (shaped["seconds"] - own), 1.25, "<=", extras={
+                "constraint ms per step (16 rows)": round(1000 * own / shaped["steps"], 2),
+                "free decoding ms per step": round(1000 * free["seconds"] / free["steps"], 2),
                 "answers that parse, constrained": shaped["parsed"],
                 "answers that parse, free": free["parsed"]}))
     report(results, args.json, lambda: {"versions": versions("transformers", "llguidance"),
