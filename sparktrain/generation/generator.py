@@ -65,8 +65,7 @@ class TextGenerator(Model, MLWritable, MLReadable):
 
     ``responseSchema`` (a ``StructType``, DDL text, or a JSON schema) constrains decoding so
     that every answer is JSON valid for it, parsed into the struct's ``parsed`` field, typed
-    (null where the answer did not end: ``finish_reason="length"``). Such answers are decoded
-    by an engine that follows schemas (``"static"``, chosen where ``engine`` is not set).
+    (null where the answer did not end: ``finish_reason="length"``).
 
     Each Python worker loads the model once (a LoRA fine-tune merged into its base weights)
     and keeps its engine across tasks; ``engine``: ``"continuous"`` (transformers' continuous
@@ -180,9 +179,8 @@ class TextGenerator(Model, MLWritable, MLReadable):
         missing = [param for ability, param in needs
                    if not getattr(engine_class(engine), ability, False)]
         if missing and self.isSet("engine"):
-            raise ValueError(f"engine {engine!r} cannot {' or '.join(missing)} (transformers' "
-                             f"continuous batching takes no grammar and samples every row "
-                             f"from one generator); use engine='static' or leave engine unset")
+            raise ValueError(f"engine {engine!r} cannot {' or '.join(missing)} (see "
+                             f"docs/generation.md); use engine='static' or leave engine unset")
         return "static" if missing else engine
 
     def plan(self, spark: Any = None) -> WorkerPlan:

@@ -2,7 +2,9 @@
 (``transformers.generation.continuous_batching``; tested with transformers 5.24, and a
 transformers without its ``ContinuousBatchingConfig`` is refused by name). Rows join the running
 batch as others finish; the KV cache is paged, so a short answer frees its pages at once. The
-manager and its generation thread are built once per Python worker and kept across tasks.
+manager and its generation thread are built once per Python worker and kept across tasks. A
+``responseSchema`` is a processor inside the manager (:mod:`.cb_grammar`); stop strings cancel
+a row as soon as its streamed text holds one.
 
 Example::
 
@@ -11,6 +13,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from typing import Any, Dict, Iterable, Iterator, Set
@@ -26,9 +29,26 @@ CPU_BATCH_TOKENS = 2048
 class ContinuousEngine(GenerationEngine):
     """Up to ``window`` rows in transformers' continuous batching manager at once."""
 
+    follows_schema = True
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._manager: Any = None
+        self._schema: Any = None  # cb_grammar.GrammarProcessor, with a responseSchema
+
+    def _grammar(self) -> Any:
+        """A context in which the manager is made with the schema's processor (if any)."""
+        if not self.settings.json_schema:
+            return contextlib.nullcontext()
+        from sparktrain.generation import cb_grammar
+        from sparktrain.generation import json_constraint as jc
+
+        tokenizer = jc.json_tokenizer(self.tokenizer, self.model.config.vocab_size,
+                                      self.eos_ids)
+        top_p = self.settings.top_p if self.settings.sampling else 1.0
+        self._schema = cb_grammar.GrammarProcessor(
+            tokenizer, jc.compile_grammar(self.settings.json_schema), top_p)
+        return cb_grammar.with_grammar(self.model, self._schema)
 
     def _start(self, context: int) -> Any:
         import transformers
@@ -47,9 +67,12 @@ class ContinuousEngine(GenerationEngine):
                                   do_sample=settings.sampling, eos_token_id=self.eos_ids,
                                   pad_token_id=self.pad_id)
         if settings.sampling:
+            # with a schema, the nucleus is taken after its mask (cb_grammar)
             config.temperature, config.top_p, config.top_k = settings.temperature, \
-                settings.top_p, 0
+                1.0 if settings.json_schema else settings.top_p, 0
         cache: Dict[str, Any] = dict(seed=settings.seed, max_requests_per_batch=self.window)
+        if settings.json_schema:  # a Python processor that needs each row's last token
+            cache.update(use_cuda_graph=False, use_async_batching=False)
         if next(self.model.parameters()).device.type == "cpu":
             # sized by the rows in flight: the default sizes by a share of the device's memory,
             # which on a CPU allocates gigabytes and takes seconds
@@ -58,9 +81,12 @@ class ContinuousEngine(GenerationEngine):
             longest = min(context, settings.prompt_limit(context) + settings.max_new_tokens)
             cache.update(page_size=CPU_PAGE, max_batch_tokens=CPU_BATCH_TOKENS,
                          num_blocks=2 * self.window * math.ceil(longest / CPU_PAGE) + 1)
-        manager = self.model.init_continuous_batching(
-            generation_config=config,
-            continuous_batching_config=ContinuousBatchingConfig(**cache))
+        with self._grammar():
+            manager = self.model.init_continuous_batching(
+                generation_config=config,
+                continuous_batching_config=ContinuousBatchingConfig(**cache))
+        if self._schema is not None:  # its (empty) row of the processors' argument tensor
+            manager.logit_processor.tensors_required += 1
         # started from a daemon thread, so its generation thread is a daemon too (a thread
         # inherits it): a Python worker that exits does not wait for an idle engine
         starter = threading.Thread(target=_start_in_inference_mode, args=(manager,),
@@ -107,8 +133,11 @@ class ContinuousEngine(GenerationEngine):
                     continue
                 manager.cancel_request(result.request_id)
             in_flight.discard(key)
-            if result.error is not None:
-                yield Completion(key, error=str(result.error))
+            left = self._schema.errors.pop(result.request_id, None) if self._schema else None
+            if self._schema is not None:
+                self._schema.forget(result.request_id)
+            if result.error is not None or left is not None:
+                yield Completion(key, error=str(left or result.error))
             else:
                 yield self.finish(key, result.generated_tokens)
 

@@ -1,8 +1,8 @@
 """The static engine: rows in padded batches through ``model.generate``, each batch running
 until its longest answer ends. What a hand-written ``predict_batch_udf`` does, kept as the
 baseline of ``bench/bench_generate.py``, for models continuous batching cannot run, and for
-answers that follow a ``responseSchema`` (:mod:`.json_constraint`: ``generate`` takes a logits
-processor per call, where continuous batching builds its own from the generation config).
+rows sampled each from its own seed (``seedCol``); a ``responseSchema`` is a logits processor
+of each ``generate`` call (:mod:`.json_constraint`).
 
 Example::
 

@@ -23,7 +23,8 @@ from typing import Any, List, Optional, Sequence
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
-def _llguidance() -> Any:
+def llguidance() -> Any:
+    """The llguidance module; ``ImportError`` saying how to install it."""
     try:
         import llguidance
     except ImportError:
@@ -35,7 +36,7 @@ def _llguidance() -> Any:
 def compile_grammar(json_schema: str) -> str:
     """llguidance's grammar for ``json_schema``; ``ValueError`` naming responseSchema where it
     cannot be followed (no tokenizer needed: checked on the driver before any job)."""
-    matcher = _llguidance().LLMatcher
+    matcher = llguidance().LLMatcher
     try:
         grammar = matcher.grammar_from_json_schema(json_schema, defaults=JSON_OPTIONS)
     except ValueError as error:
@@ -49,7 +50,7 @@ def compile_grammar(json_schema: str) -> str:
 def json_tokenizer(tokenizer: Any, vocab: int, eos_ids: Sequence[int]) -> Any:
     """llguidance's view of a Hugging Face fast tokenizer, for logits ``vocab`` wide (about a
     second for a large vocabulary: build it once per engine)."""
-    _llguidance()
+    llguidance()
     from llguidance.hf import from_tokenizer
 
     try:
@@ -66,7 +67,7 @@ class JsonConstraint:
 
     def __init__(self, tokenizer: Any, grammar: str, rows: int,
                  eos_ids: Sequence[int]) -> None:
-        template = _llguidance().LLMatcher(tokenizer, grammar, log_level=0)
+        template = llguidance().LLMatcher(tokenizer, grammar, log_level=0)
         if template.is_error():
             raise ValueError(f"responseSchema cannot be followed: {template.get_error()}")
         self._matchers = [template.deep_copy() for _ in range(rows)]
@@ -88,19 +89,28 @@ class JsonConstraint:
                 self._done[i] = True
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
-        import numpy as np
-        import torch
-
         if self._started:
             self._advance(input_ids[:, -1].tolist())
         self._started = True
-        rows, vocab = scores.shape
-        words = (vocab + 31) // 32
-        mask = torch.full((rows, words), -1, dtype=torch.int32)  # -1: every token allowed
-        for i, matcher in enumerate(self._matchers):
-            if not self._done[i]:  # a finished row gets padding whatever its scores
-                matcher.unsafe_compute_mask_ptr(mask[i].data_ptr(), words * 4)
-        # token 32k+j is bit j of word k: little-endian bytes, their bits least first
-        bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")
-        allowed = torch.from_numpy(bits[:, :vocab].view(bool)).to(scores.device)
-        return scores.masked_fill(~allowed, -torch.inf)
+        # a finished row gets padding whatever its scores
+        return apply_mask(scores, [None if done else matcher
+                                   for matcher, done in zip(self._matchers, self._done,
+                                                            strict=True)])
+
+
+def apply_mask(scores: Any, matchers: List[Optional[Any]]) -> Any:
+    """``scores`` (a row per matcher) with every token its row's matcher does not allow at
+    ``-inf``; a row whose matcher is None keeps every token."""
+    import numpy as np
+    import torch
+
+    rows, vocab = scores.shape
+    words = (vocab + 31) // 32
+    mask = torch.full((rows, words), -1, dtype=torch.int32)  # -1: every token allowed
+    for i, matcher in enumerate(matchers):
+        if matcher is not None:
+            matcher.unsafe_compute_mask_ptr(mask[i].data_ptr(), words * 4)
+    # token 32k+j is bit j of word k: little-endian bytes, their bits least first
+    bits = np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits[:, :vocab].view(bool)).to(scores.device)
+    return scores.masked_fill(~allowed, -torch.inf)
