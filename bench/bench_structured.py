@@ -8,14 +8,16 @@ vocabulary), and how many answers parse with and without it.
 
 For each vocabulary size: a byte-level BPE tokenizer trained in memory on synthetic words, the
 small Llama-style config of bench_generate.py (4 layers of 256, random weights, so answers
-are noise without the constraint) and 64 prompts through sparktrain's static engine (the one
-that takes a responseSchema), greedy, in batches of 16, at most 64 new tokens: once free and
-once with a JSON schema (an enum, a string of at most 48 characters, an integer 0..999).
-Figures: the constrained run's seconds against the same run less the constraint's own time
-(measured around each call of the logits processor: ratio = what the constraint adds), its
-milliseconds per decoding step of 16 rows, and the share of answers that parse with and without
-it. (Seconds per step of the two runs are not compared: constrained answers are shorter, so the
-prompts' prefill weighs more in each of their steps.) No Spark: the engine alone, so the figures
+are noise without the constraint) and 64 prompts through each of sparktrain's engines (static:
+``generate`` with the constraint as a logits processor, batches of 16; continuous: the
+constraint inside transformers' continuous batching, 16 rows in flight), greedy, at most 64 new
+tokens: once free and once with a JSON schema (an enum, a string of at most 48 characters, an
+integer 0..999). Figures: the constrained run's seconds against the same run less the
+constraint's own time (measured around its calls: ratio = what the constraint adds), its
+milliseconds per decoding step, constrained tokens/s, and the share of answers that parse with
+and without it. (Seconds per step of the free and constrained runs are not compared:
+constrained answers are shorter, so the prompts' prefill weighs more in each of their steps.)
+No Spark: the engines alone, so the figures
 are the constraint's. Writes bench/results/bench_structured.json.
 """
 from __future__ import annotations
@@ -57,40 +59,54 @@ def tokenizer(vocab: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="</s>")
 
 
-def decode(model: Any, tok: Any, prompts: List[str], schema: str) -> Dict[str, Any]:
-    """The static engine over ``prompts``: seconds, decoding steps, the constraint's seconds,
-    and how many answers parse as JSON."""
-    from sparktrain.generation import json_constraint
-    from sparktrain.generation.engines import Request
-    from sparktrain.generation.hf_static import StaticEngine
+#: where each engine spends the constraint's time: (module, class, methods)
+CONSTRAINTS = {"static": ("sparktrain.generation.json_constraint", "JsonConstraint",
+                          ("__call__",)),
+               "continuous": ("sparktrain.generation.cb_grammar", "GrammarProcessor",
+                              ("__call__", "prepare_tensor_args"))}
+
+
+def decode(engine_name: str, model: Any, tok: Any, prompts: List[str],
+           schema: str) -> Dict[str, Any]:
+    """An engine over ``prompts`` (after a warm-up of 16 that builds its manager and
+    llguidance's tokenizer): seconds, the constraint's seconds and steps, tokens, and the share
+    of answers that parse as JSON."""
+    import importlib
+
+    from sparktrain.generation.engines import Request, engine_class
     from sparktrain.generation.settings import GenerationSettings
 
-    spent = [0.0]
-    original = json_constraint.JsonConstraint.__call__
+    module, name, methods = CONSTRAINTS[engine_name]
+    kind = getattr(importlib.import_module(module), name)
+    spent, calls = [0.0], [0]
+    originals = {method: getattr(kind, method) for method in methods}
 
-    def timed(self: Any, input_ids: Any, scores: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original(self, input_ids, scores)
-        finally:
-            spent[0] += time.perf_counter() - start
+    def timed(method: str) -> Any:
+        def run(self: Any, *args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return originals[method](self, *args)
+            finally:
+                spent[0] += time.perf_counter() - start
+                calls[0] += method == "__call__"
+        return run
 
     settings = GenerationSettings(max_new_tokens=64, json_schema=schema)
-    engine = StaticEngine(model, settings, [tok.eos_token_id], tok.pad_token_id, 16,
-                          tokenizer=tok)
+    engine = engine_class(engine_name)(model, settings, [tok.eos_token_id], tok.pad_token_id,
+                                       16, tokenizer=tok)
     requests = [Request(i, tok(p)["input_ids"]) for i, p in enumerate(prompts)]
-    json_constraint.JsonConstraint.__call__ = timed  # type: ignore[method-assign]
+    for method in methods:
+        setattr(kind, method, timed(method))
     try:
-        if schema:
-            list(engine.generate(requests[:16]))  # llguidance's tokenizer built once, untimed
-        spent[0] = 0.0
+        list(engine.generate(requests[:16]))
+        spent[0], calls[0] = 0.0, 0
         start = time.perf_counter()
         done = list(engine.generate(requests))
         seconds = time.perf_counter() - start
     finally:
-        json_constraint.JsonConstraint.__call__ = original  # type: ignore[method-assign]
-    steps = sum(max(len(d.tokens) + (0 if d.ended else -1) for d in done[i:i + 16]) + 1
-                for i in range(0, len(done), 16))
+        for method, original in originals.items():
+            setattr(kind, method, original)
+        engine.close()
     parsed = 0
     for d in done:
         try:
@@ -98,7 +114,7 @@ def decode(model: Any, tok: Any, prompts: List[str], schema: str) -> Dict[str, A
             parsed += 1
         except ValueError:
             pass
-    return {"seconds": seconds, "steps": steps, "constraint_seconds": spent[0],
+    return {"seconds": seconds, "constraint_seconds": spent[0], "steps": calls[0],
             "parsed": parsed / len(done), "tokens": sum(len(d.tokens) for d in done)}
 
 
@@ -123,18 +139,21 @@ def main(argv: Any = None) -> None:
         model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), max_position_embeddings=256,
                                              eos_token_id=tok.eos_token_id,
                                              pad_token_id=tok.pad_token_id, **SMALL)).eval()
-        free = decode(model, tok, prompts, "")
-        shaped = decode(model, tok, prompts, json.dumps(SCHEMA))
-        own = shaped["constraint_seconds"]
-        progress(f"vocabulary {vocab}: free {free}, shaped {shaped}")
-        results.append(figure(
-            f"constrained decoding, vocabulary {vocab}", "seconds to answer the rows", "s",
-            shaped["seconds"], shaped["seconds"] - own, "the same steps without the constraint",
-            shaped["seconds"] / (shaped["seconds"] - own), 1.25, "<=", extras={
-                "constraint ms per step (16 rows)": round(1000 * own / shaped["steps"], 2),
-                "free decoding ms per step": round(1000 * free["seconds"] / free["steps"], 2),
-                "answers that parse, constrained": shaped["parsed"],
-                "answers that parse, free": free["parsed"]}))
+        for engine in ("static", "continuous"):
+            free = decode(engine, model, tok, prompts, "")
+            shaped = decode(engine, model, tok, prompts, json.dumps(SCHEMA))
+            own = shaped["constraint_seconds"]
+            progress(f"vocabulary {vocab}, {engine}: free {free}, shaped {shaped}")
+            results.append(figure(
+                f"constrained decoding, {engine}, vocabulary {vocab}",
+                "seconds to answer the rows", "s", shaped["seconds"], shaped["seconds"] - own,
+                "the same steps without the constraint",
+                shaped["seconds"] / (shaped["seconds"] - own), 1.25, "<=", extras={
+                    "constraint ms per step (16 rows)": round(
+                        1000 * own / max(shaped["steps"], 1), 2),
+                    "constrained tokens/s": round(shaped["tokens"] / shaped["seconds"]),
+                    "answers that parse, constrained": shaped["parsed"],
+                    "answers that parse, free": free["parsed"]}))
     report(results, args.json, lambda: {"versions": versions("transformers", "llguidance"),
                                         "rows": rows})
 
