@@ -169,8 +169,8 @@ class TextGenerator(Model, MLWritable, MLReadable):
         return ResponseSchema.of(text, ddl)
 
     def _engine(self, shape: Optional[ResponseSchema]) -> str:
-        """The engine's name: ``engine``, or, where it is not set, one that can do what
-        ``responseSchema`` and ``seedCol`` ask (the static engine)."""
+        """The engine's name: ``engine``, or, where it is not set and the default cannot do
+        what ``responseSchema`` or ``seedCol`` asks, the static engine (which does both)."""
         engine = self.getOrDefault("engine")
         check_engine(engine)
         needs = [(ability, param) for ability, param, asked in [
@@ -185,7 +185,10 @@ class TextGenerator(Model, MLWritable, MLReadable):
 
     def plan(self, spark: Any = None) -> WorkerPlan:
         """What the executors get; every setting checked (``ValueError`` naming it)."""
-        prompt, settings, shape = self._prompt(), self._settings(), self._shape(spark)
+        return self._plan(spark, self._shape(spark))
+
+    def _plan(self, spark: Any, shape: Optional[ResponseSchema]) -> WorkerPlan:
+        prompt, settings = self._prompt(), self._settings()
         engine = self._engine(shape)
         if shape is not None:
             from sparktrain.generation.json_constraint import compile_grammar
@@ -223,13 +226,13 @@ class TextGenerator(Model, MLWritable, MLReadable):
             found = f"it is {types[seed_col]}" if seed_col in types else \
                 f"the DataFrame has no such column; its columns: {list(types)}"
             raise ValueError(f"seedCol {seed_col!r} must be an integer column; {found}")
-        plan = dataclasses.replace(self.plan(dataset.sparkSession), integers=tuple(
+        shape = self._shape(dataset.sparkSession)
+        plan = dataclasses.replace(self._plan(dataset.sparkSession, shape), integers=tuple(
             name for name, kind in types.items() if kind in _INTEGERS))
         # a Python worker keeps an engine per key: any change of model or setting makes another
         key = hashlib.sha1(cloudpickle.dumps(plan)).hexdigest()
         udf = generation_udf(key, plan)
         answers = dataset.withColumn(output, udf(*[F.col(f"`{c}`") for c in plan.columns()]))
-        shape = self._shape(dataset.sparkSession)
         if shape is None:
             return answers
         from pyspark.sql.types import StructType
