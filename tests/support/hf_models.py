@@ -82,15 +82,16 @@ COUNT_WORDS = ["<pad>", "<unk>", "<s>", "</s>", "count", "from", ":"] + [str(i) 
 COUNT_LENGTH = 20  # tokens of prompt + answer + end-of-sequence, padded
 
 
-def count_rows(n: int, seed: int = 0) -> List[Tuple[str, str]]:
-    """``n`` rows of ``(prompt, answer)``: "count 3 from 7 :" -> "8 9 10". Answers have 1 to 8
-    numbers: mixed lengths, each ended by the model's end-of-sequence token once learned."""
+def count_rows(n: int, seed: int = 0, step: int = 1) -> List[Tuple[str, str]]:
+    """``n`` rows of ``(prompt, answer)``: "count 3 from 7 :" -> "8 9 10" (``step=2``: "9 11
+    13", a new task for the same prompts). Answers have 1 to 8 numbers: mixed lengths, each
+    ended by the model's end-of-sequence token once learned."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         start, k = rng.randint(0, 20), rng.randint(1, 8)
         rows.append((f"count {k} from {start} :",
-                     " ".join(str(start + i) for i in range(1, k + 1))))
+                     " ".join(str(start + step * i) for i in range(1, k + 1))))
     return rows
 
 
