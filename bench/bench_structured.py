@@ -62,7 +62,7 @@ def tokenizer(vocab: int) -> Any:
 #: where each engine spends the constraint's time: (module, class, methods)
 CONSTRAINTS = {"static": ("sparktrain.generation.json_constraint", "JsonConstraint",
                           ("__call__",)),
-               "continuous": ("sparktrain.generation.cb_grammar", "GrammarProcessor",
+               "continuous": ("sparktrain.generation.cb_processors", "GrammarProcessor",
                               ("__call__", "prepare_tensor_args"))}
 
 

@@ -72,10 +72,9 @@ class TextGenerator(Model, MLWritable, MLReadable):
     batching, ``maxRowsInFlight`` rows at once across a task's batches) or ``"static"``
     (padded batches of ``maxRowsInFlight`` rows through ``generate``), or one registered with
     ``register_generation_engine``. ``temperature=0`` (the default) decodes greedily: a rerun
-    writes the same text. With sampling, the static engine draws each row from its own seed
-    (``seedCol``'s value where set, else its prompt's tokens, with ``seed``): a row's text
-    is the same on every rerun, whatever rows are decoded beside it; ``seedCol`` asks for the
-    static engine where ``engine`` is not set.
+    writes the same text. With sampling, each row is drawn from its own seed (``seedCol``'s
+    value where set, else its prompt's tokens, with ``seed``): a row's text is the same on
+    every rerun, whatever rows are decoded beside it.
     """
 
     promptCol = _param("promptCol", "the column holding each row's prompt",
@@ -169,8 +168,9 @@ class TextGenerator(Model, MLWritable, MLReadable):
         return ResponseSchema.of(text, ddl)
 
     def _engine(self, shape: Optional[ResponseSchema]) -> str:
-        """The engine's name: ``engine``, or, where it is not set and the default cannot do
-        what ``responseSchema`` or ``seedCol`` asks, the static engine (which does both)."""
+        """The engine's name: ``engine``; where it is not set and the default cannot do what
+        ``responseSchema`` or ``seedCol`` asks (a default registered in its place), the static
+        engine, which does both."""
         engine = self.getOrDefault("engine")
         check_engine(engine)
         needs = [(ability, param) for ability, param, asked in [

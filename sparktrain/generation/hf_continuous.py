@@ -3,7 +3,8 @@
 transformers without its ``ContinuousBatchingConfig`` is refused by name). Rows join the running
 batch as others finish; the KV cache is paged, so a short answer frees its pages at once. The
 manager and its generation thread are built once per Python worker and kept across tasks. A
-``responseSchema`` is a processor inside the manager (:mod:`.cb_grammar`); stop strings cancel
+``responseSchema`` and sampling from each row's seed are processors inside the manager
+(:mod:`.cb_processors`); stop strings cancel
 a row as soon as its streamed text holds one.
 
 Example::
@@ -13,10 +14,9 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
-from typing import Any, Dict, Iterable, Iterator, Set
+from typing import Any, Dict, Iterable, Iterator, List, Set
 
 from sparktrain.generation.engines import Completion, GenerationEngine, Request
 
@@ -30,25 +30,32 @@ class ContinuousEngine(GenerationEngine):
     """Up to ``window`` rows in transformers' continuous batching manager at once."""
 
     follows_schema = True
+    seeds_rows = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._manager: Any = None
-        self._schema: Any = None  # cb_grammar.GrammarProcessor, with a responseSchema
+        self._schema: Any = None  # cb_processors.GrammarProcessor, with a responseSchema
+        self._sampler: Any = None  # cb_processors.SeededSampler, with sampling
 
-    def _grammar(self) -> Any:
-        """A context in which the manager is made with the schema's processor (if any)."""
-        if not self.settings.json_schema:
-            return contextlib.nullcontext()
-        from sparktrain.generation import cb_grammar
+    def _processors(self) -> List[Any]:
+        """sparktrain's processors for the manager (:mod:`.cb_processors`): the schema's,
+        then the sampler (the manager itself then decodes greedily)."""
+        settings = self.settings
+        if not settings.json_schema and not settings.sampling:
+            return []
+        from sparktrain.generation import cb_processors
         from sparktrain.generation import json_constraint as jc
 
-        tokenizer = jc.json_tokenizer(self.tokenizer, self.model.config.vocab_size,
-                                      self.eos_ids)
-        top_p = self.settings.top_p if self.settings.sampling else 1.0
-        self._schema = cb_grammar.GrammarProcessor(
-            tokenizer, jc.compile_grammar(self.settings.json_schema), top_p)
-        return cb_grammar.with_grammar(self.model, self._schema)
+        if settings.json_schema:
+            tokenizer = jc.json_tokenizer(self.tokenizer, self.model.config.vocab_size,
+                                          self.eos_ids)
+            self._schema = cb_processors.GrammarProcessor(
+                tokenizer, jc.compile_grammar(settings.json_schema))
+        if settings.sampling:
+            self._sampler = cb_processors.SeededSampler(settings.temperature, settings.top_p,
+                                                        settings.seed)
+        return [p for p in (self._schema, self._sampler) if p is not None]
 
     def _start(self, context: int) -> Any:
         import transformers
@@ -63,30 +70,33 @@ class ContinuousEngine(GenerationEngine):
                 f"{transformers.__version__}: upgrade it, or use engine='static'") from None
 
         settings = self.settings
-        config = GenerationConfig(max_new_tokens=settings.max_new_tokens,
-                                  do_sample=settings.sampling, eos_token_id=self.eos_ids,
-                                  pad_token_id=self.pad_id)
-        if settings.sampling:
-            # with a schema, the nucleus is taken after its mask (cb_grammar)
-            config.temperature, config.top_p, config.top_k = settings.temperature, \
-                1.0 if settings.json_schema else settings.top_p, 0
-        cache: Dict[str, Any] = dict(seed=settings.seed, max_requests_per_batch=self.window)
-        if settings.json_schema:  # a Python processor that needs each row's last token
+        # greedy over the processed scores: with sampling, SeededSampler has already chosen
+        config = GenerationConfig(max_new_tokens=settings.max_new_tokens, do_sample=False,
+                                  eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
+        processors = self._processors()
+        cache: Dict[str, Any] = dict(max_requests_per_batch=self.window)
+        if processors:  # Python processors that need each row's last token
             cache.update(use_cuda_graph=False, use_async_batching=False)
         if next(self.model.parameters()).device.type == "cpu":
             # sized by the rows in flight: the default sizes by a share of the device's memory,
-            # which on a CPU allocates gigabytes and takes seconds
             # which on a CPU allocates gigabytes and takes seconds. Twice what the rows in
             # flight can hold at their longest: a cache the scheduler fills stalls or evicts
             longest = min(context, settings.prompt_limit(context) + settings.max_new_tokens)
             cache.update(page_size=CPU_PAGE, max_batch_tokens=CPU_BATCH_TOKENS,
                          num_blocks=2 * self.window * math.ceil(longest / CPU_PAGE) + 1)
-        with self._grammar():
+        if processors:
+            from sparktrain.generation.cb_processors import with_processors
+
+            with with_processors(self.model, processors):
+                manager = self.model.init_continuous_batching(
+                    generation_config=config,
+                    continuous_batching_config=ContinuousBatchingConfig(**cache))
+            # a row each of the processors' argument tensor (theirs are empty)
+            manager.logit_processor.tensors_required += len(processors)
+        else:
             manager = self.model.init_continuous_batching(
                 generation_config=config,
                 continuous_batching_config=ContinuousBatchingConfig(**cache))
-        if self._schema is not None:  # its (empty) row of the processors' argument tensor
-            manager.logit_processor.tensors_required += 1
         # started from a daemon thread, so its generation thread is a daemon too (a thread
         # inherits it): a Python worker that exits does not wait for an idle engine
         starter = threading.Thread(target=_start_in_inference_mode, args=(manager,),
@@ -112,6 +122,8 @@ class ContinuousEngine(GenerationEngine):
                 if request is None:
                     exhausted = True
                     break
+                if self._sampler is not None and request.seed is not None:
+                    self._sampler.seeds[str(request.key)] = request.seed
                 manager.add_request(request.input_ids, request_id=str(request.key),
                                     max_new_tokens=self.settings.max_new_tokens,
                                     streaming=streaming)
@@ -134,8 +146,9 @@ class ContinuousEngine(GenerationEngine):
                 manager.cancel_request(result.request_id)
             in_flight.discard(key)
             left = self._schema.errors.pop(result.request_id, None) if self._schema else None
-            if self._schema is not None:
-                self._schema.forget(result.request_id)
+            for processor in (self._schema, self._sampler):
+                if processor is not None:
+                    processor.forget(result.request_id)
             if result.error is not None or left is not None:
                 yield Completion(key, error=str(left or result.error))
             else:

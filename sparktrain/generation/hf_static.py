@@ -1,8 +1,9 @@
 """The static engine: rows in padded batches through ``model.generate``, each batch running
 until its longest answer ends. What a hand-written ``predict_batch_udf`` does, kept as the
-baseline of ``bench/bench_generate.py``, for models continuous batching cannot run, and for
-rows sampled each from its own seed (``seedCol``); a ``responseSchema`` is a logits processor
-of each ``generate`` call (:mod:`.json_constraint`).
+baseline of ``bench/bench_generate.py``, for models continuous batching cannot run, and faster
+than it where answers have even lengths (``bench/bench_structured.py``). A ``responseSchema``
+and each row's seed are logits processors of each ``generate`` call (:mod:`.json_constraint`,
+:mod:`.row_sampling`).
 
 Example::
 

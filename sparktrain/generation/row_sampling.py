@@ -39,17 +39,22 @@ class RowSampler:
         self.temperature, self.top_p = temperature, top_p
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
-        import torch
-
         scores = scores.float() / self.temperature
         if self.top_p < 1:
             scores = nucleus(scores, self.top_p)
-        cumulative = scores.softmax(dim=-1).cumsum(dim=-1)
-        draws = torch.tensor([[rng.random()] for rng in self._draws], dtype=cumulative.dtype,
-                             device=cumulative.device)
-        # the first token whose cumulative probability reaches the draw
-        chosen = (cumulative < draws * cumulative[:, -1:]).sum(dim=-1)
-        chosen = chosen.clamp(max=scores.shape[-1] - 1)
-        only = torch.full_like(scores, -torch.inf)
-        only[torch.arange(len(chosen), device=scores.device), chosen] = 0.0
-        return only
+        return pick(scores, [rng.random() for rng in self._draws])
+
+
+def pick(scores: Any, draws: List[float]) -> Any:
+    """For each row, the token where its uniform draw falls in its cumulative probabilities,
+    as the only token left (every other at ``-inf``)."""
+    import torch
+
+    cumulative = scores.softmax(dim=-1).cumsum(dim=-1)
+    uniform = torch.tensor(draws, dtype=cumulative.dtype, device=cumulative.device)[:, None]
+    # the first token whose cumulative probability reaches the draw
+    chosen = (cumulative < uniform * cumulative[:, -1:]).sum(dim=-1)
+    chosen = chosen.clamp(max=scores.shape[-1] - 1)
+    only = torch.full_like(scores, -torch.inf)
+    only[torch.arange(len(chosen), device=scores.device), chosen] = 0.0
+    return only
