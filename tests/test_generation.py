@@ -311,6 +311,16 @@ def test_a_lora_fine_tune_then_generation_in_a_pipeline(spark, store, tok, count
     assert [r["error"] for r in short.select("generated.error").collect()] == [
         "the prompt has 5 tokens; at most 4 fit (the model's context less maxNewTokens, or "
         "maxPromptTokens)"] * 2
+    # a prompt longer than the model's context (64 tokens, less maxNewTokens): an error row,
+    # the rows beside it answered
+    long_prompt = " ".join(["count 1 from 1 :"] * 12)                  # 60 tokens
+    mixed = spark.createDataFrame([("count 2 from 5 :",), (long_prompt,)], "prompt string")
+    by_column = generator.copy({generator.maxPromptTokens: 0})
+    by_column.clear(by_column.promptTemplate)
+    answered = by_column.setParams(promptCol="prompt").transform(mixed) \
+        .select("generated.text", "generated.error").collect()
+    assert answered[0]["text"] == "7 9" and answered[0]["error"] is None
+    assert answered[1]["error"].startswith("the prompt has 60 tokens; at most 54 fit")
     # sampled, each row from its own seed: the same texts over other partitions and batches
     sampling = generator.copy({generator.temperature: 1.5, generator.seedCol: "id",
                                generator.outputCol: "sampled"})
