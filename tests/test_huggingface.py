@@ -73,6 +73,13 @@ def test_forward_rule_keywords_positions_and_outputs(tok):
     ids = torch.tensor(hf_models.Tokenize(tok)({"text": np.array(["good app"])})["input_ids"])
     result = rule.call(bert, [ids, torch.ones_like(ids)], [torch.tensor([1])])
     assert rule.loss(result).dim() == 0 and rule.outputs(result)[0].shape == (1, 2)
+    # peft's wrapper made without a task_type: forward(*args, **kwargs), read through
+    from peft import LoraConfig, get_peft_model
+
+    wrapped = get_peft_model(hf_models.tiny_bert(tok.vocab_size),
+                             LoraConfig(r=2, target_modules=["query"]))
+    assert ForwardRule.for_model(wrapped, ["input_ids", "attention_mask"], labels=1,
+                                 loss_given=False).model_loss
     # named otherwise than forward's parameters: positional, as for any module
     linear = torch.nn.Linear(3, 1)
     assert not ForwardRule.for_model(linear, ["features"]).keywords

@@ -36,7 +36,9 @@ DEFAULT_OUTPUT_KEY = "logits"
 
 
 def forward_parameters(model: Any) -> Tuple[List[str], bool]:
-    """The named parameters of ``model.forward`` and whether it takes ``**kwargs``."""
+    """The named parameters of ``model.forward`` and whether it takes ``**kwargs``; a wrapper
+    whose ``forward(*args, **kwargs)`` passes them on to its ``get_base_model()`` (peft's
+    ``PeftModel`` made without a ``task_type``) has its base model's."""
     try:
         signature = inspect.signature(model.forward)
     except (TypeError, ValueError, AttributeError):
@@ -44,7 +46,11 @@ def forward_parameters(model: Any) -> Tuple[List[str], bool]:
     kinds = {p.name: p.kind for p in signature.parameters.values()}
     named = [n for n, k in kinds.items()
              if k in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
-    return named, inspect.Parameter.VAR_KEYWORD in kinds.values()
+    passes_on = inspect.Parameter.VAR_KEYWORD in kinds.values()
+    base = getattr(model, "get_base_model", None)
+    if not named and passes_on and callable(base) and base() is not model:
+        return forward_parameters(base())
+    return named, passes_on
 
 
 def takes_labels(model: Any) -> bool:
