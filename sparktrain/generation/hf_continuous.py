@@ -48,10 +48,9 @@ class ContinuousEngine(GenerationEngine):
         from sparktrain.generation import json_constraint as jc
 
         if settings.json_schema:
-            tokenizer = jc.json_tokenizer(self.tokenizer, self.model.config.vocab_size,
-                                          self.eos_ids)
-            self._schema = cb_processors.GrammarProcessor(
-                tokenizer, jc.compile_grammar(settings.json_schema))
+            self._schema = cb_processors.GrammarProcessor(*jc.compiled(
+                self.tokenizer, self.model.config.vocab_size, self.eos_ids,
+                settings.json_schema))
         if settings.sampling:
             self._sampler = cb_processors.SeededSampler(settings.temperature, settings.top_p,
                                                         settings.seed)

@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Iterable, Iterator, List, Optional, Tuple
 
 from sparktrain.generation.engines import Completion, GenerationEngine, Request
 from sparktrain.generation.row_sampling import RowSampler
@@ -29,7 +29,7 @@ class StaticEngine(GenerationEngine):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._json: Optional[Dict[str, Any]] = None  # the grammar and llguidance's tokenizer
+        self._json: Optional[Tuple[Any, str]] = None  # llguidance's tokenizer, the grammar
 
     def _constraint(self, rows: int) -> Any:
         """A batch's :class:`~.json_constraint.JsonConstraint`, or None without a schema."""
@@ -38,12 +38,10 @@ class StaticEngine(GenerationEngine):
         from sparktrain.generation import json_constraint as jc
 
         if self._json is None:
-            self._json = dict(grammar=jc.compile_grammar(self.settings.json_schema),
-                              tokenizer=jc.json_tokenizer(self.tokenizer,
-                                                          self.model.config.vocab_size,
-                                                          self.eos_ids))
-        return jc.JsonConstraint(self._json["tokenizer"], self._json["grammar"], rows,
-                                 self.eos_ids)
+            self._json = jc.compiled(self.tokenizer, self.model.config.vocab_size,
+                                     self.eos_ids, self.settings.json_schema)
+        tokenizer, grammar = self._json
+        return jc.JsonConstraint(tokenizer, grammar, rows, self.eos_ids)
 
     def generate(self, requests: Iterable[Request]) -> Iterator[Completion]:
         import torch

@@ -17,7 +17,7 @@ Example (what the static engine does for one batch)::
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 #: llguidance's JSON options: compact JSON, no whitespace between tokens
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -58,6 +58,12 @@ def json_tokenizer(tokenizer: Any, vocab: int, eos_ids: Sequence[int]) -> Any:
     except ValueError as error:
         raise ValueError(f"responseSchema needs a fast tokenizer (PreTrainedTokenizerFast): "
                          f"{error}") from None
+
+
+def compiled(tokenizer: Any, vocab: int, eos_ids: Sequence[int],
+             json_schema: str) -> Tuple[Any, str]:
+    """``(llguidance's tokenizer, the grammar)`` an engine builds once for ``json_schema``."""
+    return json_tokenizer(tokenizer, vocab, eos_ids), compile_grammar(json_schema)
 
 
 class JsonConstraint:
