@@ -6,8 +6,9 @@ A streamed fit (rows fed beside the ranks) trains with its ranks on several host
 and with Horovod, while the test watches every host's listening sockets (``ss -tlnp`` in its
 namespace) and has the stranger connect to each listener of the ranks' Python processes as
 soon as it appears, sending a plausible header and junk: no listener is bound to every
-interface, the fits learn as undisturbed ones do, and the row feed logs each refused stranger
-once.
+interface, the fits learn as undisturbed ones do, a fit from the store (whose order is a
+function of its seed) that the stranger probes loses exactly what one it is kept from loses,
+and the row feed logs each refused stranger once.
 
 Horovod across hosts needs each host's name to resolve to its address (its process-set Gloo
 context binds there): a host whose name does not is refused before ``hvd.init()``, clearly.
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -57,7 +59,7 @@ PROBE = textwrap.dedent('''
 ''')
 
 FITS = textwrap.dedent('''
-    import json, logging, os, sys
+    import json, logging, os, sys, time
     sys.path[:0] = [{root!r}, {tests!r}]
     import numpy as np
     from pyspark.ml.linalg import Vectors
@@ -81,6 +83,15 @@ FITS = textwrap.dedent('''
         est = linear_estimator({store!r} + backend, num_proc=4, input_mode="stream", epochs=4,
                                batch_size=256, backend=backend, verbose=1)
         result[backend] = est.fit(df).getHistory()["loss"]
+    # the rows from the store, in an order that is a function of the seed: a fit the stranger
+    # probes and then one it is kept away from (the QUIET file) must lose the same, bit for bit
+    stored = lambda: linear_estimator({store!r} + "store", num_proc=4, epochs=2, batch_size=256,
+                                      verbose=1).fit(df).getHistory()["loss"]
+    started = time.time()
+    result["store_probed"] = stored()
+    result["probed_between"] = [started, time.time()]
+    open({quiet!r}, "w").close()
+    result["store_quiet"] = stored()
     print("RESULT " + json.dumps(result), flush=True)
 ''')
 
@@ -107,17 +118,18 @@ class ListenerWatch:
     """Polls every worker host's listening sockets while a fit runs; the stranger probes each
     new one that a Python process holds on a non-loopback address."""
 
-    def __init__(self, net: HostNet) -> None:
-        self.net, self.seen, self.probes = net, {}, {}
+    def __init__(self, net: HostNet, quiet: str) -> None:
+        self.net, self.seen, self.probes, self.quiet = net, {}, {}, quiet
         self.stop = threading.Event()
         self.pool = ThreadPoolExecutor(8)
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _probe(self, key, address: str, port: int) -> None:
+        at = time.time()
         out = subprocess.run(self.net.enter(STRANGER) + [sys.executable, "-c", PROBE, address,
                                                            str(port)],
                              capture_output=True, text=True, timeout=30).stdout
-        self.probes[key] = json.loads(out.strip().splitlines()[-1])
+        self.probes[key] = {**json.loads(out.strip().splitlines()[-1]), "at": at}
 
     def _run(self) -> None:
         while not self.stop.wait(0.15):
@@ -127,6 +139,8 @@ class ListenerWatch:
                     if key in self.seen:
                         continue
                     self.seen[key] = sock
+                    if os.path.exists(self.quiet):  # the undisturbed fit: seen, not probed
+                        continue
                     if sock["process"].startswith("python") and \
                             not sock["address"].startswith(("127.", "::1")):
                         self.pool.submit(self._probe, key, sock["address"], sock["port"])
@@ -143,11 +157,12 @@ class ListenerWatch:
 
 def test_fits_across_hosts_keep_their_listeners_to_themselves(hosts, tmp_path):
     net, cluster = hosts
+    quiet = str(tmp_path / "quiet")
     code = FITS.format(root=ROOT, tests=os.path.join(ROOT, "tests"), driver=net.driver,
-                       url=cluster.url, store=str(tmp_path / "store-"))
+                       url=cluster.url, store=str(tmp_path / "store-"), quiet=quiet)
     env = dict(os.environ, SPARK_LOCAL_IP=net.driver)
     errors = tmp_path / "fits.log"  # kept for a failure's reader
-    with ListenerWatch(net) as watch, open(errors, "w") as stderr:
+    with ListenerWatch(net, quiet) as watch, open(errors, "w") as stderr:
         run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                stderr=stderr, text=True, cwd=ROOT, env=env)
         timer = threading.Timer(540, run.kill)
@@ -168,9 +183,16 @@ def test_fits_across_hosts_keep_their_listeners_to_themselves(hosts, tmp_path):
     # the stranger reached listeners of the ranks (the row feeds at least) and got nothing in
     assert len(watch.probes) >= len(WORKER_HOSTS), (watch.probes, python)
     assert any(p["connected"] for p in watch.probes.values()), watch.probes
-    # both fits learned as undisturbed ones do (tests/test_stream.py: loss under 0.05)
+    # both fed fits learned as undisturbed ones do (tests/test_stream.py: loss under 0.05)
+    probed, quiet_run = histories.pop("store_probed"), histories.pop("store_quiet")
+    begin, end = histories.pop("probed_between")
     for backend, history in histories.items():
         assert history[-1] < 0.05 and history[-1] < history[0] / 10, (backend, history)
+    # the fit from the store was probed while it ran (its rank gather, TCPStore, Gloo) and
+    # lost exactly what the one nobody probed lost: the stranger changed nothing
+    during = [p for p in watch.probes.values() if begin <= p["at"] <= end and p["connected"]]
+    assert during, (begin, end, watch.probes)
+    assert probed == quiet_run and probed[-1] < probed[0] / 10, (probed, quiet_run)
     # the row feeds said who they refused, once each, and took their rows from the feeders
     refused = re.findall(r"row feed on ([\d.]+:\d+) closed a connection from ([\d.]+)", log)
     assert refused and {peer for _, peer in refused} == {net.address(STRANGER)}, log[-4000:]

@@ -121,6 +121,9 @@ class MiniHadoop:
         return url
 
 
+C1_ONLY = "-XX:TieredStopAtLevel=1"
+
+
 def yarn_conf(hadoop: MiniHadoop, executors: int = 2, cores: int = 1,
               python: str = sys.executable) -> Dict[str, str]:
     """Spark settings of an application on the mini YARN cluster: ``executors`` executors of
@@ -134,6 +137,11 @@ def yarn_conf(hadoop: MiniHadoop, executors: int = 2, cores: int = 1,
         "spark.pyspark.python": python,
         "spark.executorEnv.PYSPARK_PYTHON": python,
         "spark.ui.enabled": "false",
+        # C1 only, as every other JVM of the tests (tests/conftest.py): the containers' JVMs
+        # (ApplicationMaster, executors; the driver in cluster mode) do not get the tests'
+        # JAVA_TOOL_OPTIONS, since YARN gives a container its own environment
+        **{f"spark.{role}.extraJavaOptions": C1_ONLY
+           for role in ("driver", "executor", "yarn.am")},
     }
 
 
