@@ -213,6 +213,63 @@ def test_fits_across_hosts_keep_their_listeners_to_themselves(hosts, tmp_path):
     print("row feed traffic per rank:", traffic)
 
 
+GPU_FIT = textwrap.dedent('''
+    import json, logging, os, sys
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import numpy as np
+    from pyspark.ml.linalg import Vectors
+    from sparktrain import local_spark
+    from support.helpers import linear_estimator
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    os.environ["SPARK_LOCAL_IP"] = {driver!r}
+    spark = local_spark(None, conf={{
+        "spark.master": {url!r}, "spark.driver.host": {driver!r},
+        "spark.pyspark.python": sys.executable, "spark.executor.memory": "768m",
+        "spark.executor.cores": "2", "spark.executor.resource.gpu.amount": "2",
+        "spark.task.resource.gpu.amount": "2",
+        "spark.executor.resource.gpu.discoveryScript": {discovery!r},
+        "spark.sparktrain.slotWaitSeconds": "90"}})
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 4))
+    y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
+    df = spark.createDataFrame([(Vectors.dense(a.tolist()), float(b)) for a, b in zip(x, y)],
+                               ["features", "label"])
+    model = linear_estimator({store!r}, num_proc=4, epochs=2, batch_size=32, verbose=2).fit(df)
+    print("RESULT " + json.dumps(model.getHistory()["loss"]), flush=True)
+''')
+RANK_GPU = re.compile(r"\[rank (\d+)\] GPU (\S+) \(CUDA_VISIBLE_DEVICES=([\w,]+)")
+
+
+def test_local_ranks_on_hosts_whose_executors_see_gpus_2_and_3_get_devices_2_and_3(hosts,
+                                                                                  tmp_path):
+    """Two more Workers, on hosts 1 and 2, whose executors see CUDA_VISIBLE_DEVICES="2,3" (a
+    container runtime's) and announce fake GPUs "0","1" (positions in it) and "2","3" (its
+    entries): each task of 2 GPUs runs 2 local ranks, and each rank is given device 2 or 3,
+    whichever form Spark's addresses take (launch.gpus translates once)."""
+    from support.helpers import FAKE_GPU_DISCOVERY
+    from support.servers import gpu_worker_env
+
+    net, cluster = hosts
+    for host, addresses in ((1, "0,1"), (2, "2,3")):
+        cluster.add_worker(dict(gpu_worker_env(addresses), CUDA_VISIBLE_DEVICES="2,3"),
+                           cores=2, memory="2g", host=(net.address(host), net.enter(host)))
+    code = GPU_FIT.format(root=ROOT, tests=os.path.join(ROOT, "tests"), driver=net.driver,
+                          url=cluster.url, store=str(tmp_path / "store"),
+                          discovery=FAKE_GPU_DISCOVERY)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, env=dict(os.environ, SPARK_LOCAL_IP=net.driver),
+                          timeout=540)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-6000:]
+    loss = json.loads(lines[0][len("RESULT "):])
+    assert loss[-1] < loss[0], loss
+    ranks = {int(rank): (gpu, visible) for rank, gpu, visible in RANK_GPU.findall(done.stderr)}
+    assert sorted(ranks) == [0, 1, 2, 3], done.stderr[-6000:]
+    assert sorted(ranks.values()) == [("2", "2"), ("2", "2"), ("3", "3"), ("3", "3")], ranks
+    assert "each task holds 2 GPUs and runs 2 ranks" in done.stderr, done.stderr[-6000:]
+
+
 def test_horovod_refuses_a_host_whose_name_resolves_to_loopback(hosts):
     """On a bed host, a host name that resolves to its address passes; one that resolves to
     127.0.0.1 (as many images map it) fails with what to change, where Gloo would abort."""
