@@ -24,6 +24,7 @@ Figures per variant:
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -106,11 +107,7 @@ def old_tree(revision: str, folder: str) -> str:
     archive = subprocess.run(["git", "archive", revision, "sparktrain"], cwd=REPO, check=True,
                              capture_output=True).stdout
     path = os.path.join(folder, "all-to-all")
-    os.makedirs(path)
-    archive_file = os.path.join(folder, "old.tar")
-    with open(archive_file, "wb") as f:
-        f.write(archive)
-    with tarfile.open(archive_file) as tar:
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(path, filter="data")
     return path
 
