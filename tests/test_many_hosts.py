@@ -24,6 +24,7 @@ import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 import pytest
 
@@ -58,7 +59,9 @@ PROBE = textwrap.dedent('''
     print(json.dumps(out))
 ''')
 
-FITS = textwrap.dedent('''
+# A driver on the bridge: a session on the bed's Master (its settings plus CONF) and ROWS rows
+# of the regression of tests/conftest.py as ``df``; a test's own lines follow (_driver).
+SESSION = textwrap.dedent('''
     import json, logging, os, sys, time
     sys.path[:0] = [{root!r}, {tests!r}]
     import numpy as np
@@ -71,29 +74,41 @@ FITS = textwrap.dedent('''
     spark = local_spark(None, conf={{
         "spark.master": {url!r}, "spark.driver.host": {driver!r},
         "spark.pyspark.python": sys.executable, "spark.executor.memory": "768m",
-        "spark.executor.cores": "2", "spark.sparktrain.slotWaitSeconds": "90"}})
+        "spark.executor.cores": "2", "spark.sparktrain.slotWaitSeconds": "90", **{conf!r}}})
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(40_000, 4))
+    x = rng.normal(size=({rows}, 4))
     y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
     df = spark.createDataFrame([(Vectors.dense(a.tolist()), float(b)) for a, b in zip(x, y)],
-                               ["features", "label"]).repartition(8).cache()
+                               ["features", "label"])
+''')
+
+FITS = textwrap.dedent('''
+    df = df.repartition(8).cache()
     df.count()
-    result = {{}}
+    result = {}
     for backend in ("torch", "horovod"):
-        est = linear_estimator({store!r} + backend, num_proc=4, input_mode="stream", epochs=4,
+        est = linear_estimator(STORE + backend, num_proc=4, input_mode="stream", epochs=4,
                                batch_size=256, backend=backend, verbose=1)
         result[backend] = est.fit(df).getHistory()["loss"]
     # the rows from the store, in an order that is a function of the seed: a fit the stranger
     # probes and then one it is kept away from (the QUIET file) must lose the same, bit for bit
-    stored = lambda: linear_estimator({store!r} + "store", num_proc=4, epochs=2, batch_size=256,
+    stored = lambda: linear_estimator(STORE + "store", num_proc=4, epochs=2, batch_size=256,
                                       verbose=1).fit(df).getHistory()["loss"]
     started = time.time()
     result["store_probed"] = stored()
     result["probed_between"] = [started, time.time()]
-    open({quiet!r}, "w").close()
+    open(QUIET, "w").close()
     result["store_quiet"] = stored()
     print("RESULT " + json.dumps(result), flush=True)
 ''')
+
+
+def _driver(net: HostNet, cluster: StandaloneCluster, rows: int, body: str,
+            conf: Optional[dict] = None, **names: str) -> str:
+    """A driver script: :data:`SESSION`, ``names`` bound (``STORE = "..."``), then ``body``."""
+    code = SESSION.format(root=ROOT, tests=os.path.join(ROOT, "tests"), driver=net.driver,
+                          url=cluster.url, conf=conf or {}, rows=rows)
+    return code + "".join(f"{name} = {value!r}\n" for name, value in names.items()) + body
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +173,7 @@ class ListenerWatch:
 def test_fits_across_hosts_keep_their_listeners_to_themselves(hosts, tmp_path):
     net, cluster = hosts
     quiet = str(tmp_path / "quiet")
-    code = FITS.format(root=ROOT, tests=os.path.join(ROOT, "tests"), driver=net.driver,
-                       url=cluster.url, store=str(tmp_path / "store-"), quiet=quiet)
+    code = _driver(net, cluster, 40_000, FITS, STORE=str(tmp_path / "store-"), QUIET=quiet)
     env = dict(os.environ, SPARK_LOCAL_IP=net.driver)
     errors = tmp_path / "fits.log"  # kept for a failure's reader
     with ListenerWatch(net, quiet) as watch, open(errors, "w") as stderr:
@@ -214,28 +228,7 @@ def test_fits_across_hosts_keep_their_listeners_to_themselves(hosts, tmp_path):
 
 
 GPU_FIT = textwrap.dedent('''
-    import json, logging, os, sys
-    sys.path[:0] = [{root!r}, {tests!r}]
-    import numpy as np
-    from pyspark.ml.linalg import Vectors
-    from sparktrain import local_spark
-    from support.helpers import linear_estimator
-
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    os.environ["SPARK_LOCAL_IP"] = {driver!r}
-    spark = local_spark(None, conf={{
-        "spark.master": {url!r}, "spark.driver.host": {driver!r},
-        "spark.pyspark.python": sys.executable, "spark.executor.memory": "768m",
-        "spark.executor.cores": "2", "spark.executor.resource.gpu.amount": "2",
-        "spark.task.resource.gpu.amount": "2",
-        "spark.executor.resource.gpu.discoveryScript": {discovery!r},
-        "spark.sparktrain.slotWaitSeconds": "90"}})
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(512, 4))
-    y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
-    df = spark.createDataFrame([(Vectors.dense(a.tolist()), float(b)) for a, b in zip(x, y)],
-                               ["features", "label"])
-    model = linear_estimator({store!r}, num_proc=4, epochs=2, batch_size=32, verbose=2).fit(df)
+    model = linear_estimator(STORE, num_proc=4, epochs=2, batch_size=32, verbose=2).fit(df)
     print("RESULT " + json.dumps(model.getHistory()["loss"]), flush=True)
 ''')
 RANK_GPU = re.compile(r"\[rank (\d+)\] GPU (\S+) \(CUDA_VISIBLE_DEVICES=([\w,]+)")
@@ -254,9 +247,10 @@ def test_local_ranks_on_hosts_whose_executors_see_gpus_2_and_3_get_devices_2_and
     for host, addresses in ((1, "0,1"), (2, "2,3")):
         cluster.add_worker(dict(gpu_worker_env(addresses), CUDA_VISIBLE_DEVICES="2,3"),
                            cores=2, memory="2g", host=(net.address(host), net.enter(host)))
-    code = GPU_FIT.format(root=ROOT, tests=os.path.join(ROOT, "tests"), driver=net.driver,
-                          url=cluster.url, store=str(tmp_path / "store"),
-                          discovery=FAKE_GPU_DISCOVERY)
+    code = _driver(net, cluster, 512, GPU_FIT, {
+        "spark.executor.resource.gpu.amount": "2", "spark.task.resource.gpu.amount": "2",
+        "spark.executor.resource.gpu.discoveryScript": FAKE_GPU_DISCOVERY},
+        STORE=str(tmp_path / "store"))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=ROOT, env=dict(os.environ, SPARK_LOCAL_IP=net.driver),
                           timeout=540)
