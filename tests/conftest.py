@@ -33,8 +33,20 @@ os.environ.setdefault("JAVA_TOOL_OPTIONS", f"-XX:TieredStopAtLevel=1 {java_optio
 FILE_SECONDS = durations.load()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="run the full suite: the quick tier and the tests marked `full` "
+                          "(clusters, YARN and HDFS, S3, Spark Connect, the jobs, TFoS, MLflow)")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Longest files first (see ``FILE_SECONDS``); the order inside a file is kept."""
+    """The tier (without ``--full`` the tests marked ``full`` are deselected: the quick tier),
+    then the longest files first (see ``FILE_SECONDS``); the order inside a file is kept."""
+    if not config.getoption("--full"):
+        full = [item for item in items if item.get_closest_marker("full")]
+        if full:
+            config.hook.pytest_deselected(items=full)
+            items[:] = [item for item in items if not item.get_closest_marker("full")]
     items.sort(key=lambda item: -FILE_SECONDS.get(os.path.basename(str(item.path)), 0))
 
 

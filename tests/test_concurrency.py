@@ -177,7 +177,7 @@ def _report(process, timeout=400):
     return json.loads(lines[0][len("RESULT "):])
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_two_driver_processes_fit_into_one_store_at_once(tmp_path):
     store = str(tmp_path / "store")
     # both wait for a go file, so their fits start at the same moment
@@ -193,7 +193,7 @@ def test_two_driver_processes_fit_into_one_store_at_once(tmp_path):
     assert len(_commits(store)) == 1 and len(_attempts(store)) == 1
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_driver_killed_mid_write_leaves_nothing_reused(spark, tmp_path):
     store = str(tmp_path / "store")
     driver = _driver(store, str(tmp_path / "killed-counts"))  # local[1]: 8 tasks in a row

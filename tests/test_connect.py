@@ -33,7 +33,7 @@ def run_client(scenario: str, server, workdir, timeout: int = 540):
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_readme_flow_over_connect(connect_server, tmp_path):
     found, stderr = run_client("readme", connect_server, tmp_path)
     print(found)
@@ -52,7 +52,7 @@ def test_readme_flow_over_connect(connect_server, tmp_path):
     assert "\r" not in stderr  # stderr is a pipe: progress is lines, not a redrawn bar
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_faults_over_connect_without_executors_reaching_the_client(connect_server, tmp_path):
     found, stderr = run_client("faults", connect_server, tmp_path)
     print(found)
@@ -79,7 +79,7 @@ def test_faults_over_connect_without_executors_reaching_the_client(connect_serve
     assert found["after_interrupt"] == 1 and found["after_interrupt_seconds"] < 120
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("framework,points", [("torch", 6), ("keras", 1)])
 def test_interrupts_over_connect(connect_server, tmp_path, framework, points):
     """Ctrl-C over Connect at each point of a fit, in a finalizer and during a prediction
@@ -88,7 +88,7 @@ def test_interrupts_over_connect(connect_server, tmp_path, framework, points):
     check_interrupts(run_interrupts(connect_server.url, tmp_path, framework), points)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("scenario,module,epochs,more", [
     ("horovod", "horovod.torch", 3, {}),
     # a Hugging Face model as it is; a causal LM's generation in transform, saved and loaded,
@@ -112,7 +112,7 @@ def test_more_engines_over_connect(connect_server, tmp_path, scenario, module, e
         assert "not retried" in failed["message"] and failed["seconds"] < 60, failed
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_a_model_over_the_message_cap_fits_predicts_saves_and_loads_over_connect(connect_server,
                                                                                 tmp_path):
     """Connect caps a message at 128 MiB: the weights must travel by file, not in the plan."""

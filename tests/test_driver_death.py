@@ -36,7 +36,7 @@ def _quiet_for(path, seconds: float, limit: float) -> float:
     raise AssertionError(f"{path} still changes after {limit}s: a rank is still training")
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_a_killed_driver_leaves_no_rank_and_its_run_resumes(standalone_cluster, tmp_path):
     """On the worker's shared cluster (two Workers, tests/support/servers.py)."""
     from sparktrain.data.store import Store

@@ -11,7 +11,7 @@ from support.helpers import run_reporting_script
 from support.servers import restore
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.full
 
 
 @pytest.fixture(scope="module")

@@ -188,7 +188,7 @@ def _bare_python(where) -> str:
     return python
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_executors_without_the_packages_fail_the_fit_at_once(tmp_path):
     """PYSPARK_PYTHON points at a Python without pandas, torch or sparktrain: fit fails on the
     first attempt, within seconds, naming the modules, that Python and the fix."""

@@ -21,7 +21,7 @@ def _checkpoint(store, run_id):
     return Checkpoints(Store.create(store).run_path(run_id)).latest()
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_killed_rank_resumes_from_last_checkpoint(spark, regression_df, store, tmp_path):
     # 1000 rows per rank, batch 100: 10 steps per epoch; batch 24 is the 4th of epoch 3.
     est = _estimator(store, "kill-run", transformation_fn=KillRankOnce(str(tmp_path / "m"), 24))

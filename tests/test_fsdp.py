@@ -157,7 +157,7 @@ def test_cpu_offload_on_cpu_ranks_warns_and_trains(spark, digits, store):
     assert len(model.getHistory()["loss"]) == 1
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_fsdp_resumes_after_a_killed_rank(spark, digits, store, tmp_path):
     train, test = digits
     # about 22 steps per epoch per rank: the 60th batch is in epoch 3

@@ -23,7 +23,7 @@ import pytest
 from support.helpers import FAKE_GPU_DISCOVERY, run_reporting_script
 from support.servers import gpu_worker_env
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.full
 
 GPU_LINE = re.compile(r"\[rank (\d+)\] GPU(?:s)? ([\d,]+) .*?CUDA_VISIBLE_DEVICES=([\w,]+)")
 

@@ -93,7 +93,7 @@ def _example_args(module, work_dir, **overrides):
 
 
 # -- the examples ------------------------------------------------------------------------------
-@pytest.mark.slow
+@pytest.mark.full
 def test_pytorch_example_runs_with_only_its_imports_changed(spark, tmp_path):
     from support.horovod_examples import pytorch_spark_digits
 
@@ -102,7 +102,7 @@ def test_pytorch_example_runs_with_only_its_imports_changed(spark, tmp_path):
     assert accuracy >= 0.9
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_keras_example_runs_with_only_its_imports_changed(spark, tmp_path):
     from support.horovod_examples import keras_spark_digits
 
@@ -466,7 +466,7 @@ class KerasEnvCheck:
         return EnvCheckCallback()
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_keras_horovod_params(spark, store, regression_df, tmp_path):
     """One Keras fit: features reshaped to the model's (2, 2) input as Horovod does,
     label_shapes, loss_weights, backend_env in the worker process, checkpoint_callback with

@@ -89,7 +89,7 @@ def test_forward_rule_keywords_positions_and_outputs(tok):
 
 
 # -- with Spark ---------------------------------------------------------------------------------
-@pytest.mark.slow
+@pytest.mark.full
 def test_bert_as_it_is_fits_with_its_own_loss_and_predicts_on_raw_text(
         spark, tok, text_df, test_text, tmp_path):
     fitted = bert_estimator(tok, str(tmp_path / "store")).fit(text_df)
@@ -108,7 +108,7 @@ def test_bert_as_it_is_fits_with_its_own_loss_and_predicts_on_raw_text(
     np.testing.assert_allclose(first, second, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_explicit_loss_on_the_logits_with_horovod_bf16_and_accumulation(spark, tok, text_df,
                                                                          tmp_path):
     pytest.importorskip("horovod.torch")
@@ -124,7 +124,7 @@ def test_explicit_loss_on_the_logits_with_horovod_bf16_and_accumulation(spark, t
     assert np.isfinite(history["loss"][0]) and 0.0 <= history["val_accuracy"][0] <= 1.0
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_lora_adapters_train_and_frozen_weights_stay(spark, tok, text_df, test_text, tmp_path):
     from peft import LoraConfig, get_peft_model
 
@@ -156,7 +156,7 @@ def test_lora_adapters_train_and_frozen_weights_stay(spark, tok, text_df, test_t
     assert loaded.transform(test_text.select("text")).count() == 300
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_a_per_step_schedule_resumes_from_the_checkpoint(spark, regression_df, tmp_path):
     from support.helpers import linear_estimator
 

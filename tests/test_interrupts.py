@@ -14,7 +14,7 @@ import pytest
 from support.interrupts import check_interrupts, run_interrupts
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_interrupts_of_torch_fits_and_a_prediction_on_a_classic_session(tmp_path):
     # three points where a classic session has Spark jobs to cancel (a write, the barrier
     # stage, the stage after a checkpoint); every point runs over Connect (test_connect.py),

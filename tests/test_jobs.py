@@ -9,7 +9,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.parametrize("job", ["train_torch.py", "train_keras.py"])
 def test_demo(tmp_path, job):
     output = tmp_path / "digits-model"
@@ -26,7 +26,7 @@ def test_demo(tmp_path, job):
     assert "\r" not in result.stderr  # stderr is a pipe (a YARN log): no bar redraws in it
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_finetune_text_demo(tmp_path):
     """A Hugging Face classifier with LoRA adapters on raw text: tokenized in decode workers,
     its own loss, a warm-up/decay schedule; saved, reloaded and exported."""
@@ -80,7 +80,7 @@ def test_missing_framework_names_the_setup_flag():
     assert "./scripts/setup.sh --keras" in message and "sparktrain[tf-cpu,tfos]" in message
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_demo_over_connect(connect_server, tmp_path):
     """The demo job with --remote against a Spark Connect server in its own JVM (the worker's
     shared one)."""

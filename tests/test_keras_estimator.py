@@ -27,7 +27,7 @@ def test_fit_transform_save_load_classification(spark, store, classification_df,
     assert any("epoch/accuracy" in t for t in names), tags
 
 
-@pytest.mark.slow  # Keras: TensorFlow rank processes of their own
+@pytest.mark.full  # Keras: TensorFlow rank processes of their own
 def test_pipeline_with_vector_assembler(spark, store, regression_df, tmp_path):
     check_keras_pipeline(regression_df, str(tmp_path / "pipeline"), store=store)
 
@@ -40,7 +40,7 @@ def failing_loss(y_true, y_pred):
     return keras.losses.mean_squared_error(y_true, y_pred)
 
 
-@pytest.mark.slow  # Keras: TensorFlow rank processes of their own
+@pytest.mark.full  # Keras: TensorFlow rank processes of their own
 def test_failing_worker_surfaces_its_traceback(spark, store, regression_df):
     net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     est = KerasEstimator(num_proc=2, model=net, optimizer="sgd", loss=failing_loss,
@@ -76,7 +76,7 @@ def test_keras_input_checks_run_before_launch(store, regression_df, monkeypatch)
                        backend="tfos", feature_cols=["features"], store=store).fit(regression_df)
 
 
-@pytest.mark.slow  # Keras: TensorFlow rank processes of their own
+@pytest.mark.full  # Keras: TensorFlow rank processes of their own
 def test_sample_weights_weight_the_loss(spark, store):
     """A bias-only model converges to the weighted mean of the labels: (3*1 + 1*5) / 4 = 2."""
     rows = [(0.0, 1.0, 3.0)] * 64 + [(0.0, 5.0, 1.0)] * 64
@@ -127,7 +127,7 @@ def words_to_tokens(batch):
     return {**{k: batch[k] for k in ("numbers", "y") if k in batch}, "tokens": tokens}
 
 
-@pytest.mark.slow  # Keras: TensorFlow rank processes of their own
+@pytest.mark.full  # Keras: TensorFlow rank processes of their own
 def test_dict_of_named_inputs_fits_and_transforms(spark, store):
     """Inputs by name, one of them made by transformation_fn from a text column (learned on
     the driver): transform reads the text again. Also an elastic fit (num_proc=3 on local[2]):

@@ -46,7 +46,7 @@ class KillWorkerOnce:
         return batch
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_killed_worker_resumes_from_checkpoint(spark, regression_df, store, tmp_path, caplog):
     df = regression_df.select("features", "label")
     # 10 batches per epoch and worker: batch 15 is the 5th of epoch 2
@@ -63,7 +63,7 @@ def test_killed_worker_resumes_from_checkpoint(spark, regression_df, store, tmp_
     assert model.transform(df).count() == 2000
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_keras_callbacks_max_time_and_resumed_run(spark, regression_df, store):
     df = regression_df.select("features", "label", "is_val")
     stopper = keras.callbacks.EarlyStopping(monitor="val_loss", patience=1)
@@ -97,7 +97,7 @@ class FailingCallback(keras.callbacks.Callback):
             raise ValueError("callback bug at epoch 2")
 
 
-@pytest.mark.slow  # Keras: TensorFlow rank processes of their own
+@pytest.mark.full  # Keras: TensorFlow rank processes of their own
 def test_keras_callback_error_fails_on_first_attempt(spark, regression_df, store):
     est = _estimator(store, "keras-callback-bug", callbacks=[FailingCallback()])
     with pytest.raises(TrainingError, match="callback bug at epoch 2") as info:

@@ -31,7 +31,7 @@ import pytest
 from support.host_net import HostNet, available
 from support.standalone import StandaloneCluster
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.full
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_HOSTS = (1, 2, 3, 4)

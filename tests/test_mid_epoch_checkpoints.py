@@ -272,7 +272,7 @@ def _rank_loop_dataset(tmp_path) -> Dict[str, Any]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.slow  # Keras: TensorFlow worker processes of their own
+@pytest.mark.full  # Keras: TensorFlow worker processes of their own
 def test_a_keras_fit_interrupted_inside_an_epoch_resumes_there_exactly(tmp_path):
     import pickle
     import socket

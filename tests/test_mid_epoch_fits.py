@@ -108,7 +108,7 @@ def _quiet(path: str, seconds: float = 3.0) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("framework", ["torch", "keras"])
 @pytest.mark.parametrize("input_mode", MODES)
@@ -143,7 +143,7 @@ def test_a_ctrl_c_inside_an_epoch_resumes_there(spark, regression_df, store, tmp
     assert len(model.getHistory()["loss"]) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("input_mode", MODES)
 def test_a_rank_killed_inside_an_epoch_resumes_there(spark, regression_df, store, tmp_path,
@@ -185,7 +185,7 @@ def _id_lines(path: str):
         return [[int(v) for v in line.split()] for line in f if line.strip()]
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.timeout(300)
 def test_a_ctrl_c_inside_a_reread_epoch_resumes_with_exactly_the_rows_left(
         spark, regression_df, store, tmp_path):

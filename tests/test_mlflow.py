@@ -54,7 +54,7 @@ def _artifacts(client, run_id, path=None):
     return found
 
 
-@pytest.mark.slow  # needs the worker's MLflow tracking server
+@pytest.mark.full  # needs the worker's MLflow tracking server
 def test_torch_fit_is_tracked_live_with_its_model(autologged, regression_df, store):
     client = autologged
     seen_live = []
@@ -126,7 +126,7 @@ def _runs(client, query):
     return client.search_runs([experiment], query)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_keras_fit_is_tracked(autologged, classification_df, store):
     import keras
 
@@ -156,7 +156,7 @@ def test_keras_fit_is_tracked(autologged, classification_df, store):
     assert run.data.tags["sparktrain.model_uri.keras"].startswith("models:/")
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_cross_validator_gives_nested_runs(autologged, regression_df, store):
     from pyspark.ml.evaluation import RegressionEvaluator
     from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
@@ -176,7 +176,7 @@ def test_cross_validator_gives_nested_runs(autologged, regression_df, store):
     assert all(c.info.status == "FINISHED" for c in children)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_pipeline_model_round_trips_through_mlflow_spark(tracking_uri, regression_df, store,
                                                         tmp_path):
     from pyspark.ml import Pipeline
@@ -220,7 +220,7 @@ def test_unreachable_server_gives_one_warning_and_the_fit_succeeds(regression_df
     assert seconds < 120
 
 
-@pytest.mark.slow  # needs the worker's MLflow tracking server
+@pytest.mark.full  # needs the worker's MLflow tracking server
 def test_nothing_is_logged_unless_asked(tracking_uri, regression_df, store):
     from sparktrain.mlflow.config import settings
 
@@ -233,7 +233,7 @@ def test_nothing_is_logged_unless_asked(tracking_uri, regression_df, store):
     assert _runs(client, "tags.`sparktrain.run_id` = 'logged-by-param'")
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_the_same_over_spark_connect(tracking_uri, connect_server, tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "PYSPARK_GATEWAY_PORT")}

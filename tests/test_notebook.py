@@ -7,7 +7,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_quickstart_notebook_runs():
     import nbformat
     from nbclient import NotebookClient

@@ -38,13 +38,13 @@ def ps_fit(ps_runs):
     return ps_runs["fit"]
 
 
-@pytest.mark.slow  # the shared local[3] run: ~1-3 min with Spark and TF start-up
+@pytest.mark.full  # the shared local[3] run: ~1-3 min with Spark and TF start-up
 def test_parameter_server_fit_reaches_accuracy_transforms_saves_loads(ps_fit):
     assert ps_fit["test_accuracy"] >= 0.9
     assert ps_fit["loaded_accuracy"] == ps_fit["test_accuracy"]
 
 
-@pytest.mark.slow  # the shared local[3] run: ~1-3 min with Spark and TF start-up
+@pytest.mark.full  # the shared local[3] run: ~1-3 min with Spark and TF start-up
 def test_parameter_server_validation_metrics_callbacks_history(ps_fit):
     history = ps_fit["history"]
     assert sorted(history) == ["accuracy", "loss", "val_accuracy", "val_loss"]
@@ -56,7 +56,7 @@ def test_parameter_server_validation_metrics_callbacks_history(ps_fit):
     assert ps_fit["tensorboard"] == ["train", "validation"]
 
 
-@pytest.mark.slow  # the shared local[3] run: ~1-3 min with Spark and TF start-up
+@pytest.mark.full  # the shared local[3] run: ~1-3 min with Spark and TF start-up
 def test_parameter_server_processes_stop_after_fit_and_failure(ps_fit):
     assert ps_fit["left_after_fit"] == []
     assert "transformation_fn failed on the worker" in ps_fit["failure"]
@@ -65,7 +65,7 @@ def test_parameter_server_processes_stop_after_fit_and_failure(ps_fit):
     assert ps_fit["session_usable"]
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_parameter_server_killed_worker_resumes(ps_runs):
     result = ps_runs["kill"]
     assert result["killed"]

@@ -97,7 +97,7 @@ print("done")
 """
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_fit_logging_to_a_file_has_lines_and_no_bar(tmp_path):
     """A real 2-rank fit with verbose=1 and stderr sent to a file, as spark-submit on YARN."""
     script = tmp_path / "fit.py"

@@ -228,7 +228,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.slow  # Keras: TensorFlow rank processes of their own
+@pytest.mark.full  # Keras: TensorFlow rank processes of their own
 def test_keras_worker_process_trains_checkpoints_and_resumes(dataset, tmp_path):
     from sparktrain.launch.tf_multiworker import child_environment, tf_config
     from sparktrain.launch.tf_protocol import (

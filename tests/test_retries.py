@@ -127,7 +127,7 @@ KILL_EXECUTOR_SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_lost_executor_is_retried_and_resumes(tmp_path):
     """local-cluster: rank 1's executor JVM is killed mid-epoch. Rank 0's collective then fails
     ("Connection closed by peer"): a fault, not the user's bug, so the stage is re-run on a

@@ -36,7 +36,7 @@ def _estimator(store, epochs):
                             random_seed=1, run_id="on-s3", verbose=0)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_a_streamed_fit_checkpoints_on_s3_resumes_from_it_and_predicts(spark, regression_df, s3):
     """Both URL forms name the same store; the second fit resumes from the first's checkpoint
     on S3; the credentials are never part of what the store shows."""
@@ -76,7 +76,7 @@ def test_a_dataset_spark_cannot_write_to_s3_fails_naming_hadoop_aws(spark, regre
 S3A_JARS = os.path.join(os.path.expanduser("~"), ".cache", "sparktrain", "hadoop", "s3a")
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_an_s3a_table_trains_into_an_s3_store_with_credentials_from_the_environment(s3):
     """tests/support/s3a_fit.py: Spark writes and reads a Parquet table on s3a://, a
     materialized fit writes its dataset there and checkpoints on s3://, and the secret key,

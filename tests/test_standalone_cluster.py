@@ -12,7 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_spark_submit_to_standalone_cluster(standalone_cluster, tmp_path, spark):
     """The worker's shared cluster (tests/support/servers.py): two Workers, one fake GPU each."""
     master, spark_home = standalone_cluster.url, standalone_cluster.spark_home

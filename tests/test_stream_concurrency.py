@@ -128,7 +128,7 @@ def local4(tmp_path_factory):
     return results
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.timeout(480)
 def test_two_threads_each_fit_a_streamed_num_proc_2_on_local_4(local4):
     """local[4], two fits of 2 ranks at once: one feeds its ranks from the spare slots, the
@@ -139,7 +139,7 @@ def test_two_threads_each_fit_a_streamed_num_proc_2_on_local_4(local4):
         assert loss[-1] < loss[0] / 4, loss
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.timeout(480)
 def test_an_epoch_resumed_with_fewer_ranks_trains_exactly_the_rows_left(local4):
     """3 ranks fed rows that are read again every epoch, Ctrl-C'd inside the epoch; the fit

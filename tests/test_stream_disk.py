@@ -14,7 +14,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_rows_bigger_than_the_local_disk_still_train(tmpfs, tmp_path):
     local = tmpfs("6m")  # a rank's rows: 7.5 MiB decoded
     env = dict(os.environ, SPARK_LOCAL_DIRS=str(local))

@@ -80,7 +80,7 @@ def failing_loss(y_true, y_pred):
     return keras.losses.mean_squared_error(y_true, y_pred)
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_failing_worker_raises_training_error_and_session_survives(spark, store, regression_df):
     """TFCluster.shutdown would sc.stop() and sys.exit(1) here: the fit raises TrainingError
     with the node's traceback, the session runs jobs, and the next tfos fit (in the test below)
@@ -114,7 +114,7 @@ class FailWorkerOnce:
         return batch
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_retried_attempt_gets_a_fresh_cluster_and_resumes(spark, store, regression_df, tmp_path,
                                                           caplog):
     """Spark re-runs the failed stage; the second attempt forms a new TFoS cluster (new
@@ -141,7 +141,7 @@ def test_retried_attempt_gets_a_fresh_cluster_and_resumes(spark, store, regressi
     assert [(a["attempt"], a["start_epoch"]) for a in attempts] == [(0, 0), (1, 1)]
 
 
-@pytest.mark.slow
+@pytest.mark.full
 @pytest.mark.stack
 def test_fit_transform_save_load(spark, store, classification_df, tmp_path):
     root = logging.getLogger()
@@ -153,12 +153,12 @@ def test_fit_transform_save_load(spark, store, classification_df, tmp_path):
     assert not os.path.exists("executor_id")
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_pipeline_with_vector_assembler(spark, store, regression_df, tmp_path):
     check_keras_pipeline(regression_df, str(tmp_path / "pipeline"), store=store, backend="tfos")
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_demo_job_on_tfos(tmp_path):
     result = subprocess.run(
         [sys.executable, "jobs/train_keras.py", "--demo", "--backend", "tfos",

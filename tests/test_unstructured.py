@@ -274,7 +274,7 @@ def decode_png_hwc(batch):
     return dict(batch, content=np.stack(images)[..., None])
 
 
-@pytest.mark.slow
+@pytest.mark.full
 def test_keras_png_cnn_fit_transform_save_load(spark, png_df, store, tmp_path):
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     keras = pytest.importorskip("keras")
@@ -295,7 +295,7 @@ def test_keras_png_cnn_fit_transform_save_load(spark, png_df, store, tmp_path):
     assert_reload_predicts_the_same(model, first, png_df, str(tmp_path / "keras-cnn"), atol=1e-6)
 
 
-@pytest.mark.slow  # Keras: TensorFlow rank processes of their own
+@pytest.mark.full  # Keras: TensorFlow rank processes of their own
 def test_keras_variable_length_sequences_padded(spark, text_df, store):
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     keras = pytest.importorskip("keras")

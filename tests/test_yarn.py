@@ -17,7 +17,7 @@ from support.job_env import thin_environment
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.full, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
