@@ -65,7 +65,9 @@ BENCH = ["datasets>=2.14", "ray[train]>=2.9"] + HF
 # The demos' data (scikit-learn's bundled digits: no download) and images (Pillow).
 EXAMPLES = ["scikit-learn>=1.4", "pillow>=10"]
 # ruff and mypy: the linter and the type checker .ci/run runs (pyproject.toml configures them)
-TEST = ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "packaging", "psutil",
+# coverage >= 7.10 for `[run] patch` (scripts/coverage.sh: Spark's Python workers and the ranks)
+TEST = ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "coverage>=7.10", "packaging",
+        "psutil",
         "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6.25", "ipywidgets>=8",
         "ruff>=0.8", "mypy>=1.10",
         # a real S3 endpoint on 127.0.0.1 for the S3 store tests (moto's threaded server)

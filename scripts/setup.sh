@@ -18,9 +18,11 @@
 #   ./scripts/setup.sh --hadoop   # ... and hdfs-native (stores on hdfs://) and Hadoop's mini
 #                                 # clusters for the tests (MiniDFSCluster, MiniYARNCluster: jars
 #                                 # fetched once by Maven into ~/.cache/sparktrain/hadoop)
-#   ./scripts/setup.sh --tests    # everything the tests need: --all, --horovod, --jvm-archive,
-#                                 # --hadoop, the test tools (pytest, ruff, mypy) and .venv-mlflow
-#                                 # (the tests' MLflow tracking server)
+#   ./scripts/setup.sh --tests    # everything the quick tier of the tests needs (`pytest tests`):
+#                                 # --all, --horovod, --jvm-archive and the test tools (pytest,
+#                                 # coverage, ruff, mypy)
+#   ./scripts/setup.sh --full-tests  # ... and what the full suite adds (`pytest tests --full`):
+#                                 # --hadoop and .venv-mlflow (the tests' MLflow tracking server)
 #   SPARKTRAIN_STACK=spark35 ./scripts/setup.sh ...   # the classic stack (pyspark 3.5,
 #                                 # pyarrow 14, NumPy 1.26; --all adds Petastorm) in .venv-spark35
 #
@@ -55,9 +57,10 @@ for arg in "$@"; do
     --horovod) asked="$asked horovod" ;;
     --jvm-archive) asked="$asked jvm-archive" ;;
     --hadoop) asked="$asked hadoop" ;;
-    --tests) asked="$asked all horovod jvm-archive hadoop tests" ;;
+    --tests) asked="$asked all horovod jvm-archive tests" ;;
+    --full-tests) asked="$asked all horovod jvm-archive hadoop tests full-tests" ;;
     -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    *) die "unknown option '$arg' (use --keras, --connect, --mlflow, --hf, --all, --horovod, --jvm-archive, --hadoop, --tests or --help)" ;;
+    *) die "unknown option '$arg' (use --keras, --connect, --mlflow, --hf, --all, --horovod, --jvm-archive, --hadoop, --tests, --full-tests or --help)" ;;
   esac
 done
 
@@ -81,7 +84,7 @@ extras_of() {  # extras_of PART: the setup.py extras a part installs
     keras) echo "tf-cpu,tfos" ;;
     tests) echo "test" ;;
     hadoop) echo "hdfs" ;;  # hdfs-native, the ranks' HDFS client; the mini clusters below
-    horovod|jvm-archive) ;;  # compiled / built below, not an extra
+    horovod|jvm-archive|full-tests) ;;  # compiled / built below, not an extra
     *) echo "$1" ;;
   esac
 }
@@ -116,10 +119,13 @@ if [ -x "$venv/bin/python" ] && [ -f "$stamp_file" ]; then
   had_parts="$(sed -n 2p "$stamp_file")"
   [ "$(head -n1 "$stamp_file")" = "$inputs" ] && installed_parts="$had_parts"
 fi
-# `tests` means everything the tests need (a stamp from before the flags listed only it)
-case " $had_parts " in *" tests "*) had_parts="$had_parts $all_parts horovod jvm-archive hadoop" ;; esac
+# A stamp from before the flags listed only `tests`, which then meant everything the tests need
+case " $had_parts " in
+  *" horovod "*) ;;
+  *" tests "*) had_parts="$had_parts $all_parts horovod jvm-archive hadoop full-tests" ;;
+esac
 parts=""  # asked and had, in a fixed order, each once
-for part in base keras connect mlflow hf petastorm horovod jvm-archive hadoop tests; do
+for part in base keras connect mlflow hf petastorm horovod jvm-archive hadoop tests full-tests; do
   case " $asked $had_parts " in *" $part "*) parts="${parts:+$parts }$part" ;; esac
 done
 if [ -n "${SPARKTRAIN_SKIP_HOROVOD:-}" ]; then parts="${parts/ horovod/}"; fi  # kept from earlier versions
@@ -128,7 +134,7 @@ missing=""
 for part in $parts; do
   case " $installed_parts " in *" $part "*) ;; *) missing="$missing $part" ;; esac
 done
-mlflow_ready() { ! has tests || [ "$stack" != spark4 ] || [ -x "$mlflow_venv/bin/mlflow" ]; }
+mlflow_ready() { ! has full-tests || [ "$stack" != spark4 ] || [ -x "$mlflow_venv/bin/mlflow" ]; }
 # The class-data sharing archive local Spark JVMs start from (sparktrain/session/jvm_archive.py):
 # built once per Java and Spark install, a no-op after. A JVM start then takes about half the
 # CPU: it pays off for the tests (hundreds of JVMs), not for one demo run (its build is ~40 s).
@@ -307,7 +313,7 @@ fi
 # --- the tests' MLflow tracking server, in its own venv (primary stack) ------------------------
 # mlflow pins pyarrow < 26 (3.17.2), so the server cannot live in .venv, which has only the
 # client (mlflow-skinny, the `mlflow` extra).
-if has tests && [ "$stack" = spark4 ] && ! "$mlflow_venv/bin/python" -c "import mlflow, sys; \
+if has full-tests && [ "$stack" = spark4 ] && ! "$mlflow_venv/bin/python" -c "import mlflow, sys; \
     sys.exit(mlflow.__version__ != '$mlflow_server_version')" 2>/dev/null; then
   say "installing the MLflow tracking server $mlflow_server_version in $mlflow_venv (about 30 s the first time)"
   [ -x "$mlflow_venv/bin/python" ] || make_venv "$mlflow_venv"
