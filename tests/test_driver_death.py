@@ -1,7 +1,13 @@
 """The driver dies (SIGKILL) mid-fit on a standalone cluster on loopback (executors in their
 own Workers): every rank stops, no orphan keeps training, and a new driver fitting the same
 run_id takes the run at once (the dead driver's lock lapses: same host, process gone) and
-resumes from the last checkpoint."""
+resumes from the last checkpoint.
+
+Full tier: its one test, test_a_killed_driver_leaves_no_rank_and_its_run_resumes. Only it kills
+a driver (its process and JVM) while ranks train on executors in other processes, so only it
+catches ranks that train on without their driver or a run a new driver process cannot take.
+The quick tier's lock test (test_commit.py) writes a dead pid into a lease, and its resumes
+start after a driver that ended cleanly."""
 from __future__ import annotations
 
 import json

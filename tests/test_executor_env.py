@@ -1,6 +1,12 @@
 """Executors whose Python cannot run a rank fail the fit at once, naming the module, that
 Python and the fix: a real local[2] Spark whose executors run a bare virtual environment, and
-Spark's own error texts (captured from real failures on pyspark 4.3) for the parser."""
+Spark's own error texts (captured from real failures on pyspark 4.3) for the parser.
+
+Full tier: test_executors_without_the_packages_fail_the_fit_at_once. Only it fits with
+executors that really lack the packages, so only it catches a probe that cannot run in a Python
+without pandas, pyarrow or sparktrain, or a fit that launches its barrier stage (and Spark's
+retries, naming nothing) before the check. The quick tier parses captured texts and runs
+check_executors on executors that have everything but a made-up module."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,11 @@
 """Checkpoints, resume and retries with real failures: a SIGKILLed Python worker, an exception
-on every attempt, a time limit, a second fit of the same run."""
+on every attempt, a time limit, a second fit of the same run.
+
+Full tier: test_killed_rank_resumes_from_last_checkpoint. Only it has a fit survive a dead
+rank: rank 1's Python worker SIGKILLed once mid-epoch, Spark's retry of the barrier stage, and
+the second attempt resuming in the same fit from the checkpoint after epoch 2 to a model that
+predicts. The quick tier's kills recur on every attempt (the fit gives up, naming the rank), and
+its resumes are second fits after a clean end or (test_epochs.py) driven without Spark."""
 from __future__ import annotations
 
 import os

@@ -1,6 +1,11 @@
 """strategy="fsdp": 2 real gloo ranks shard an MLP with FSDP2 on the digits data; what a fit
 promises (validation, metrics, callbacks, checkpoints, resume after a killed rank, transform,
-save/load) holds, and activation checkpointing really recomputes."""
+save/load) holds, and activation checkpointing really recomputes.
+
+Full tier: test_fsdp_resumes_after_a_killed_rank. Only it kills an FSDP rank (SIGKILL mid-epoch),
+so only it catches a retried attempt that cannot re-shard the model and load the checkpoint
+FSDP itself gathered and wrote. The quick tier resumes under FSDP only in a new fit, from a DDP
+run's checkpoint (test_a_ddp_run_resumes_under_fsdp)."""
 from __future__ import annotations
 
 import json

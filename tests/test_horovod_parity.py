@@ -1,7 +1,15 @@
 """Horovod drop-in parity: Horovod 0.28.1's Spark estimator API on sparktrain.
 
-The two examples in ``tests/horovod_examples`` are Horovod's MNIST examples on the digits with
-only their imports changed; the other tests check each Horovod param's meaning here.
+The two examples in ``tests/support/horovod_examples`` are Horovod's MNIST examples on the
+digits with only their imports changed; the other tests check each Horovod param's meaning here.
+
+Full tier: test_pytorch_example_runs_with_only_its_imports_changed,
+test_keras_example_runs_with_only_its_imports_changed and test_keras_horovod_params. Only the
+examples run a Horovod user's whole script (sparktrain.estimators.torch and .keras as ``hvd``, a
+tf.keras model, setOutputCols, an evaluator, 90% accuracy), and only the last fits Keras with
+Horovod's params: label_shapes, loss_weights, backend_env in the TensorFlow worker process,
+checkpoint_callback's best epoch as the fitted model, one warning for what has no equivalent.
+The quick tier checks the API's names and each param's meaning with TorchEstimator fits.
 """
 from __future__ import annotations
 

@@ -1,7 +1,18 @@
 """Hugging Face models as they are: columns a transformation creates (a tokenizer's), keyword
 forward, the model's own loss, ModelOutput results, LoRA (peft), learning-rate schedules.
 
-Models are built from configs and the tokenizer is trained in memory: nothing is downloaded."""
+Models are built from configs and the tokenizer is trained in memory: nothing is downloaded.
+
+Full tier: every test that fits
+(test_bert_as_it_is_fits_with_its_own_loss_and_predicts_on_raw_text,
+test_explicit_loss_on_the_logits_with_horovod_bf16_and_accumulation,
+test_lora_adapters_train_and_frozen_weights_stay,
+test_a_per_step_schedule_resumes_from_the_checkpoint). Only they train a Hugging Face model in
+ranks: its own loss and ModelOutput in the loop, a saved model that tokenizes raw text again to
+predict, Horovod with bf16 and accumulation on the logits, LoRA under FSDP with the frozen body
+left out of the checkpoint, and a per-step lr_scheduler's state resumed (no quick test sets
+one). The quick tier checks learn_inputs and ForwardRule without Spark, and the errors raised
+before training."""
 from __future__ import annotations
 
 import glob

@@ -1,5 +1,13 @@
 """KerasEstimator (Keras 3 on TensorFlow) with backend="tensorflow": MultiWorkerMirroredStrategy
-over 2 real barrier tasks, each training in its own TensorFlow process."""
+over 2 real barrier tasks, each training in its own TensorFlow process.
+
+Full tier: test_pipeline_with_vector_assembler, test_failing_worker_surfaces_its_traceback,
+test_sample_weights_weight_the_loss and test_dict_of_named_inputs_fits_and_transforms. The
+quick tier fits Keras only on one numeric feature column, unweighted, uninterrupted
+(test_fit_transform_save_load_classification; test_stream.py's streamed fit); only these catch a
+KerasModel stage of a saved PipelineModel, a loss error in the TensorFlow worker process lost or
+retried, sample_weight_col not reaching Keras's loss, and named dict inputs (one made from text
+by transformation_fn) or an elastic Keras fit (num_proc=3 on 2 slots) going wrong."""
 from __future__ import annotations
 
 import os

@@ -1,5 +1,12 @@
 """KerasEstimator: per-epoch checkpoints, resume after a killed worker, Keras callbacks,
-max_time and a resumed run_id, on real TensorFlow worker processes."""
+max_time and a resumed run_id, on real TensorFlow worker processes.
+
+Full tier: every test but test_unsupported_keras_loop_params_fail_before_training. No quick test
+resumes, stops early or fails a Keras fit once it trains, so only these catch a SIGKILLed
+TensorFlow worker process left unnamed or not resumed from its checkpoint by the retried
+attempt, EarlyStopping, max_time or a resumed run_id not honoured by the Keras loop, and a Keras
+callback's bug retried. Their torch counterparts, except the kill, run in the quick tier
+(test_fault_tolerance.py, test_retries.py)."""
 from __future__ import annotations
 
 import os

@@ -12,6 +12,14 @@ and the row feed logs each refused stranger once.
 
 Horovod across hosts needs each host's name to resolve to its address (its process-set Gloo
 context binds there): a host whose name does not is refused before ``hvd.init()``, clearly.
+
+Full tier: the whole file (``pytestmark``). Only it runs ranks on hosts whose address is not
+127.0.0.1. The quick tier's listener checks (test_security.py) run in local mode, where a bind
+to loopback is the right one, and its strangers (test_row_feed.py, test_rank_gather.py) knock
+on one listener outside a fit; so only here do ranks that cannot reach each other across hosts,
+a fit a stranger's probes disturb, row feeding that ignores where the blocks are, executors'
+CUDA_VISIBLE_DEVICES="2,3" mistranslated on real Workers (test_gpus.py patches the environment)
+and a host name resolving to loopback fail.
 """
 from __future__ import annotations
 

@@ -1,7 +1,13 @@
 """Checkpoints inside an epoch (``checkpoint_steps``, ``checkpoint_seconds``) and the exact
 mid-epoch resume: the reader's ``skip``, the trigger the ranks agree on, the checkpoints' names
 and pruning, and the torch rank loop interrupted at 40% of an epoch and resumed (no Spark).
-Real fits through Spark (Ctrl-C, a killed rank, Keras): tests/test_mid_epoch_fits.py."""
+Real fits through Spark (Ctrl-C, a killed rank, Keras): tests/test_mid_epoch_fits.py.
+
+Full tier: test_a_keras_fit_interrupted_inside_an_epoch_resumes_there_exactly. Only it cuts and
+resumes the Keras worker process inside an epoch, so only it catches Keras mid-epoch checkpoints
+(taken between calls of several steps, steps_per_execution=3) or a Keras resume that does not
+train exactly the rest of the epoch to the uncut fit's losses; the quick tier's exact resume is
+the torch loop's."""
 from __future__ import annotations
 
 import os

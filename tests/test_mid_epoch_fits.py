@@ -1,7 +1,14 @@
 """Checkpoints inside an epoch through Spark: a Ctrl-C at about 40% of epoch 2 and a fit with
 the same ``run_id`` (torch and Keras), and a rank killed mid-epoch (a retried attempt), resume
 inside the epoch, training only the batches after the checkpoint. The unit tests (reader skip,
-trigger, names, exact resume of the rank loops): tests/test_mid_epoch_checkpoints.py."""
+trigger, names, exact resume of the rank loops): tests/test_mid_epoch_checkpoints.py.
+
+Full tier: the whole file (each test is marked full). Only these take a mid-epoch resume
+through Spark: a real Ctrl-C of the fit (torch and Keras, rows from the store and fed beside
+the ranks), a SIGKILLed rank whose retried barrier attempt resumes inside the epoch, and fed
+rows read again each epoch resumed by id. The quick tier (test_mid_epoch_checkpoints.py,
+test_epochs.py, test_row_feed.py) resumes the loops, positions and readers without Spark, after
+an exception raised in the process."""
 from __future__ import annotations
 
 import os

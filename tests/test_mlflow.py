@@ -1,7 +1,14 @@
 """MLflow tracking against a real tracking server (``.venv-mlflow``'s ``mlflow server``, sqlite
 backend, artifacts in a temp dir), checked through ``MlflowClient``: real 2-rank fits, live
 metrics, the pyfunc, nested CrossValidator runs, a PipelineModel through ``mlflow.spark``, a
-stopped server, Spark Connect."""
+stopped server, Spark Connect.
+
+Full tier: every test but test_unreachable_server_gives_one_warning_and_the_fit_succeeds. Only
+they log to a live server, so only they catch what reaches it wrong: metrics during the fit,
+params (backend_env's values left out), tags, artifacts, pyfunc, pytorch and keras models that
+predict as transform does, nested CrossValidator runs, mlflow.spark's round trip, runs logged
+unasked, and the same over Spark Connect. The quick tier has the unreachable server only (and
+test_fit_hooks.py's loading of the hook)."""
 from __future__ import annotations
 
 import json

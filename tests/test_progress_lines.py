@@ -1,5 +1,10 @@
 """Progress off a terminal (``spark-submit`` on YARN, stderr sent to a file): lines, never a
-bar's carriage-return redraws. The terminal bar itself is tested in test_observability.py."""
+bar's carriage-return redraws. The terminal bar itself is tested in test_observability.py.
+
+Full tier: test_fit_logging_to_a_file_has_lines_and_no_bar. Only it runs a fit in a process
+whose stderr is a file, so only it catches an estimator that does not hand its real stream to
+FitProgress, ranks' epoch lines that do not reach that file, or anything in the fit (Spark's
+output included) writing a carriage return; the quick tests drive FitProgress on a StringIO."""
 from __future__ import annotations
 
 import io

@@ -9,6 +9,13 @@ spec the estimator builds, the cloudpickled payload and a one-rank context (torc
 ``RankContext`` whose barrier answers ``allGather`` itself; Keras: the workdir files and the
 one-worker ``TF_CONFIG`` the launcher writes). Real torch, TensorFlow, Parquet and checkpoint
 files; nothing of sparktrain is mocked.
+
+Full tier: test_keras_worker_process_trains_checkpoints_and_resumes. Only it runs the Keras
+worker process more than once on one run, so only it catches a Keras loop that does not resume
+from its own checkpoint, write its .keras model into the run's directory, or checkpoint and
+answer REGROUP when an elastic generation asks. The quick tier's Keras fits
+(test_keras_estimator.py, test_stream.py) are single uninterrupted fits, and its regroup tests
+(test_elastic.py) drive the epoch driver with a scripted training.
 """
 from __future__ import annotations
 

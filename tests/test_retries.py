@@ -1,5 +1,11 @@
 """Retries only for faults: a bug in the user's code fails the fit on its first attempt; a lost
-executor (and the errors it causes on the surviving ranks) is retried from the checkpoint."""
+executor (and the errors it causes on the surviving ranks) is retried from the checkpoint.
+
+Full tier: test_lost_executor_is_retried_and_resumes. Only it loses an executor JVM
+(local-cluster, rank 1's executor SIGKILLed mid-epoch), so only it catches the surviving rank's
+collective error taken for the user's bug, or a stage not re-run on a replacement executor from
+the checkpoint. The quick tier runs in local mode's one JVM, where a kill ends a Python worker
+only (test_fault_tolerance.py, test_concurrency.py)."""
 from __future__ import annotations
 
 import os

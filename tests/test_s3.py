@@ -3,7 +3,15 @@ tests/support/s3.py), reached over HTTP by s3fs from the driver and from the ran
 Python workers. Spark's own s3a:// (a table, a materialized dataset, a saved model's metadata)
 needs hadoop-aws on Spark's classpath: the shared session has none (its fits stream, where only
 sparktrain writes to the store, or fail saying what to add); tests/support/s3a_fit.py runs a
-session of its own with the jars ``./scripts/setup.sh --hadoop`` fetched."""
+session of its own with the jars ``./scripts/setup.sh --hadoop`` fetched.
+
+Full tier: test_a_streamed_fit_checkpoints_on_s3_resumes_from_it_and_predicts and
+test_an_s3a_table_trains_into_an_s3_store_with_credentials_from_the_environment. Only they train
+with a store on S3, so only they catch ranks that cannot write or read checkpoints through s3fs
+over HTTP, s3:// and s3a:// URLs not naming one store, a resume that misses the checkpoint
+there, Spark's s3a:// dataset the ranks cannot read, or environment credentials leaking. The
+quick tier's S3 test stops before training (no hadoop-aws), and test_store.py maps URLs without
+an endpoint."""
 from __future__ import annotations
 
 import glob

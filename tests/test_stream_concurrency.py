@@ -1,7 +1,14 @@
 """Streamed fits (``input_mode="stream"``) beside other fits and jobs: the way rows reach the
 ranks is chosen with the slots other fits and jobs hold, so fits never wait on each other for
 ever (``CrossValidator(parallelism=2)``, two threads), and a feeding job that gets no slot
-fails the fit within a minute, naming what holds the slots."""
+fails the fit within a minute, naming what holds the slots.
+
+Full tier: test_two_threads_each_fit_a_streamed_num_proc_2_on_local_4 and
+test_an_epoch_resumed_with_fewer_ranks_trains_exactly_the_rows_left (a local[4] session of their
+own, tests/support/local4_fits.py). Only they run multi-rank streamed fits side by side (one fed
+from spare slots, one through its training stage) and a fed epoch Ctrl-C'd with 3 ranks and
+resumed by 2 through Spark. The quick tier's concurrent streamed fits have one rank each on
+local[2], and test_row_feed.py resumes 3 ranks' positions with 2 without Spark."""
 from __future__ import annotations
 
 import json

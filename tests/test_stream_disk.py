@@ -1,7 +1,13 @@
 """input_mode="stream" with a local disk smaller than a rank's rows (a real tmpfs as
 SPARK_LOCAL_DIRS, mounted by the test as root; a session of its own in a subprocess):
 with a task slot left to feed the ranks the fit trains, reading the rows again each epoch;
-where the ranks take every slot the full disk is one named error, not retried."""
+where the ranks take every slot the full disk is one named error, not retried.
+
+Full tier: its one test, test_rows_bigger_than_the_local_disk_still_train. Nothing in the quick
+tier fills SPARK_LOCAL_DIRS, so only it catches fed ranks that keep more rows than that disk's
+free space allows instead of reading them again, or a shuffle that fills it not turned into
+one LocalDiskFullError naming it. test_row_feed.py's re-read shards get an explicit
+cache_limit, and test_full_disk.py fills the store's disk, not Spark's local one."""
 from __future__ import annotations
 
 import json

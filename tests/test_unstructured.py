@@ -1,7 +1,13 @@
 """Images, text and sequences: binary (binaryFile PNGs), string, N-D and variable-length array
 columns and Spark's image struct, decoded by transformation_fn (in worker processes for bytes),
 through fit, transform, save and load, with both estimators; and the errors for what cannot
-reach a model."""
+reach a model.
+
+Full tier: test_keras_png_cnn_fit_transform_save_load and
+test_keras_variable_length_sequences_padded. Only they give unstructured columns to
+KerasEstimator, so only they catch PNG bytes or padded int64 sequences that its transformation_fn
+and TensorFlow worker processes mishandle, or a KerasModel that cannot decode the raw bytes
+again once saved and loaded. The quick tier fits these columns with TorchEstimator only."""
 from __future__ import annotations
 
 import io
