@@ -1,5 +1,7 @@
 """Elastic fits on a real Spark standalone cluster on loopback that gains and loses Workers
-(tests/support/elastic_cluster.py, in a process of its own): one run, the findings checked here."""
+(tests/support/elastic_cluster.py, in a process of its own): one run, the findings checked here.
+Only this file grows a fit into a machine that joins and shrinks it after a machine is lost for
+good (a SIGKILLed Worker and its executor, as Spark's own slot count sees it), for every engine."""
 from __future__ import annotations
 
 import math

@@ -13,7 +13,10 @@ and only those added here are killed (and stopped at the end).
   finishes on 2.
 * ``too_few``: ``min_num_proc=3`` on the 2 Workers left fails at once, with the counts.
 * ``horovod``, ``fsdp`` and ``keras`` (multi-worker mirrored): back to 3 Workers, each through
-  one shrink (a Worker killed after epoch 1).
+  one shrink (a Worker killed after epoch 1). These fits do not grow
+  (``spark.sparktrain.elastic.growAfterSeconds`` is set out of reach): once a fit's shrink is
+  announced, the next scenario's Worker starts beside the rest of that fit rather than after
+  it (one Worker start per scenario either way, but not waited for).
 * ``stream``: rows shuffled into the training stage, a Worker killed inside epoch 2 (after a
   checkpoint there): the 2 ranks left resume the epoch; the ids each generation trained are
   recorded (``IdLog``) to show that the epoch trained every row exactly once.
@@ -137,6 +140,22 @@ def keras_estimator(store: str, run_id: str, epochs: int, paced_until: str):
                           callbacks=[KerasPace()], verbose=1)
 
 
+def start_after_shrink(cluster, done: str, fitted: threading.Event) -> threading.Thread:
+    """Start a Worker (not waited for) once ``done`` exists: the fit's next generation has
+    been announced with the ranks it has, so the Worker only serves the next scenario. Not
+    once ``fitted`` is set (the fit ended without its shrink: the next scenario adds one)."""
+    def watch():
+        while not fitted.is_set():
+            if os.path.exists(done):
+                cluster.add_worker(wait=0)
+                return
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
 def recovery(changes: Changes, killed: float) -> dict:
     """Seconds from a Worker's SIGKILL to the next generation and to its ranks training."""
     return {"to_next_generation": changes.after(killed, "elastic generation"),
@@ -180,6 +199,7 @@ def main(workdir: str, master: str, cluster_dir: str) -> dict:
     from pyspark.sql import functions as F
 
     from sparktrain import local_spark
+    from sparktrain.launch.elastic import GROW_CONF
     from sparktrain.session.spark_jvm import max_concurrent_tasks
     from sparktrain.session.worker_daemon import DAEMON_CONF
 
@@ -236,9 +256,14 @@ def main(workdir: str, master: str, cluster_dir: str) -> dict:
         except Exception as exc:  # noqa: BLE001 - the message is the finding
             found["too_few"] = {"error": str(exc), "seconds": time.time() - started}
 
-        # -- horovod, fsdp and keras: one shrink each ---------------------------------------------
-        for name, params in (("horovod", {"backend": "horovod"}), ("fsdp", {"strategy": "fsdp"}),
-                             ("keras", {}), ("stream", {"input_mode": "stream"})):
+        # -- horovod, fsdp, keras and stream: one shrink each ------------------------------------
+        # These fits do not grow: the next scenario's Worker starts once this one's shrink
+        # happened (its 2-rank generation has begun), beside the rest of its fit, instead of
+        # after it.
+        spark.conf.set(GROW_CONF, "3600")
+        scenarios = (("horovod", {"backend": "horovod"}), ("fsdp", {"strategy": "fsdp"}),
+                     ("keras", {}), ("stream", {"input_mode": "stream"}))
+        for position, (name, params) in enumerate(scenarios):
             if name == "horovod":
                 try:
                     import horovod.torch  # noqa: F401 - only whether it imports
@@ -265,8 +290,14 @@ def main(workdir: str, master: str, cluster_dir: str) -> dict:
             started, changes.done_at = time.time(), "elastic generation 1:"
             if os.path.exists(done):
                 os.remove(done)
+            fitted = threading.Event()
+            early = start_after_shrink(cluster, done, fitted) \
+                if position < len(scenarios) - 1 else None
             build = keras_estimator if name == "keras" else estimator
             model = build(store, name, epochs=3, paced_until=done, **params).fit(df)
+            fitted.set()
+            if early is not None:
+                early.join(10)  # its Worker is in cluster.workers before alive() is asked
             shrink.join(1)
             found[name] = {"history": model.getHistory(), "seconds": time.time() - started,
                            "predicted": model.transform(df.limit(20)).count(),
