@@ -1,6 +1,11 @@
 """Concurrent fits on one DataFrame and one store (CrossValidator(parallelism=2), threads, two
 driver processes), a driver killed mid-materialization, one run_id used twice at once, and
-max_attempts bounding attempts whose rank was SIGKILLed without a word."""
+max_attempts bounding attempts whose rank was SIGKILLed without a word.
+
+Full tier: only these tests have two driver processes (JVMs) share one store, so only they
+catch a dataset written twice, or a crashed driver's half-written attempt reused, across
+processes. The second driver is the slot host (tests/support/slot_host.py), already running;
+the first, the one started and killed, is a process of its own."""
 from __future__ import annotations
 
 import glob
@@ -18,9 +23,17 @@ import pytest
 
 from sparktrain import RunInUseError, TrainingError
 from support.helpers import linear_estimator
+from support.slot_host import shared_host
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = 2000
+
+
+@pytest.fixture(scope="session")
+def slot_host():
+    """The test worker's slot host (tests/support/slot_host.py, shared with other files): a
+    driver process other than this one and the ones the tests start."""
+    return shared_host()
 
 
 class CountRows:
@@ -111,31 +124,39 @@ def test_two_threads_fit_one_dataframe_into_one_store(spark, regression_df, tmp_
     assert len(_commits(store)) == 1 and len(_attempts(store)) == 1
 
 
+def fit_generated(spark, store: str, counts: str, go: str = "") -> dict:
+    """A driver's fit of :func:`generated_df` (1 rank) into ``store``, once the file ``go``
+    exists if one is named: ``{"rows": rows the rank trained on, "loss": history}``. Run in a
+    driver process of its own (``DRIVER_SCRIPT``) or in the slot host's session
+    (tests/support/slot_host.py: another driver process that outlives the test)."""
+    os.makedirs(counts, exist_ok=True)
+    df = generated_df(spark)
+    while go and not os.path.exists(go):
+        time.sleep(0.05)
+    est = linear_estimator(store, num_proc=1, epochs=1, batch_size=100, shuffle=False,
+                           transformation_fn=CountRows(counts))
+    model = est.fit(df)
+    return {"rows": rows_seen(counts), "loss": model.getHistory()["loss"]}
+
+
 DRIVER_SCRIPT = textwrap.dedent('''
     import json, sys
     sys.path.insert(0, {root!r})
     sys.path.insert(0, {tests!r})
-    from support.helpers import linear_estimator
     from sparktrain import local_spark
-    from test_concurrency import CountRows, generated_df, rows_seen
+    from test_concurrency import fit_generated
 
     spark = local_spark("local[1]", conf={{"spark.ui.enabled": "false"}})
-    df = generated_df(spark)
     print("READY", flush=True)
-    {before_fit}
-    est = linear_estimator({store!r}, num_proc=1, epochs=1, batch_size=100, shuffle=False,
-                           transformation_fn=CountRows({counts!r}))
-    model = est.fit(df)
-    print("RESULT " + json.dumps({{"rows": rows_seen({counts!r}),
-                                   "loss": model.getHistory()["loss"]}}), flush=True)
+    print("RESULT " + json.dumps(fit_generated(spark, {store!r}, {counts!r}, {go!r})),
+          flush=True)
     spark.stop()
 ''')
 
 
-def _driver(store, counts, before_fit=""):
-    os.makedirs(counts, exist_ok=True)
+def _driver(store, counts, go=""):
     code = DRIVER_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"),
-                                store=store, counts=counts, before_fit=before_fit)
+                                store=store, counts=counts, go=go)
     # its own process group: "the driver dies" kills its JVM and Python workers with it
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -178,23 +199,24 @@ def _report(process, timeout=400):
 
 
 @pytest.mark.full
-def test_two_driver_processes_fit_into_one_store_at_once(tmp_path):
+def test_two_driver_processes_fit_into_one_store_at_once(slot_host, tmp_path):
     store = str(tmp_path / "store")
+    # two drivers: a process of its own and the slot host (its session has the same plan);
     # both wait for a go file, so their fits start at the same moment
     go = str(tmp_path / "go")
-    wait = f"import os, time\nwhile not os.path.exists({go!r}): time.sleep(0.05)"
-    drivers = [_driver(store, str(tmp_path / f"counts{i}"), wait) for i in (0, 1)]
-    for driver in drivers:
-        _ready(driver)
+    driver = _driver(store, str(tmp_path / "counts0"), go)
+    _ready(driver)
+    hosted = slot_host.submit("test_concurrency:fit_generated", store,
+                              str(tmp_path / "counts1"), go, timeout=400)
     open(go, "w").close()
-    reports = [_report(driver) for driver in drivers]
+    reports = [_report(driver), hosted.result(timeout=420)]
     assert [r["rows"] for r in reports] == [ROWS, ROWS]  # every row, in both
     # one wrote the dataset, the other waited for its commit and reused it
     assert len(_commits(store)) == 1 and len(_attempts(store)) == 1
 
 
 @pytest.mark.full
-def test_driver_killed_mid_write_leaves_nothing_reused(spark, tmp_path):
+def test_driver_killed_mid_write_leaves_nothing_reused(slot_host, tmp_path):
     store = str(tmp_path / "store")
     driver = _driver(store, str(tmp_path / "killed-counts"))  # local[1]: 8 tasks in a row
     _ready(driver)
@@ -210,12 +232,11 @@ def test_driver_killed_mid_write_leaves_nothing_reused(spark, tmp_path):
     assert _commits(store) == [], "the write finished before the driver was killed"
     crashed = _attempts(store)
 
-    # the job started again: a new driver process with the same plan (a fit in this test
-    # worker's long-lived session could hash the plan differently: see generated_df)
+    # the job started again: another driver process (the slot host) with the same plan (a fit
+    # in this test worker's session could hash the plan differently: see generated_df)
     counts = str(tmp_path / "counts")
-    rerun = _driver(store, counts)
-    _ready(rerun)
-    assert _report(rerun)["rows"] == ROWS
+    assert slot_host.call("test_concurrency:fit_generated", store, counts,
+                          timeout=400)["rows"] == ROWS
     assert len(_commits(store)) == 1
     left = [path for path in crashed if os.path.exists(path)]
     assert not left, (left, _commits(store))  # collected by the new writer

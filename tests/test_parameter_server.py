@@ -1,13 +1,13 @@
-"""KerasEstimator(strategy="parameter_server"): real Spark local[3] barrier tasks (1 ps, 1
-coordinator, 1 worker), real TensorFlow servers, on digits. The fits run in a subprocess
-(tests/support/ps_scenarios.py, both scenarios in one) because they need three task slots and
-the test session is local[2]; the configuration checks run here and launch nothing."""
+"""KerasEstimator(strategy="parameter_server"): real Spark barrier tasks (1 ps, 1 coordinator,
+1 worker), real TensorFlow servers, on digits; the only tests of TensorFlow's parameter-server
+training (its processes stopping after a fit and a failure, a killed worker resumed). The fits
+run in the slot host (tests/support/slot_host.py: a local[4] session in a process of its own,
+shared with other files; both scenarios of tests/support/ps_scenarios.py in one call) because
+they need three task slots and the test session is local[2]; the configuration checks run here
+and launch nothing."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -17,20 +17,21 @@ pytest.importorskip("sklearn")
 pytest.importorskip("psutil")
 
 from sparktrain import KerasEstimator, TorchEstimator  # noqa: E402 - after the importorskip above
+from support.slot_host import shared_host  # noqa: E402 - after the importorskip above
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+@pytest.fixture(scope="session")
+def slot_host():
+    """The test worker's slot host (tests/support/slot_host.py, shared with other files)."""
+    return shared_host()
 
 
 @pytest.fixture(scope="module")
-def ps_runs(tmp_path_factory) -> dict:
-    """Both scenarios of tests/support/ps_scenarios.py, one after the other in one process (one
-    local[3] JVM, one TensorFlow import): ``{"fit": findings, "kill": findings}``."""
-    script = os.path.join(ROOT, "tests", "support", "ps_scenarios.py")
-    result = subprocess.run([sys.executable, script, "fit,kill",
-                             str(tmp_path_factory.mktemp("ps"))], cwd=ROOT, capture_output=True,
-                            text=True, timeout=570, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def ps_runs(slot_host, tmp_path_factory) -> dict:
+    """Both scenarios of tests/support/ps_scenarios.py, one after the other in the slot host
+    (its local[4] session, one TensorFlow import): ``{"fit": findings, "kill": findings}``."""
+    return slot_host.call("support.ps_scenarios:run", "fit,kill",
+                          str(tmp_path_factory.mktemp("ps")), timeout=570)
 
 
 @pytest.fixture
@@ -38,13 +39,13 @@ def ps_fit(ps_runs):
     return ps_runs["fit"]
 
 
-@pytest.mark.full  # the shared local[3] run: ~1-3 min with Spark and TF start-up
+@pytest.mark.full  # the shared slot-host run: ~1-3 min with TF start-up
 def test_parameter_server_fit_reaches_accuracy_transforms_saves_loads(ps_fit):
     assert ps_fit["test_accuracy"] >= 0.9
     assert ps_fit["loaded_accuracy"] == ps_fit["test_accuracy"]
 
 
-@pytest.mark.full  # the shared local[3] run: ~1-3 min with Spark and TF start-up
+@pytest.mark.full  # the shared slot-host run: ~1-3 min with TF start-up
 def test_parameter_server_validation_metrics_callbacks_history(ps_fit):
     history = ps_fit["history"]
     assert sorted(history) == ["accuracy", "loss", "val_accuracy", "val_loss"]
@@ -56,7 +57,7 @@ def test_parameter_server_validation_metrics_callbacks_history(ps_fit):
     assert ps_fit["tensorboard"] == ["train", "validation"]
 
 
-@pytest.mark.full  # the shared local[3] run: ~1-3 min with Spark and TF start-up
+@pytest.mark.full  # the shared slot-host run: ~1-3 min with TF start-up
 def test_parameter_server_processes_stop_after_fit_and_failure(ps_fit):
     assert ps_fit["left_after_fit"] == []
     assert "transformation_fn failed on the worker" in ps_fit["failure"]

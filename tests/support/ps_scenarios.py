@@ -1,6 +1,7 @@
-"""KerasEstimator(strategy="parameter_server") scenarios on a local[3] SparkSession of their own
-(the test session's is local[2]), run by tests/test_parameter_server.py in a subprocess, all on
-one session:
+"""KerasEstimator(strategy="parameter_server") scenarios, run by tests/test_parameter_server.py
+in the slot host (tests/support/slot_host.py: its local[4] session; the test session's local[2]
+has too few slots for 3 ranks), both on one session and one TensorFlow import:
+``run(spark, "fit,kill", workdir)``; by hand, on a local[3] session of their own:
 
     python tests/support/ps_scenarios.py fit,kill WORKDIR    # prints one JSON line last
 
@@ -120,8 +121,10 @@ def digits(spark):
     x, y = (data.data / 16.0).astype("float32")[order], data.target[order]
     rows = [(x[i].tolist(), int(y[i]), bool(i % 10 == 0), bool(i >= 1437))
             for i in range(len(y))]
-    df = spark.createDataFrame(rows, "features array<float>, label long, is_val boolean, "
-                                     "is_test boolean")
+    # 3 partitions, as on the local[3] session these scenarios had before the slot host
+    df = spark.createDataFrame(spark.sparkContext.parallelize(rows, 3),
+                               "features array<float>, label long, is_val boolean, "
+                               "is_test boolean")
     return df.filter("not is_test").drop("is_test"), df.filter("is_test").drop("is_test")
 
 
@@ -195,19 +198,25 @@ def kill_scenario(spark, workdir) -> dict:
 SCENARIOS = {"fit": fit_scenario, "kill": kill_scenario}
 
 
+def run(spark, scenarios: str, workdir: str) -> dict:
+    """Run the comma-separated ``scenarios`` one after the other on ``spark`` (one TensorFlow
+    import for all): ``{name: findings}``."""
+    result = {}
+    for name in scenarios.split(","):
+        os.makedirs(os.path.join(workdir, name), exist_ok=True)
+        result[name] = SCENARIOS[name](spark, os.path.join(workdir, name))
+    return result
+
+
 def main(scenarios: str, workdir: str) -> None:
-    """Run the comma-separated ``scenarios`` one after the other on one local[3] session (one
-    JVM and one TensorFlow import for all); print ``{name: findings}``."""
+    """:func:`run` on a local[3] session of its own; print ``{name: findings}``."""
     from sparktrain import local_spark
 
     spark = local_spark("local[3]", app_name="sparktrain-ps", conf={
         "spark.sparktrain.slotWaitSeconds": "1", "spark.default.parallelism": "3",
         "spark.stage.maxConsecutiveAttempts": "3"})
     try:
-        result = {}
-        for name in scenarios.split(","):
-            os.makedirs(os.path.join(workdir, name), exist_ok=True)
-            result[name] = SCENARIOS[name](spark, os.path.join(workdir, name))
+        result = run(spark, scenarios, workdir)
     finally:
         spark.stop()
     print(json.dumps(result))
