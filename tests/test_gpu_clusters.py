@@ -160,10 +160,13 @@ SCRIPT = textwrap.dedent('''
             "jobs": jobs(spark) - before}})
         spark.stop()
 
+    import time
     report = {{"shared_gpus": {{}}, "gpus_per_task": {{}}}}
     for name, scenario in (("shared_gpus", shared_gpus), ("gpus_per_task", gpus_per_task)):
+        started = time.time()
         try:
             scenario(report[name])
+            report[name]["seconds"] = time.time() - started
         except Exception:
             report[name]["failed"] = traceback.format_exc()[-6000:]
             from pyspark.sql import SparkSession
@@ -194,6 +197,7 @@ def found(standalone, tmp_path_factory):
     finally:
         restore(standalone)
     parts = stderr.split(BETWEEN)
+    print({name: found.get("seconds") for name, found in report.items()})  # with -s
     return {name: (report[name], parts[i]) for i, name in enumerate(report)}
 
 
