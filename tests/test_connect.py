@@ -1,91 +1,129 @@
-"""sparktrain on a Spark Connect session: a real Connect server (its own JVM, local[2]) and
-clients in their own processes, as a notebook or a laptop would use it."""
+"""sparktrain from a Spark Connect client (a real server in its own JVM, clients in their own
+processes): what only Connect can break, a client with no SparkContext, py4j or listening
+socket whose executors cannot call it back, errors and interrupts over gRPC, models over the
+128 MiB message cap, and saving and loading through the server.
+
+Driver logic that classic and Connect sessions share (max_time, the slot refusal, an elastic
+start, a resumed run_id) is tested on a classic session (tests/test_fault_tolerance.py,
+tests/test_torch_estimator.py, tests/test_keras_estimator.py); here one client process runs
+every scenario below in turn (tests/support/connect_client.py), another every interrupt."""
 from __future__ import annotations
 
-import json
+import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
 
-from support.interrupts import check_interrupts, run_interrupts
+from support.connect_runs import PartsRun
+from support.interrupts import check_interrupts
 from support.servers import connect_log_tail
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 CLIENT = os.path.join(HERE, "support", "connect_client.py")
+INTERRUPTS = os.path.join(HERE, "support", "interrupt_client.py")
+PART_S = 540  # one scenario (the client dumps its stacks at 420 s: connect_client.HANG_SECONDS)
 
 pytest.importorskip("pyspark.sql.connect.client", reason="needs pyspark[connect] (Spark 4)")
 pytest.importorskip("grpc_status", reason="needs pyspark[connect]: grpcio-status")
 
+from support.connect_client import END_MARK, README_EPOCHS  # noqa: E402 - after the skips
+from support.interrupt_client import END_MARK as INTERRUPTS_END_MARK  # noqa: E402
 
-def run_client(scenario: str, server, workdir, timeout: int = 540):
-    """The scenario's findings and stderr, run against ``server`` (the worker's shared
-    ``connect_server``, tests/support/servers.py); a client that hangs dumps its threads' stacks
-    (connect_client.HANG_SECONDS), which the failure shows with the server's log."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "PYSPARK_GATEWAY_PORT")}
-    result = subprocess.run([sys.executable, CLIENT, scenario, server.url, str(workdir)], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-12000:] + \
-        connect_log_tail(server)
-    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+#: the client scenario of each test (test_more_engines_over_connect: its ``scenario`` param)
+SCENARIOS = {"test_readme_flow_over_connect": "readme",
+             "test_faults_over_connect_without_executors_reaching_the_client": "faults",
+             "test_a_model_over_the_message_cap_fits_predicts_saves_and_loads_over_connect":
+                 "big_model"}
+#: what a scenario needs installed beyond the test extras (its test skips without it)
+NEEDS = {"horovod": "horovod.torch", "huggingface": "transformers"}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # its parent package is missing
+        return False
+
+
+def _wanted(request, fixture: str, param: str, names: dict) -> list:
+    """The parts this run's selected tests of this module ask ``fixture`` for, in their order."""
+    wanted = []
+    for item in request.session.items:
+        if item.module is not request.module or fixture not in item.fixturenames:
+            continue
+        callspec = getattr(item, "callspec", None)
+        name = callspec.params[param] if callspec and param in callspec.params else \
+            names.get(item.originalname)
+        if name and name not in wanted:
+            wanted.append(name)
+    return wanted
+
+
+@pytest.fixture(scope="module")
+def connect_client(request, connect_server, tmp_path_factory):
+    """One client process running the selected tests' scenarios in turn; ``.part(name)``."""
+    names = [n for n in _wanted(request, "connect_client", "scenario", SCENARIOS)
+             if _installed(NEEDS.get(n, "torch"))]
+    if not names:
+        pytest.skip("no scenario to run")
+    run = PartsRun([sys.executable, CLIENT, ",".join(names), connect_server.url,
+                    str(tmp_path_factory.mktemp("connect"))], "scenario", END_MARK,
+                   lambda: connect_log_tail(connect_server))
+    yield run
+    run.close()
+
+
+def _scenario(connect_client, name: str):
+    """The scenario's findings and stderr; it ran without an error, and the client had no
+    listening socket, no JVM, no SparkContext and no py4j gateway meanwhile."""
+    found, stderr = connect_client.part(name, PART_S)
+    assert "error" not in found, found["error"] + stderr[-6000:]
+    client = found["client_side"]
+    assert client["listening"] == [], f"the client opened a listening socket: {client}"
+    assert not any("java" in child for child in client["children"]), client
+    assert not client["spark_context"] and not client["py4j_gateway"], client
+    return found, stderr
 
 
 @pytest.mark.full
-def test_readme_flow_over_connect(connect_server, tmp_path):
-    found, stderr = run_client("readme", connect_server, tmp_path)
-    print(found)
+def test_readme_flow_over_connect(connect_client):
+    found, stderr = _scenario(connect_client, "readme")
+    print({k: v for k, v in found.items() if k != "history"})
     assert found["torch_accuracy"] >= 0.9, found
     assert found["reloaded_is_torch_model"]
     assert found["reloaded_accuracy"] == found["torch_accuracy"]
-    assert found["estimator_reloaded"] == [True, 8, True]
+    assert found["estimator_reloaded"] == [True, README_EPOCHS, True]
     assert found["bare_model_accuracy"] >= 0.9
-    assert len(found["history"]["val_loss"]) == 8
+    assert len(found["history"]["val_loss"]) == README_EPOCHS
     low, high = found["cv_metrics"]
     assert high < low, found["cv_metrics"]  # more epochs, lower RMSE
     assert found["keras_accuracy"] >= 0.9, found
     assert found["keras_reloaded_accuracy"] == found["keras_accuracy"]
     # progress and rank logs reached the client through the store
-    assert "[rank 0] epoch 8/8" in stderr
+    assert f"[rank 0] epoch {README_EPOCHS}/{README_EPOCHS}" in stderr
     assert "\r" not in stderr  # stderr is a pipe: progress is lines, not a redrawn bar
 
 
 @pytest.mark.full
-def test_faults_over_connect_without_executors_reaching_the_client(connect_server, tmp_path):
-    found, stderr = run_client("faults", connect_server, tmp_path)
+def test_faults_over_connect_without_executors_reaching_the_client(connect_client):
+    """A killed rank and a rank's error reach the client as gRPC errors and are still told
+    apart (retried and resumed, or not); TFoS, which needs a SparkContext, is refused at once.
+    (Classic covers max_time, the slot refusal, an elastic start and a resumed run_id; a
+    Ctrl-C and the fit after it: test_interrupts_over_connect.)"""
+    found, stderr = _scenario(connect_client, "faults")
     print(found)
-    assert found["listening"] == [], "the client opened a listening socket"
     assert found["killed"], "the fault was not injected"
     history = found["resumed_history"]
     assert len(history) == 4 and history[-1] < history[0]
     assert "failed on attempt 1 of 3" in stderr  # the retry was announced, live
-    assert found["resumed_by_run_id"] == 3 and "resuming from it" in stderr
-    assert 1 <= found["max_time_epochs"] < 50 and found["max_time_warning"]
     user = found["user_error"]
     assert user["rank"] == 1 and user["attempts"] == 1
     assert "ValueError: user error on rank one, over Spark Connect" in user["message"]
     assert "Traceback from rank 1" in user["message"]
-    slots = found["slots"]
-    assert "num_proc=3 needs 3 task slots" in slots["message"]
-    assert "the cluster has 2" in slots["message"] and "local[3]" in slots["message"]
-    assert slots["seconds"] < 10
-    assert found["elastic_num_proc"] == [2, 2]
     tfos = found["tfos"]
     assert "backend='tensorflow'" in tfos["message"] and "Spark Connect" in tfos["message"]
     assert tfos["seconds"] < 10
-    assert found["interrupted_after"] < 60
-    assert found["after_interrupt"] == 1 and found["after_interrupt_seconds"] < 120
-
-
-@pytest.mark.full
-@pytest.mark.parametrize("framework,points", [("torch", 6), ("keras", 1)])
-def test_interrupts_over_connect(connect_server, tmp_path, framework, points):
-    """Ctrl-C over Connect at each point of a fit, in a finalizer and during a prediction
-    (tests/support/interrupts.py says what is checked)."""
-    pytest.importorskip(framework)
-    check_interrupts(run_interrupts(connect_server.url, tmp_path, framework), points)
 
 
 @pytest.mark.full
@@ -99,9 +137,9 @@ def test_interrupts_over_connect(connect_server, tmp_path, framework, points):
     # input_mode="stream": the barrier stage takes the rows, no dataset in the store
     ("stream", "torch", 3, {"datasets": 0, "predicted": 1000}),
 ], ids=["horovod", "huggingface", "stream"])
-def test_more_engines_over_connect(connect_server, tmp_path, scenario, module, epochs, more):
+def test_more_engines_over_connect(connect_client, scenario, module, epochs, more):
     pytest.importorskip(module)
-    found, _ = run_client(scenario, connect_server, tmp_path)
+    found, _ = _scenario(connect_client, scenario)
     history = found["history"]
     assert len(history) == epochs and history[-1] < history[0]
     assert {key: found[key] for key in more} == more, found
@@ -113,10 +151,10 @@ def test_more_engines_over_connect(connect_server, tmp_path, scenario, module, e
 
 
 @pytest.mark.full
-def test_a_model_over_the_message_cap_fits_predicts_saves_and_loads_over_connect(connect_server,
-                                                                                tmp_path):
+def test_a_model_over_the_message_cap_fits_predicts_saves_and_loads_over_connect(
+        connect_client):
     """Connect caps a message at 128 MiB: the weights must travel by file, not in the plan."""
-    found, _ = run_client("big_model", connect_server, tmp_path)
+    found, _ = _scenario(connect_client, "big_model")
     print({k: v for k, v in found.items() if not isinstance(v, list) or k.endswith("history")})
     assert found["model_mib"] > 128
     assert found["history"][-1] < found["history"][0]
@@ -125,3 +163,28 @@ def test_a_model_over_the_message_cap_fits_predicts_saves_and_loads_over_connect
     assert len(found["pipeline"]) == 40
     assert found["keras_mib"] > 128 and len(found["keras_history"]) == 2
     assert found["keras_reloaded"] == found["keras_first"] and len(found["keras_first"]) == 40
+
+
+@pytest.fixture(scope="module")
+def connect_interrupts(request, connect_server, tmp_path_factory):
+    """One client process interrupting the selected frameworks' fits in turn (last in this
+    module: it runs alone, as its timings want)."""
+    names = [n for n in _wanted(request, "connect_interrupts", "framework", {})
+             if _installed(n)]
+    if not names:
+        pytest.skip("no framework to interrupt")
+    run = PartsRun([sys.executable, INTERRUPTS, connect_server.url,
+                    str(tmp_path_factory.mktemp("interrupts")), ",".join(names)],
+                   "framework", INTERRUPTS_END_MARK, lambda: connect_log_tail(connect_server))
+    yield run
+    run.close()
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("framework,points", [("torch", 6), ("keras", 1)])
+def test_interrupts_over_connect(connect_interrupts, framework, points):
+    """Ctrl-C over Connect at each point of a fit, in a finalizer and during a prediction
+    (tests/support/interrupts.py says what is checked)."""
+    pytest.importorskip(framework)
+    found, _ = connect_interrupts.part(framework, PART_S)
+    check_interrupts(found, points)

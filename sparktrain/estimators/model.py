@@ -34,6 +34,8 @@ from sparktrain.estimators.prediction import (
 from sparktrain.model_files import ModelFile
 from sparktrain.options.params import ModelParams
 from sparktrain.pickling import dumps
+from sparktrain.session.interrupts import guard_predictions
+from sparktrain.session.spark_api import is_remote
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -154,6 +156,8 @@ class ModelBase(Model, ModelParams, MLWritable, MLReadable):
             self._output_shapes = [list(o.shape[1:]) for o in outputs]
 
     def _transform(self, dataset: DataFrame) -> DataFrame:
+        if is_remote(dataset.sparkSession):  # a Ctrl-C during the prediction is never lost
+            guard_predictions()
         self._complete(dataset)
         specs = self._input_specs()
         for trained in specs:

@@ -1,5 +1,5 @@
-"""Ctrl-C during a fit: the fit's Spark jobs are cancelled and ``KeyboardInterrupt`` reaches
-the caller, on classic sessions and over Spark Connect.
+"""Ctrl-C during a fit or a prediction: the Spark jobs are cancelled and ``KeyboardInterrupt``
+reaches the caller, on classic sessions and over Spark Connect.
 
 Python raises ``KeyboardInterrupt`` wherever the main thread happens to be when SIGINT arrives
 (Jupyter's "interrupt kernel" sends one). Two places lose it: a finalizer (``__del__``: an
@@ -10,17 +10,28 @@ end. So for the fit's duration SIGINT goes to :func:`interruptible`'s handler, w
 rely on the exception alone:
 
 1. it records the interrupt and, from a thread of its own, cancels every Spark job tagged with
-   the fit's tag (``cancelJobsWithTag``, or ``interruptTag`` over Connect): the job the fit
-   waits on ends within seconds, wherever the exception went;
+   the fit's tag (``cancelJobsWithTag``, or ``interruptTag`` over Connect), and again every
+   second until the fit has stopped: a cancel that reaches the server before the job it meant
+   (being submitted, or the next one) cancels nothing, and was once all there was;
 2. it raises ``KeyboardInterrupt``; and the fit calls :func:`raise_if_interrupted` before it
    starts each Spark job and on its way out, so a lost one is raised again there.
 
 The exception is not raised inside gRPC's own code (the Spark Connect client's calls): a
 ``KeyboardInterrupt`` there can leave one of the channel's locks held by the main thread, and
 every later call over that channel then waits forever for an answer (seen: the next ``fit``
-hung in its first job). While the main thread is in such code the handler only cancels: the
-cancelled call fails within moments and its error, leaving the block, becomes the
-``KeyboardInterrupt``; a call that ends normally meets :func:`raise_if_interrupted` next.
+hung in its first job); nor inside a finalizer, where it would be dropped. There the handler
+defers it: the interrupt is handed to the main thread again (``_thread.interrupt_main``) every
+50 ms until it lands where it can be raised (or the cancelled call's error, leaving the block,
+becomes the ``KeyboardInterrupt``). The handler is set inside the block's ``try``, so that the
+one before it is always put back (a handler left behind would defer an interrupt for a fit
+long over, and lose it).
+
+A prediction's action (``collect()`` on ``transform``'s output) runs outside sparktrain, with
+Python's default handler: over Connect its main thread waits in the client, which runs
+finalizers that make gRPC calls, and an interrupt that landed in one was dropped while the
+prediction ran to its end. ``transform`` over Connect therefore replaces Python's default
+handler (only that one) by :class:`_PredictionGuard`: the same ``KeyboardInterrupt``, delivered
+again when it arrives in a finalizer (:func:`guard_predictions`).
 
 A second Ctrl-C while the first is being cleaned up exits at once, saying what may be left.
 
@@ -32,6 +43,7 @@ Example::
 """
 from __future__ import annotations
 
+import _thread
 import logging
 import os
 import signal
@@ -39,7 +51,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from sparktrain.session.spark_api import cancel_tag
 
@@ -60,14 +72,67 @@ def in_unsafe_code(frame: Any) -> bool:
     return False
 
 
+def in_finalizer(frame: Any) -> bool:
+    """Whether ``frame`` or a caller of it is a finalizer (``__del__``, a ``weakref.finalize``
+    callback): Python prints an exception raised there and drops it."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or (code.co_name == "__call__" and
+                                         code.co_filename.endswith(f"{os.sep}weakref.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_REDELIVER_S = 0.05  # how soon a deferred interrupt is delivered again
+
+
+class _Deferred:
+    """An interrupt that could not be raised where it arrived (a finalizer, or gRPC's code in
+    a fit): ``_thread.interrupt_main`` hands it to the main thread again every
+    ``_REDELIVER_S`` until it is raised (``raised``) or no longer wanted (``wanted()``), so
+    it cannot be lost. ``redelivery`` marks the signals it sent (not a second Ctrl-C)."""
+
+    def __init__(self, wanted: Callable[[], bool]) -> None:
+        self.wanted, self.raised, self.redelivery, self.scheduled = wanted, False, False, False
+
+    def defer(self) -> None:
+        if not self.scheduled:
+            self.scheduled = True
+            threading.Timer(_REDELIVER_S, self._redeliver).start()
+
+    def _redeliver(self) -> None:
+        self.scheduled = False
+        if self.raised or not self.wanted():
+            return
+        self.redelivery = True
+        _thread.interrupt_main(signal.SIGINT)  # runs the handler at the main thread's next step
+
+    def take_redelivery(self) -> bool:
+        was, self.redelivery = self.redelivery, False
+        return was
+
+    def raise_now(self) -> None:
+        self.raised = True
+        raise KeyboardInterrupt
+
+
 class _Scope:
     """One interruptible block: its tag, and when (if) it was interrupted."""
 
-    def __init__(self, spark: Any, tag: str, what: str) -> None:
-        self.spark, self.tag, self.what = spark, tag, what
+    def __init__(self, spark: Any, tag: str, what: str, previous: Any) -> None:
+        self.spark, self.tag, self.what, self.previous = spark, tag, what, previous
         self.interrupted_at: Optional[float] = None
+        self.open = True  # until the block has ended
+        self.deferred = _Deferred(lambda: self.open)
 
     def handle(self, signum: int, frame: Any) -> None:
+        if self.deferred.take_redelivery():  # the same interrupt, delivered again
+            self._raise_or_defer(frame)
+            return
+        if not self.open:  # left installed after its block: act as the handler before it
+            _call_handler(self.previous, signum, frame)
+            return
         if self.interrupted_at is not None:  # the second Ctrl-C: do not wait for anything
             sys.stderr.write(
                 f"\nsparktrain: second interrupt: {self.what} stops without waiting for its "
@@ -78,15 +143,38 @@ class _Scope:
             raise KeyboardInterrupt
         self.interrupted_at = time.monotonic()
         threading.Thread(target=self._cancel, name="sparktrain-interrupt", daemon=True).start()
-        if in_unsafe_code(frame):  # raised later, out of gRPC (see the module docstring)
-            log.info("interrupted inside a Spark Connect call: KeyboardInterrupt follows when "
-                     "the cancelled call returns")
+        self._raise_or_defer(frame)
+
+    def _raise_or_defer(self, frame: Any) -> None:
+        if in_unsafe_code(frame) or in_finalizer(frame):  # raised later (module docstring)
+            if not self.deferred.scheduled and not self.deferred.redelivery:
+                log.info("interrupted inside a Spark Connect call or a finalizer: "
+                         "KeyboardInterrupt follows as soon as the main thread leaves it")
+            self.deferred.defer()
             return
-        raise KeyboardInterrupt
+        self.deferred.raise_now()
 
     def _cancel(self) -> None:
+        """Cancel the block's jobs, and again while the block runs on without raising: a cancel
+        that reached the server before the job it meant (a job being submitted, or the next
+        one) cancels nothing."""
         log.warning("interrupted: cancelling the Spark jobs of %s (tag %s)", self.what, self.tag)
         cancel_tag(self.spark, self.tag)
+        while self.open and not self.deferred.raised:
+            time.sleep(_RECANCEL_S)
+            if self.open and not self.deferred.raised:
+                cancel_tag(self.spark, self.tag)
+
+
+_RECANCEL_S = 1.0  # how often an interrupted block's jobs are cancelled again until it stops
+
+
+def _call_handler(handler: Any, signum: int, frame: Any) -> None:
+    """What ``handler`` (a ``signal.getsignal`` value) does with a signal."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler != signal.SIG_IGN:  # SIG_DFL, or None (not set from Python): stop
+        raise KeyboardInterrupt
 
 
 _active: Optional[_Scope] = None  # the main thread's interruptible block, if any
@@ -102,21 +190,60 @@ def interruptible(spark: Any, tag: str, what: str) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread() or _active is not None:
         yield
         return
-    scope = _Scope(spark, tag, what)
-    previous = signal.signal(signal.SIGINT, scope.handle)
-    _active = scope
-    try:
+    scope = _Scope(spark, tag, what, signal.getsignal(signal.SIGINT))
+    try:  # the handler is set inside: whatever happens, the finally puts the previous back
+        _active = scope
+        signal.signal(signal.SIGINT, scope.handle)
         yield
         raise_if_interrupted()  # an interrupt lost on the way still stops the caller
     except KeyboardInterrupt:
+        scope.deferred.raised = True
         raise
     except BaseException:
         if scope.interrupted_at is not None:  # the cancelled job's error, after a lost one
+            scope.deferred.raised = True
             raise KeyboardInterrupt from None
         raise
     finally:
+        scope.open = False
         _active = None
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, scope.previous if scope.previous is not None
+                      else signal.default_int_handler)
+
+
+class _PredictionGuard:
+    """SIGINT between fits, in a process that predicts over Spark Connect: Python's default
+    (``KeyboardInterrupt`` where the main thread is), except that an interrupt arriving in a
+    finalizer, where Python would drop it, is delivered again as soon as the main thread has
+    left the finalizer. A prediction's action (``collect()`` on ``transform``'s output) runs
+    outside sparktrain, waiting in the Connect client, which makes gRPC calls from finalizers:
+    there the interrupt was lost and the prediction ran to its end."""
+
+    def __init__(self) -> None:
+        self.deferred = _Deferred(lambda: True)
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if not self.deferred.take_redelivery():
+            self.deferred.raised = False  # a new interrupt
+        if in_finalizer(frame):
+            self.deferred.defer()
+            return
+        self.deferred.raise_now()
+
+
+_GUARD: Optional[_PredictionGuard] = None
+
+
+def guard_predictions() -> None:
+    """Install :class:`_PredictionGuard` for this process (called by ``transform`` over Spark
+    Connect): only from the main thread, and only in place of Python's own default handler
+    (a handler of the user's, a notebook's or pyspark's stays). Idempotent."""
+    global _GUARD
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        _GUARD = _GUARD or _PredictionGuard()
+        signal.signal(signal.SIGINT, _GUARD)
 
 
 def raise_if_interrupted() -> None:

@@ -1,10 +1,11 @@
 """A Spark Connect client, run in its own process by tests/test_connect.py.
 
-    python tests/support/connect_client.py SCENARIO sc://127.0.0.1:PORT WORKDIR
+    python tests/support/connect_client.py SCENARIO[,SCENARIO...] sc://127.0.0.1:PORT WORKDIR
 
-Each scenario starts the session exactly as a user does (``SparkSession.builder.remote(url)
-.getOrCreate()``), uses sparktrain as the README shows, and prints one JSON line of findings
-last. A separate process because pyspark switches a whole process to Connect mode
+The session starts exactly as a user starts it (``SparkSession.builder.remote(url)
+.getOrCreate()``); each scenario uses sparktrain as the README shows and gives one JSON line of
+findings (several scenarios run one after the other in this one process: :func:`main`). A
+separate process because pyspark switches a whole process to Connect mode
 (``SPARK_CONNECT_MODE_ENABLED``) once a remote session exists, and the main test process keeps a
 classic session.
 """
@@ -25,6 +26,8 @@ sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # support.*, sparktrain
 #: a scenario still running after this long prints every thread's stack and exits (before
 #: test_connect's own limit, so that the test shows where it hung)
 HANG_SECONDS = 420
+#: the README flow's epochs (torch and Keras): the fewest that reach its accuracy, with margin
+README_EPOCHS = 5
 
 
 def accuracy(output, label):
@@ -68,7 +71,7 @@ def readme(spark, workdir: str) -> Dict[str, Any]:
                          optimizer=torch.optim.Adam(net.parameters(), lr=3e-3),
                          loss=torch.nn.CrossEntropyLoss(), metrics=[accuracy],
                          feature_cols=["features"], label_cols=["label"], batch_size=64,
-                         epochs=8, validation=0.1, store=store, verbose=1)
+                         epochs=README_EPOCHS, validation=0.1, store=store, verbose=1)
     assembler = VectorAssembler(inputCols=pixel_cols, outputCol="raw")
     scaler = StandardScaler(inputCol="raw", outputCol="features")
     model = Pipeline(stages=[assembler, scaler, est]).fit(train)
@@ -111,7 +114,7 @@ def readme(spark, workdir: str) -> Dict[str, Any]:
     k_est = KerasEstimator(num_proc=2, model=k_model, optimizer=keras.optimizers.Adam(3e-3),
                            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                            feature_cols=["features"], label_cols=["label"], batch_size=64,
-                           epochs=8, store=store, verbose=1)
+                           epochs=README_EPOCHS, store=store, verbose=1)
     k_fitted = Pipeline(stages=[assembler, scaler, k_est]).fit(train)
     found["keras_accuracy"] = _correct(k_fitted.transform(test))
     k_path = os.path.join(workdir, "keras-model")
@@ -131,24 +134,54 @@ class FailOnRankOne:
         return batch
 
 
-class Slow:
-    """Sleep per batch, so a fit is still running when the test interrupts it."""
+class _ClientSide:
+    """What a Connect client must never have, watched while a scenario runs: a listening socket
+    (the executors cannot reach a laptop or a notebook: nothing may wait for them to call
+    back), a JVM child process, a SparkContext or a py4j gateway (no RDD, no py4j on the
+    client). ``report()`` gives what was seen since ``start()``."""
 
-    def __call__(self, batch):
-        time.sleep(0.2)
-        return batch
+    def __init__(self) -> None:
+        import psutil
 
+        self.process = psutil.Process()
+        self.listening: set = set()
+        self.children: set = set()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
 
-def _listening_sockets() -> set:
-    import psutil
+    def _watch(self) -> None:
+        import psutil
 
-    return {c.laddr for c in psutil.Process().net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN}
+        while not self.stop.is_set():
+            self.listening |= {str(c.laddr) for c in self.process.net_connections(kind="inet")
+                               if c.status == psutil.CONN_LISTEN}
+            for child in self.process.children(recursive=True):
+                try:
+                    self.children.add(" ".join(child.cmdline()[:2]))
+                except psutil.Error:  # ended meanwhile
+                    pass
+            time.sleep(0.2)
+
+    def start(self) -> "_ClientSide":
+        self.thread.start()
+        return self
+
+    def report(self) -> Dict[str, Any]:
+        from pyspark import SparkContext
+
+        self.stop.set()
+        self.thread.join()
+        return {"listening": sorted(self.listening), "children": sorted(self.children),
+                "spark_context": SparkContext._active_spark_context is not None,
+                "py4j_gateway": SparkContext._gateway is not None}
 
 
 def faults(spark, workdir: str) -> Dict[str, Any]:
-    """Resume after a killed rank, a user's error, too few slots, tfos, Ctrl-C, the session
-    still usable, and no listening socket on the client while it all happens."""
+    """What over Connect differs from a classic session when a fit goes wrong: a killed rank's
+    job fails as a gRPC error (still classed a fault: retried, resumed, the retry announced
+    live), a rank's own error arrives with its traceback (not retried), and TFoS, which needs
+    a SparkContext, is refused before any job. The client's sockets are watched for the whole
+    process (:class:`_ClientSide`)."""
     import numpy as np
 
     from sparktrain import KerasEstimator, TrainingError
@@ -160,36 +193,12 @@ def faults(spark, workdir: str) -> Dict[str, Any]:
     y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
     df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y, strict=True)],
                                "features array<double>, label double").cache()
-    found: Dict[str, Any] = {"listening": []}
-    stop = threading.Event()
-
-    def watch_sockets() -> None:
-        while not stop.is_set():
-            found["listening"] = sorted({str(a) for a in _listening_sockets()}
-                                        | set(found["listening"]))
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=watch_sockets, daemon=True)
-    watcher.start()
-
+    found: Dict[str, Any] = {}
     marker = os.path.join(workdir, "killed")
     model = linear_estimator(store, batch_size=100, epochs=4, run_id="connect-kill", verbose=1,
                              transformation_fn=KillRankOnce(marker, 24)).fit(df)
     found["killed"] = os.path.exists(marker)
     found["resumed_history"] = model.getHistory()["loss"]
-
-    linear_estimator(store, batch_size=100, epochs=2, run_id="connect-resume").fit(df)
-    again = linear_estimator(store, batch_size=100, epochs=3, run_id="connect-resume",
-                             verbose=1).fit(df)
-    found["resumed_by_run_id"] = len(again.getHistory()["loss"])
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        limited = linear_estimator(store, epochs=50, max_time=8.0,
-                                   transformation_fn=Slow()).fit(df)
-    found["max_time_epochs"] = len(limited.getHistory()["loss"])
-    found["max_time_warning"] = [str(w.message) for w in caught if "max_time" in str(w.message)]
 
     try:
         linear_estimator(store, epochs=1, transformation_fn=FailOnRankOne(),
@@ -197,15 +206,6 @@ def faults(spark, workdir: str) -> Dict[str, Any]:
     except TrainingError as error:
         found["user_error"] = {"rank": error.rank, "message": str(error),
                                "attempts": error.attempts}
-
-    started = time.time()
-    try:
-        linear_estimator(store, num_proc=3).fit(df)
-    except RuntimeError as error:
-        found["slots"] = {"message": str(error), "seconds": time.time() - started}
-    # elastic: the same num_proc=3 starts at once with the 2 slots the server has
-    elastic = linear_estimator(store, num_proc=3, min_num_proc=2, epochs=2).fit(df)
-    found["elastic_num_proc"] = elastic.getHistory()["num_proc"]
 
     import keras
 
@@ -217,22 +217,6 @@ def faults(spark, workdir: str) -> Dict[str, Any]:
                        label_cols=["label"], backend="tfos", store=store).fit(df)
     except ValueError as error:
         found["tfos"] = {"message": str(error), "seconds": time.time() - started}
-
-    import _thread
-
-    timer = threading.Timer(12.0, _thread.interrupt_main)
-    timer.start()
-    started = time.time()
-    try:
-        linear_estimator(store, epochs=50, transformation_fn=Slow()).fit(df)
-    except KeyboardInterrupt:
-        found["interrupted_after"] = time.time() - started
-    started = time.time()
-    found["after_interrupt"] = len(linear_estimator(store, epochs=1).fit(df)
-                                   .getHistory()["loss"])
-    found["after_interrupt_seconds"] = time.time() - started
-    stop.set()
-    watcher.join()
     return found
 
 
@@ -475,18 +459,52 @@ SCENARIOS: Dict[str, Callable] = {"readme": readme, "faults": faults, "horovod":
                                   "stream": stream,
                                   "huggingface": huggingface, "big_model": big_model,
                                   "mlflow": mlflow_tracking}
+#: the line on stderr that ends a scenario's part of it, before its findings go to stdout
+END_MARK = "=== sparktrain connect scenario ended: {} ==="
 
 
-def main(scenario: str, url: str, workdir: str) -> None:
+def run_scenario(spark, name: str, workdir: str) -> Dict[str, Any]:
+    """One scenario's findings (its ``"error"``: the traceback, where it raised), and what the
+    client had meanwhile (``"client_side"``, :class:`_ClientSide`)."""
+    import traceback
+
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # per scenario
+    sys.stderr.write(f"=== sparktrain connect scenario: {name} ===\n")
+    os.makedirs(workdir, exist_ok=True)
+    watch = _ClientSide().start()
+    started = time.time()
+    try:
+        found = SCENARIOS[name](spark, workdir)
+    except Exception:  # noqa: BLE001 - the scenario's test fails with it; the next ones run
+        found = {"error": traceback.format_exc()}
+    found["seconds"] = time.time() - started
+    found["client_side"] = watch.report()
+    return found
+
+
+def main(scenarios: str, url: str, workdir: str) -> None:
+    """``scenarios``: one name (its findings are the last line of stdout), or several,
+    comma-separated, run in that order in this one process and session, each in a folder of
+    its own under ``workdir``: after each, ``END_MARK`` on stderr, then
+    ``{"scenario": name, "found": ...}`` on stdout."""
     from pyspark.sql import SparkSession
 
+    names = scenarios.split(",")
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     spark = SparkSession.builder.remote(url).getOrCreate()
-    started = time.time()
-    found = SCENARIOS[scenario](spark, workdir)
-    found["seconds"] = time.time() - started
-    print(json.dumps(found), flush=True)
-    # Release the scenario's remote ML objects (pipeline stages held by reference cycles) while
+    for name in names:
+        if len(names) == 1:
+            found = run_scenario(spark, name, workdir)
+            if "error" in found:
+                raise RuntimeError(found["error"])
+            print(json.dumps(found), flush=True)
+            break
+        found = run_scenario(spark, name, os.path.join(workdir, name))
+        sys.stderr.write(END_MARK.format(name) + "\n")
+        sys.stderr.flush()
+        print(json.dumps({"scenario": name, "found": found}), flush=True)
+    faulthandler.cancel_dump_traceback_later()
+    # Release the scenarios' remote ML objects (pipeline stages held by reference cycles) while
     # the session is up: pyspark's finalizer deletes each from the server's ML cache with a
     # blocking gRPC call, which, left to interpreter shutdown, waited forever for a reply the
     # server had sent (seen twice in full suite runs, as a hang in `_delete_ml_cache`).

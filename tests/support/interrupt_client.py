@@ -1,7 +1,8 @@
 """Ctrl-C at many points of fits and of a prediction, in a process of its own (run by
 tests/test_interrupts.py), on a classic session or over Spark Connect:
 
-    python tests/support/interrupt_client.py classic|sc://127.0.0.1:PORT WORKDIR [torch|keras]
+    python tests/support/interrupt_client.py classic|sc://127.0.0.1:PORT WORKDIR \
+        [torch|keras|torch,keras [POINT,...]]
 
 A real SIGINT is sent to this process (``os.kill``, what a terminal's Ctrl-C and Jupyter's
 "interrupt kernel" do) when the fit reaches a point, recognised by its log lines: at once,
@@ -9,7 +10,8 @@ after the preflight (materialization), after materialization (launch), mid-epoch
 an epoch (its checkpoint), and while a finalizer runs in the main thread (where Python drops
 the exception). For each: the seconds from the signal to the ``KeyboardInterrupt``, to the
 ranks' last batch (each batch appends to a file), and whether a fit with the same ``run_id``
-right after takes the run and resumes from the last checkpoint. Prints one JSON line last.
+right after takes the run and resumes from the last checkpoint. Prints one JSON line per
+framework (:func:`main`).
 """
 from __future__ import annotations
 
@@ -207,9 +209,15 @@ def interrupt_transform(spark, workdir: str) -> Dict[str, Any]:
         return {"interrupt_to_caller_s": round(time.time() - trigger.sent_at, 2)}
 
 
-def main(where: str, workdir: str, framework: str = "torch", names: str = "") -> None:
-    """``names``: the points to interrupt at, comma-separated (default: every point for torch,
-    ``mid_epoch`` for Keras)."""
+#: the line on stderr that ends a framework's part, before its findings go to stdout
+END_MARK = "=== sparktrain interrupts ended: {} ==="
+
+
+def main(where: str, workdir: str, frameworks: str = "torch", names: str = "") -> None:
+    """``frameworks``: "torch", "keras" or both, comma-separated (one after the other in this
+    process: after each, ``END_MARK`` on stderr and ``{"framework": ..., "found": ...}`` on
+    stdout; for one, its findings alone). ``names``: the points to interrupt at,
+    comma-separated (default: every point for torch, ``mid_epoch`` for Keras)."""
     # a hang shows where every thread waits (in the test's failure), before the test's timeout
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
@@ -221,13 +229,22 @@ def main(where: str, workdir: str, framework: str = "torch", names: str = "") ->
         from pyspark.sql import SparkSession
 
         spark = SparkSession.builder.remote(where).getOrCreate()
-    wanted = names.split(",") if names else \
-        [p[0] for p in POINTS] if framework == "torch" else ["mid_epoch"]
-    points = [p for p in POINTS if p[0] in wanted]
-    found = {"fits": interrupt_fits(spark, workdir, framework, points)}
-    if framework == "torch":
-        found["transform"] = interrupt_transform(spark, workdir)
-    print(json.dumps(found))
+    several = "," in frameworks
+    for framework in frameworks.split(","):
+        faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # per framework
+        wanted = names.split(",") if names else \
+            [p[0] for p in POINTS] if framework == "torch" else ["mid_epoch"]
+        points = [p for p in POINTS if p[0] in wanted]
+        found = {"fits": interrupt_fits(spark, workdir, framework, points)}
+        if framework == "torch":
+            found["transform"] = interrupt_transform(spark, workdir)
+        if several:
+            sys.stderr.write(END_MARK.format(framework) + "\n")
+            sys.stderr.flush()
+            print(json.dumps({"framework": framework, "found": found}), flush=True)
+        else:
+            print(json.dumps(found), flush=True)
+    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":
