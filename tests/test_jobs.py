@@ -1,4 +1,9 @@
-"""The README's main job, run exactly as a user runs it."""
+"""The README's main job, run exactly as a user runs it.
+
+Full tier: only these tests run the jobs/ scripts end to end as a user does (a driver process of
+their own on local[*], then over Spark Connect), so only they catch a demo that no longer learns
+(its 0.95), a saved model that reloads differently, rank logs that do not reach the job's
+stderr live, or a progress bar redrawn into a log; the Hugging Face text demo likewise."""
 import json
 import os
 import subprocess
@@ -9,20 +14,27 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+#: The fewest epochs at which each demo still passes its 0.95 test accuracy with margin (the
+#: jobs' default, 30, is the README's full demo). Measured (the demo's seed, local[2], 325 test
+#: rows): torch 0.9077 at 8 epochs, 0.9569 at 15, 0.9600 at 20; Keras 0.9292 at 8, 0.9477 at
+#: 15, 0.9538 at 20 (one row of margin), 0.9662 at 25 (the same with backend="tfos").
+DEMO_EPOCHS = {"train_torch.py": 20, "train_keras.py": 25}
+
+
 @pytest.mark.full
 @pytest.mark.parametrize("job", ["train_torch.py", "train_keras.py"])
 def test_demo(tmp_path, job):
-    output = tmp_path / "digits-model"
+    output, epochs = tmp_path / "digits-model", DEMO_EPOCHS[job]
     result = subprocess.run(
         [sys.executable, f"jobs/{job}", "--demo", "--output", str(output),
-         "--store", str(tmp_path / "store")],
+         "--store", str(tmp_path / "store"), "--epochs", str(epochs)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["test_accuracy"] >= 0.95
     assert summary["reloaded_test_accuracy"] == summary["test_accuracy"]
     assert (output / "metadata").exists() and (output / "stages").exists()
-    assert "[rank 0] epoch 30/30" in result.stderr  # rank logs reached the driver, live
+    assert f"[rank 0] epoch {epochs}/{epochs}" in result.stderr  # rank logs reached the driver
     assert "\r" not in result.stderr  # stderr is a pipe (a YARN log): no bar redraws in it
 
 
