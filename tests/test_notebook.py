@@ -1,5 +1,8 @@
 """notebooks/quickstart.ipynb (numeric digits, then the same digits as PNG files) runs top
-to bottom (nbclient, a real kernel); any failing cell fails the build."""
+to bottom (nbclient, a real kernel); any failing cell fails the build.
+
+Full tier: only this test runs the notebook, so only it catches a quick-start cell broken by an
+API change, a fit that cannot run in a Jupyter kernel, or plot_history() showing no figure."""
 import os
 
 import pytest

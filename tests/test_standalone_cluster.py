@@ -1,6 +1,11 @@
 """A real Spark standalone cluster on loopback: a master and two workers with (fake) GPUs,
 started from the pyspark install; the spark-submit of docs/clusters-and-gpus.md of
-jobs/train_torch.py runs against it, and the saved model predicts here."""
+jobs/train_torch.py runs against it, and the saved model predicts here.
+
+Full tier: only this test runs a job through spark-submit with the documented cluster flags
+(GPU discovery, the worker daemon module, the executors' Python), so only it catches a job
+that cannot start or learn under spark-submit on a cluster, or a model it saves that another
+session cannot load."""
 from __future__ import annotations
 
 import os

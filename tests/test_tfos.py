@@ -1,5 +1,9 @@
 """KerasEstimator with backend="tfos": a TensorFlowOnSpark cluster (chief + worker) over 2 real
-barrier tasks, training with the same Keras worker as backend="tensorflow"."""
+barrier tasks, training with the same Keras worker as backend="tensorflow".
+
+Full tier: only these tests start TFoS clusters, so only they catch TFoS's node start-up, its
+reservation server or its shutdown (sc.stop(), sys.exit) breaking a fit, a retry or the driver's
+session, and the demo job failing to learn on backend="tfos"."""
 from __future__ import annotations
 
 import json
