@@ -1,8 +1,15 @@
 """sparktrain on a real YARN with its data and store on a real HDFS: Hadoop's mini clusters
 (tests/support/hadoop.py: a MiniDFSCluster and a MiniYARNCluster with 2 NodeManagers, in a JVM
 of their own), `spark-submit` of jobs/train_torch.py as users run it, and a notebook-style
-client session. The executors run in YARN containers on this machine, so their Python is this
-venv's (``spark.pyspark.python``)."""
+client session. Only this file catches what YARN and HDFS change: containers that get their
+Python from a shipped archive, ``hdfs://`` stores and models, YARN's GPUs, and a lost
+container or NodeManager under a fit.
+
+Three YARN applications: the cluster-mode training job; the GPU session; and one client-mode
+``spark-submit --archives`` whose driver runs the predict job, then the notebook's fits and
+the faults (tests/support/yarn_client.py), its executors' Python the shipped environment's.
+The environment is built once per content (tests/support/job_env.py: ~/.cache/sparktrain)."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +20,7 @@ import sys
 import pytest
 
 from support.hadoop import MiniHadoop, available, container_log, yarn_conf
-from support.job_env import thin_environment
+from support.job_env import cached_environment
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -53,9 +60,10 @@ def digits_on_hdfs(hadoop):
 
 
 @pytest.fixture(scope="module")
-def environment(hadoop):
-    """The job's Python environment packed by venv-pack2 (tests/support/job_env.py)."""
-    return thin_environment(os.path.join(hadoop.workdir, "job-environment"))
+def environment():
+    """The job's Python environment packed by venv-pack2 (tests/support/job_env.py), built
+    once per content of sparktrain and its packaging and kept in ~/.cache/sparktrain."""
+    return cached_environment()
 
 
 def _spark_submit(hadoop, deploy_mode: str, args, timeout: int = 600, archive: str = ""):
@@ -102,7 +110,7 @@ def _job_args(hadoop, digits, name: str):
     url, columns = digits
     return [os.path.join(ROOT, "jobs", "train_torch.py"), "--input", url,
             "--feature-cols", ",".join(columns), "--label-col", "label",
-            "--task", "classification", "--num-proc", "2", "--epochs", "12",
+            "--task", "classification", "--num-proc", "2", "--epochs", "10",
             "--store", f"{hadoop.hdfs}/user/sparktrain/{name}-store",
             "--output", f"{hadoop.hdfs}/models/{name}", "--min-accuracy", "0.9"]
 
@@ -144,29 +152,13 @@ def test_spark_submit_cluster_mode_trains_from_hdfs_into_an_hdfs_store(hadoop, t
     assert any(n.endswith(".parquet") for n in names), names  # the dataset the ranks read
 
 
-def test_spark_submit_client_mode_predicts_with_the_model_on_hdfs(hadoop, digits_on_hdfs,
-                                                                  trained, environment):
-    """A second job, its driver here (client mode, this venv's Python) and its executors'
-    Python the shipped environment's, loads the model from HDFS and writes its predictions
-    there."""
-    import fsspec
-    import numpy as np
-    import pyarrow.parquet as pq
-
-    done, model = trained
-    assert done.returncode == 0, "the training job failed: see the test above"
-    url, _ = digits_on_hdfs
-    output = f"{hadoop.hdfs}/predictions/digits"
-    scored = _spark_submit(hadoop, "client", [
-        os.path.join(ROOT, "jobs", "predict.py"), "--model", model, "--input", url,
-        "--output", output, "--label-col", "label", "--min-accuracy", "0.9"],
-        archive=environment)
-    assert scored.returncode == 0, _errors(scored.stderr)  # the app's final status
-    fs, path = fsspec.core.url_to_fs(output)
-    table = pq.read_table(path, filesystem=fs, columns=["label", "label__output"])
-    logits = np.array(table.column("label__output").to_pylist())
-    labels = table.column("label").to_numpy()
-    assert len(labels) == 1797 and (logits.argmax(axis=1) == labels).mean() >= 0.9
+def _result(done) -> dict:
+    """What a client script (tests/support/NAME.py) printed after ``RESULT``."""
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stdout[-3000:] + _errors(done.stderr)
+    found = json.loads(lines[0][len("RESULT "):])
+    print(json.dumps(found, indent=1))
+    return found
 
 
 def _client_script(hadoop, name: str, *args: str) -> dict:
@@ -176,20 +168,17 @@ def _client_script(hadoop, name: str, *args: str) -> dict:
     # spark.pyspark.python of its builder (pyspark's SparkContext reads the variable)
     env = dict(os.environ, **hadoop.env(), PYSPARK_PYTHON=sys.executable)
     env.pop("JAVA_TOOL_OPTIONS", None)
-    done = subprocess.run([sys.executable, os.path.join(HERE, "support", f"{name}.py"), *args,
-                           json.dumps(yarn_conf(hadoop))], capture_output=True, text=True,
-                          timeout=840, cwd=ROOT, env=env)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, done.stdout[-3000:] + _errors(done.stderr)
-    found = json.loads(lines[0][len("RESULT "):])
-    print(json.dumps(found, indent=1))
-    return found
+    return _result(subprocess.run(
+        [sys.executable, os.path.join(HERE, "support", f"{name}.py"), *args,
+         json.dumps(yarn_conf(hadoop))], capture_output=True, text=True, timeout=840, cwd=ROOT,
+        env=env))
 
 
 def test_gpus_on_yarn_are_allocated_by_yarn_and_a_whole_one_given_to_each_rank(hadoop):
     """tests/support/yarn_gpus.py: YARN allocates a yarn.io/gpu to each executor's container;
     ETL tasks share a GPU (amount 0.5) while the training stage gets one per rank (stage-level
-    scheduling on YARN, Spark >= 3.5.1)."""
+    scheduling on YARN, Spark >= 3.5.1). (Before the client-mode application, whose last
+    fault stops a NodeManager for good.)"""
     import re
 
     found = _client_script(hadoop, "yarn_gpus", hadoop.conf_dir, hadoop.hdfs)
@@ -206,16 +195,54 @@ def test_gpus_on_yarn_are_allocated_by_yarn_and_a_whole_one_given_to_each_rank(h
     assert found["loss"][-1] < found["loss"][0] / 2, found
 
 
+PREDICTIONS = "/predictions/digits"
+
+
 @pytest.fixture(scope="module")
-def edge_node(hadoop):
-    """tests/support/yarn_client.py's findings: a notebook's session on YARN, then the faults
-    of tests/support/yarn_faults.py in it (the last stops a NodeManager for good, so this
-    fixture comes after the other YARN tests in this module)."""
-    return _client_script(hadoop, "yarn_client", hadoop.workdir, hadoop.hdfs)
+def edge_node(hadoop, digits_on_hdfs, trained, environment):
+    """One client-mode application for the predict job and the notebook: `spark-submit
+    --deploy-mode client --archives env.tar.gz#environment tests/support/yarn_client.py`, its
+    driver here with this venv's Python, its executors' Python the shipped environment's. It
+    runs jobs/predict.py's ``main`` with the model the cluster-mode job saved, then the
+    notebook's fits, then the faults of tests/support/yarn_faults.py (the last stops a
+    NodeManager for good, so this fixture comes after the other YARN tests in this module).
+    What yarn_client.py found, and ``returncode``: spark-submit's exit status."""
+    url, _ = digits_on_hdfs
+    _, model = trained
+    predict = ["--model", model, "--input", url, "--output", f"{hadoop.hdfs}{PREDICTIONS}",
+               "--label-col", "label", "--min-accuracy", "0.9"]
+    python = "./environment/bin/python"  # the builder's settings name the archive's too
+    done = _spark_submit(hadoop, "client", [
+        os.path.join(HERE, "support", "yarn_client.py"), hadoop.workdir, hadoop.hdfs,
+        json.dumps(yarn_conf(hadoop, python=python)), json.dumps(predict)],
+        timeout=840, archive=environment)
+    return {**_result(done), "returncode": done.returncode, "errors": _errors(done.stderr)}
+
+
+def test_spark_submit_client_mode_predicts_with_the_model_on_hdfs(hadoop, trained, edge_node):
+    """A second job, its driver here (client mode, this venv's Python) and its executors'
+    Python the shipped environment's, loads the model from HDFS and writes its predictions
+    there (jobs/predict.py, first in the edge node's application)."""
+    import fsspec
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    done, _ = trained
+    assert done.returncode == 0, "the training job failed: see the test above"
+    scored = edge_node["predict"]
+    assert "error" not in scored, scored["error"]
+    assert scored["exit"] == 0, scored  # the predict job's exit status (its --min-accuracy)
+    assert edge_node["returncode"] == 0, edge_node["errors"]  # the app's final status
+    fs, path = fsspec.core.url_to_fs(f"{hadoop.hdfs}{PREDICTIONS}")
+    table = pq.read_table(path, filesystem=fs, columns=["label", "label__output"])
+    logits = np.array(table.column("label__output").to_pylist())
+    labels = table.column("label").to_numpy()
+    assert len(labels) == 1797 and (logits.argmax(axis=1) == labels).mean() >= 0.9
 
 
 def test_a_notebook_session_on_yarn_fits_a_stream(edge_node):
-    """`SparkSession.builder.master("yarn")` in client mode, as a notebook on an edge node:
+    """`SparkSession.builder.master("yarn")` in client mode, as a notebook on an edge node
+    (in the client-mode application; a session started from plain Python is the GPU test's):
     a streamed fit (no dataset written) with its store on HDFS learns and predicts."""
     loss = edge_node["history"]
     assert len(loss) == 4 and loss[-1] < loss[0] / 4 and edge_node["predicted"] == 2000
@@ -262,6 +289,7 @@ def test_faults_on_yarn_are_survived(edge_node):
     SIGKILLed executor container is replaced and the fit resumes on 2 ranks, and a NodeManager
     stopped for good leaves an elastic fit (``min_num_proc=1``) to finish on the rank left."""
     found = edge_node["faults"]
+    assert "error" not in found, found["error"]
     interrupted = found["interrupted"]
     assert interrupted["to_caller_s"] < 30, interrupted
     # the run again resumed from the checkpoint there was at the interrupt, or from the one

@@ -2,25 +2,40 @@
 (``SparkSession.builder.master("yarn")``), run by tests/test_yarn.py in a process of its own with
 the mini clusters' HADOOP_CONF_DIR; prints ``RESULT {json}``.
 
-    python tests/support/yarn_client.py HADOOP_WORKDIR HDFS_URL CONF_JSON
+    python tests/support/yarn_client.py HADOOP_WORKDIR HDFS_URL CONF_JSON [PREDICT_JSON]
 
+tests/test_yarn.py runs it with ``spark-submit --deploy-mode client --archives
+env.tar.gz#environment`` (the driver here, the executors' Python the shipped environment's) and
+PREDICT_JSON, so that one application holds what would otherwise take two:
+
+* ``predict`` (with PREDICT_JSON, the arguments of jobs/predict.py): the client-mode job that
+  scores with the model the cluster-mode job saved on HDFS, its ``main`` run in this session
+  (its ``exit``: the status it would give spark-submit; its ``report``: the JSON line it
+  printed). It runs first, while both NodeManagers are up.
 * ``stream``: ``input_mode="stream"`` (the rows straight into the ranks, nothing written as a
   dataset), its store on HDFS; predicts after. A fit of more ranks than the executors have
   slots fails first, in preflight (``too_many``: its message).
 * then, in the same session, the faults of tests/support/yarn_faults.py (``faults``): the last
   one stops a NodeManager for good.
+
+The predict job or the faults, raising, leave ``{"error": traceback}`` in their place and the
+rest runs: each is a test of its own.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sys
 import time
+import traceback
 
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # support, and jobs (for the predict job)
 
 
-def main(workdir: str, hdfs: str, conf: dict) -> dict:
+def main(workdir: str, hdfs: str, conf: dict, predict_args=None) -> dict:
     from pyspark.sql import SparkSession
 
     from support import yarn_faults
@@ -30,10 +45,32 @@ def main(workdir: str, hdfs: str, conf: dict) -> dict:
     for key, value in {**conf, **yarn_faults.CONF}.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
-    found = {"session_seconds": round(time.time() - started, 1), **notebook(spark, hdfs)}
-    found["faults"] = yarn_faults.main(spark, workdir, hdfs)
+    found: dict = {"session_seconds": round(time.time() - started, 1)}
+    if predict_args is not None:
+        found["predict"] = _part(predict, predict_args)
+    found.update(notebook(spark, hdfs))
+    found["faults"] = _part(yarn_faults.main, spark, workdir, hdfs)
     spark.stop()
     return found
+
+
+def _part(function, *args) -> dict:
+    try:
+        return function(*args)
+    except Exception:  # noqa: BLE001 - reported to the test, which names the part that failed
+        return {"error": traceback.format_exc()[-6000:]}
+
+
+def predict(args) -> dict:
+    """jobs/predict.py's ``main`` in this session (its ``get_spark`` finds it): what it
+    printed and its exit status."""
+    from jobs import predict as job
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = job.main(list(args))
+    lines = [line for line in printed.getvalue().splitlines() if line.startswith("{")]
+    return {"exit": status, "report": json.loads(lines[-1]) if lines else None}
 
 
 def notebook(spark, hdfs: str) -> dict:
@@ -69,5 +106,6 @@ def notebook(spark, hdfs: str) -> dict:
 
 
 if __name__ == "__main__":
-    result = main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+    result = main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]),
+                  json.loads(sys.argv[4]) if len(sys.argv) > 4 else None)
     print("RESULT " + json.dumps(result), flush=True)
