@@ -503,7 +503,7 @@ def main(scenarios: str, url: str, workdir: str) -> None:
         sys.stderr.write(END_MARK.format(name) + "\n")
         sys.stderr.flush()
         print(json.dumps({"scenario": name, "found": found}), flush=True)
-    faulthandler.cancel_dump_traceback_later()
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)  # and for the shutdown
     # Release the scenarios' remote ML objects (pipeline stages held by reference cycles) while
     # the session is up: pyspark's finalizer deletes each from the server's ML cache with a
     # blocking gRPC call, which, left to interpreter shutdown, waited forever for a reply the
