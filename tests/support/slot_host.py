@@ -116,18 +116,21 @@ class SlotHost:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            self.close()
+            self.close(remove_log=False)
             raise AssertionError(f"the slot host gave no answer in {timeout:.0f}s; "
-                                 f"its log:\n{self.log_tail()}") from None
+                                 f"its log ({self.log_path}):\n{self.log_tail()}") from None
         if line is None:
-            self.close()
+            self.close(remove_log=False)
             raise AssertionError(f"the slot host exited ({self.process.poll()}); "
-                                 f"its log:\n{self.log_tail()}")
+                                 f"its log ({self.log_path}):\n{self.log_tail()}")
         return json.loads(line)
 
     def log_tail(self, chars: int = 6000) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-chars:]
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-chars:]
+        except FileNotFoundError:
+            return "(removed)"
 
     @property
     def alive(self) -> bool:
@@ -161,8 +164,9 @@ class SlotHost:
         threading.Thread(target=run, daemon=True).start()
         return future
 
-    def close(self, timeout: float = 60.0) -> None:
-        """Close its stdin (it stops its session and exits); kill it if it does not."""
+    def close(self, timeout: float = 60.0, remove_log: bool = True) -> None:
+        """Close its stdin (it stops its session and exits); kill it if it does not. Its log
+        goes with it, unless it failed (then the log stays for whoever reads the error)."""
         if self.process.stdin and not self.process.stdin.closed:
             try:
                 self.process.stdin.close()
@@ -173,6 +177,8 @@ class SlotHost:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        if remove_log and os.path.exists(self.log_path):
+            os.unlink(self.log_path)
 
 
 _HOST: Optional[SlotHost] = None
