@@ -15,6 +15,9 @@ from support import durations  # noqa: E402 - after sys.path is set
 # one standalone cluster, Connect server and MLflow server per pytest worker, for every file
 from support.servers import connect_server, mlflow_server, standalone, standalone_cluster  # noqa: E402,F401 - fixtures, after the path
 
+# and one slot host (a local[4] driver in a process of its own) for scenarios needing other slots
+from support.slot_host import slot_host  # noqa: E402,F401 - a fixture, after the path
+
 # Every JVM the tests start (Spark drivers and executors, Connect servers, standalone Masters
 # and Workers) compiles with C1 only: they live seconds to minutes on tiny data, and C2's
 # compiler threads were most of their CPU. Measured: a local[2] session running a few small
@@ -42,7 +45,8 @@ def pytest_addoption(parser):
 
 #: The servers tests share (tests/support/servers.py), in the order a file that uses several is
 #: grouped by: every file using one runs on the same xdist worker, so each starts once per run.
-SHARED_SERVERS = ("connect_server", "mlflow_server", "standalone", "standalone_cluster")
+SHARED_SERVERS = ("connect_server", "mlflow_server", "standalone", "standalone_cluster",
+                  "slot_host")
 
 
 def _groups(items) -> dict:

@@ -23,17 +23,9 @@ import pytest
 
 from sparktrain import RunInUseError, TrainingError
 from support.helpers import linear_estimator
-from support.slot_host import shared_host
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = 2000
-
-
-@pytest.fixture(scope="session")
-def slot_host():
-    """The test worker's slot host (tests/support/slot_host.py, shared with other files): a
-    driver process other than this one and the ones the tests start."""
-    return shared_host()
 
 
 class CountRows:

@@ -17,13 +17,6 @@ pytest.importorskip("sklearn")
 pytest.importorskip("psutil")
 
 from sparktrain import KerasEstimator, TorchEstimator  # noqa: E402 - after the importorskip above
-from support.slot_host import shared_host  # noqa: E402 - after the importorskip above
-
-
-@pytest.fixture(scope="session")
-def slot_host():
-    """The test worker's slot host (tests/support/slot_host.py, shared with other files)."""
-    return shared_host()
 
 
 @pytest.fixture(scope="module")

@@ -197,8 +197,8 @@ def shared_host() -> SlotHost:
 
 @pytest.fixture(scope="session")
 def slot_host() -> SlotHost:
-    """The worker's slot host; imported by several test files, it is still one process (the
-    fixture of each file hands out the same :func:`shared_host`), closed when pytest exits."""
+    """The worker's slot host (a fixture of every test file: tests/conftest.py imports it),
+    one process for every file that uses it, closed when pytest exits."""
     return shared_host()
 
 
