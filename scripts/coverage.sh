@@ -6,6 +6,8 @@
 #   ./scripts/coverage.sh --full    # ... and the tests only the full suite runs (`--full -m full`),
 #                                   # then both figures and how much of the full suite's lines
 #                                   # the quick tier covers
+#   ./scripts/coverage.sh --full --reuse-quick  # only the full-only tests, with the quick
+#                                   # tier's data of the last run (same code)
 #   ./scripts/coverage.sh --report  # the figures again from the data of the last runs
 #
 # Extra arguments go to pytest. Needs ./scripts/setup.sh --tests (--full-tests with --full).
@@ -20,12 +22,13 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 python="${PYTHON:-$root/.venv/bin/python}"
 data="$root/.coverage-data"
-full="" report_only=""
+full="" report_only="" reuse_quick=""
 args=()
 for arg in "$@"; do
   case "$arg" in
     --full) full=1 ;;
     --report) report_only=1 ;;
+    --reuse-quick) reuse_quick=1 ;;
     *) args+=("$arg") ;;
   esac
 done
@@ -46,7 +49,7 @@ measure() {  # measure NAME PYTEST-ARGS...: the tests under coverage, data in $d
 
 rc=0
 if [ -z "$report_only" ]; then
-  measure quick ${args[@]+"${args[@]}"} || rc=$?
+  [ -n "$reuse_quick" ] && [ -f "$data/quick/.coverage" ] || measure quick ${args[@]+"${args[@]}"} || rc=$?
   if [ -n "$full" ]; then
     measure full-only --full -m full ${args[@]+"${args[@]}"} || rc=$?
   fi
