@@ -27,8 +27,7 @@ from support.slot_host import slot_host  # noqa: E402,F401 - a fixture, after th
 # per JVM again. A JVM with another class path (spark-submit's launcher) goes on without it.
 os.environ.setdefault("JAVA_TOOL_OPTIONS", f"-XX:TieredStopAtLevel=1 {java_options()}".strip())
 
-# pytest-xdist hands whole files to whichever worker is free (`--dist loadgroup`, each file a
-# group, and the files sharing a server one group: see `_groups`), in collection
+# pytest-xdist hands whole files (`--dist loadfile`) to whichever worker is free, in collection
 # order (`--no-loadscope-reorder` in pytest.ini; its default orders files by test count): the
 # longest go first and the short ones fill the gaps at the end, so no worker is left alone with
 # a long file while the other idles (longest-processing-time-first). The seconds per file come
@@ -43,43 +42,15 @@ def pytest_addoption(parser):
                           "(clusters, YARN and HDFS, S3, Spark Connect, the jobs, TFoS, MLflow)")
 
 
-#: The servers tests share (tests/support/servers.py), in the order a file that uses several is
-#: grouped by: every file using one runs on the same xdist worker, so each starts once per run.
-SHARED_SERVERS = ("connect_server", "mlflow_server", "standalone", "standalone_cluster",
-                  "slot_host")
-
-
-def _groups(items) -> dict:
-    """``{file name: xdist group}``: the first shared server a file's tests use (so its files
-    share one worker and one server), else the file itself (``--dist loadfile`` as before)."""
-    groups: dict = {}
-    for item in items:
-        name = os.path.basename(str(item.path))
-        server = next((s for s in SHARED_SERVERS if s in getattr(item, "fixturenames", ())), None)
-        if server and not groups.get(name, "").startswith("server:"):
-            groups[name] = f"server:{'standalone' if 'standalone' in server else server}"
-        groups.setdefault(name, name)
-    return groups
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(session, config, items):
-    """The tier (without ``--full`` the tests marked ``full`` are deselected: the quick tier);
-    then each file's xdist group (``_groups``), the groups longest first by
-    ``FILE_SECONDS``; the order inside a file is kept."""
+    """The tier (without ``--full`` the tests marked ``full`` are deselected: the quick tier),
+    then the longest files first (see ``FILE_SECONDS``); the order inside a file is kept."""
     if not config.getoption("--full"):
         full = [item for item in items if item.get_closest_marker("full")]
         if full:
             config.hook.pytest_deselected(items=full)
             items[:] = [item for item in items if not item.get_closest_marker("full")]
-    groups = _groups(items)
-    seconds: dict = {}
-    for name, group in groups.items():
-        seconds[group] = seconds.get(group, 0) + FILE_SECONDS.get(name, 0)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[os.path.basename(str(item.path))]))
-    items.sort(key=lambda item: (-seconds[groups[os.path.basename(str(item.path))]],
-                                 groups[os.path.basename(str(item.path))]))
+    items.sort(key=lambda item: -FILE_SECONDS.get(os.path.basename(str(item.path)), 0))
 
 
 @pytest.fixture(scope="session")
