@@ -7,9 +7,7 @@ A scenario is a module-level function ``fn(spark, *args, **kwargs)`` returning s
 can carry; the tests name it ``"module:function"`` (modules under ``tests/`` or
 ``tests/support/``)::
 
-    from support.slot_host import slot_host  # noqa: F401 - the fixture
-
-    def test_x(slot_host, tmp_path):
+    def test_x(slot_host, tmp_path):  # the fixture (tests/conftest.py imports it)
         result = slot_host.call("support.ps_scenarios:run", "fit", str(tmp_path))
         pending = slot_host.submit("test_concurrency:fit_generated", ...)  # runs meanwhile
         pending.result(timeout=400)
@@ -20,7 +18,7 @@ in the test session). Calls run one at a time, in the order they come; a scenari
 raises :class:`ScenarioError` with its traceback and leaves the host running; one that outlives
 its timeout stops the host (the next call starts a new one). The process exits when the test
 worker closes its stdin (at the end of the session, or when the worker dies), and its JVM with
-it. Every test file that imports the fixture shares the same process within a pytest worker.
+it. Every test file that uses the fixture shares the same process within a pytest worker.
 
 Run by hand: ``python tests/support/slot_host.py`` reads JSON requests from stdin.
 """
@@ -182,15 +180,13 @@ class SlotHost:
 
 
 _HOST: Optional[SlotHost] = None
-_STARTS = 0  # how many host processes this pytest process started (a test can read it)
 
 
 def shared_host() -> SlotHost:
     """This pytest process's slot host, started on first use (again if the last one died)."""
-    global _HOST, _STARTS
+    global _HOST
     if _HOST is None or not _HOST.alive:
         _HOST = SlotHost()
-        _STARTS += 1
         atexit.register(_HOST.close)
     return _HOST
 
