@@ -227,10 +227,14 @@ class Lease:
                 if lease.owner != self.owner]
 
     def release(self) -> None:
+        """Stop renewing and remove the lease file, even when an exception (a Ctrl-C) cuts
+        the wait for the renewing thread short."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self._remove()
+        try:
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+        finally:
+            self._remove()
 
     def _remove(self) -> None:
         try:

@@ -20,11 +20,13 @@ The exception is not raised inside gRPC's own code (the Spark Connect client's c
 ``KeyboardInterrupt`` there can leave one of the channel's locks held by the main thread, and
 every later call over that channel then waits forever for an answer (seen: the next ``fit``
 hung in its first job); nor inside a finalizer, where it would be dropped. There the handler
-defers it: the interrupt is handed to the main thread again (``_thread.interrupt_main``) every
-50 ms until it lands where it can be raised (or the cancelled call's error, leaving the block,
-becomes the ``KeyboardInterrupt``). The handler is set inside the block's ``try``, so that the
-one before it is always put back (a handler left behind would defer an interrupt for a fit
-long over, and lose it).
+only records it: the call it landed in is a Spark job that the cancel ends (its error, leaving
+the block, becomes the ``KeyboardInterrupt``) or a short call after which the fit reaches
+:func:`raise_if_interrupted`. It is never delivered again asynchronously: an exception raised
+while the cancelled call's error unwinds the fit would cut its clean-up short (seen: a run's
+lock left behind, so the resuming fit was refused). The handler is set inside the block's
+``try``, so that the one before it is always put back (a handler left behind would act on an
+interrupt for a fit long over).
 
 A prediction's action (``collect()`` on ``transform``'s output) runs outside sparktrain, with
 Python's default handler: over Connect its main thread waits in the client, which runs
@@ -51,7 +53,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from sparktrain.session.spark_api import cancel_tag
 
@@ -88,13 +90,13 @@ _REDELIVER_S = 0.05  # how soon a deferred interrupt is delivered again
 
 
 class _Deferred:
-    """An interrupt that could not be raised where it arrived (a finalizer, or gRPC's code in
-    a fit): ``_thread.interrupt_main`` hands it to the main thread again every
-    ``_REDELIVER_S`` until it is raised (``raised``) or no longer wanted (``wanted()``), so
-    it cannot be lost. ``redelivery`` marks the signals it sent (not a second Ctrl-C)."""
+    """An interrupt that could not be raised where it arrived (a finalizer):
+    ``_thread.interrupt_main`` hands it to the main thread again every ``_REDELIVER_S`` until
+    it is raised (``raised``), so it cannot be lost. ``redelivery`` marks the signals it sent
+    (not a second Ctrl-C)."""
 
-    def __init__(self, wanted: Callable[[], bool]) -> None:
-        self.wanted, self.raised, self.redelivery, self.scheduled = wanted, False, False, False
+    def __init__(self) -> None:
+        self.raised, self.redelivery, self.scheduled = False, False, False
 
     def defer(self) -> None:
         if not self.scheduled:
@@ -103,7 +105,7 @@ class _Deferred:
 
     def _redeliver(self) -> None:
         self.scheduled = False
-        if self.raised or not self.wanted():
+        if self.raised:
             return
         self.redelivery = True
         _thread.interrupt_main(signal.SIGINT)  # runs the handler at the main thread's next step
@@ -124,12 +126,9 @@ class _Scope:
         self.spark, self.tag, self.what, self.previous = spark, tag, what, previous
         self.interrupted_at: Optional[float] = None
         self.open = True  # until the block has ended
-        self.deferred = _Deferred(lambda: self.open)
+        self.raised = False  # its KeyboardInterrupt has been raised
 
     def handle(self, signum: int, frame: Any) -> None:
-        if self.deferred.take_redelivery():  # the same interrupt, delivered again
-            self._raise_or_defer(frame)
-            return
         if not self.open:  # left installed after its block: act as the handler before it
             _call_handler(self.previous, signum, frame)
             return
@@ -147,12 +146,11 @@ class _Scope:
 
     def _raise_or_defer(self, frame: Any) -> None:
         if in_unsafe_code(frame) or in_finalizer(frame):  # raised later (module docstring)
-            if not self.deferred.scheduled and not self.deferred.redelivery:
-                log.info("interrupted inside a Spark Connect call or a finalizer: "
-                         "KeyboardInterrupt follows as soon as the main thread leaves it")
-            self.deferred.defer()
+            log.info("interrupted inside a Spark Connect call or a finalizer: the cancelled "
+                     "job's error or the fit's next step raises KeyboardInterrupt")
             return
-        self.deferred.raise_now()
+        self.raised = True
+        raise KeyboardInterrupt
 
     def _cancel(self) -> None:
         """Cancel the block's jobs, and again while the block runs on without raising: a cancel
@@ -160,9 +158,9 @@ class _Scope:
         one) cancels nothing."""
         log.warning("interrupted: cancelling the Spark jobs of %s (tag %s)", self.what, self.tag)
         cancel_tag(self.spark, self.tag)
-        while self.open and not self.deferred.raised:
+        while self.open and not self.raised:
             time.sleep(_RECANCEL_S)
-            if self.open and not self.deferred.raised:
+            if self.open and not self.raised:
                 cancel_tag(self.spark, self.tag)
 
 
@@ -197,11 +195,11 @@ def interruptible(spark: Any, tag: str, what: str) -> Iterator[None]:
         yield
         raise_if_interrupted()  # an interrupt lost on the way still stops the caller
     except KeyboardInterrupt:
-        scope.deferred.raised = True
+        scope.raised = True
         raise
     except BaseException:
         if scope.interrupted_at is not None:  # the cancelled job's error, after a lost one
-            scope.deferred.raised = True
+            scope.raised = True
             raise KeyboardInterrupt from None
         raise
     finally:
@@ -220,7 +218,7 @@ class _PredictionGuard:
     there the interrupt was lost and the prediction ran to its end."""
 
     def __init__(self) -> None:
-        self.deferred = _Deferred(lambda: True)
+        self.deferred = _Deferred()
 
     def __call__(self, signum: int, frame: Any) -> None:
         if not self.deferred.take_redelivery():
