@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from sparktrain.session.jvm_archive import java_options  # noqa: E402 - after the path
-from support import durations  # noqa: E402 - after sys.path is set
+from support import durations, scheduling  # noqa: E402 - after sys.path is set
 
 # one standalone cluster, Connect server and MLflow server per pytest worker, for every file
 from support.servers import connect_server, mlflow_server, standalone, standalone_cluster  # noqa: E402,F401 - fixtures, after the path
@@ -28,12 +28,19 @@ from support.slot_host import slot_host  # noqa: E402,F401 - a fixture, after th
 os.environ.setdefault("JAVA_TOOL_OPTIONS", f"-XX:TieredStopAtLevel=1 {java_options()}".strip())
 
 # pytest-xdist hands whole files (`--dist loadfile`) to whichever worker is free, in collection
-# order (`--no-loadscope-reorder` in pytest.ini; its default orders files by test count): the
-# longest go first and the short ones fill the gaps at the end, so no worker is left alone with
-# a long file while the other idles (longest-processing-time-first). The seconds per file come
-# from tests/durations.json (a 2-worker run on 2 cores; tests/support/durations.py refreshes
-# it from a `--durations=0` report). Files it does not list count as short.
+# order (`--no-loadscope-reorder` in pytest.ini; its default orders files by test count), and
+# the files sharing a server as one unit (tests/support/scheduling.py: each server starts once
+# per run): the longest units go first and the short ones fill the gaps at the end, so no
+# worker is left alone with a long file while the other idles (longest-processing-time-first).
+# The seconds per file come from tests/durations.json (a 2-worker run on 2 cores;
+# tests/support/durations.py refreshes it from a `--durations=0` report). Files it does not
+# list count as short.
 FILE_SECONDS = durations.load()
+UNIT_SECONDS = scheduling.unit_seconds(FILE_SECONDS)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    return scheduling.make_scheduler(config, log)
 
 
 def pytest_addoption(parser):
@@ -44,13 +51,18 @@ def pytest_addoption(parser):
 
 def pytest_collection_modifyitems(session, config, items):
     """The tier (without ``--full`` the tests marked ``full`` are deselected: the quick tier),
-    then the longest files first (see ``FILE_SECONDS``); the order inside a file is kept."""
+    then the longest units first (see ``UNIT_SECONDS``), a unit's files together."""
     if not config.getoption("--full"):
         full = [item for item in items if item.get_closest_marker("full")]
         if full:
             config.hook.pytest_deselected(items=full)
             items[:] = [item for item in items if not item.get_closest_marker("full")]
-    items.sort(key=lambda item: -FILE_SECONDS.get(os.path.basename(str(item.path)), 0))
+    def order(item):
+        name = os.path.basename(str(item.path))
+        unit = scheduling.unit_of(name)
+        return -UNIT_SECONDS.get(unit, 0), unit, -FILE_SECONDS.get(name, 0), name
+
+    items.sort(key=order)  # stable: the order inside a file is kept
 
 
 @pytest.fixture(scope="session")
