@@ -57,6 +57,11 @@ HDFS = ["hdfs-native>=0.10"]
 # Spark's own reads and writes of s3a:// (a materialized dataset, a saved model) need the
 # cluster's hadoop-aws jars instead (docs/yarn-and-hdfs.md, "S3").
 S3 = ["s3fs>=2023.1"]
+# What a rank on a cluster needs beside its framework's extra: the executors open the store
+# themselves (hdfs:// and s3:// clients) and torch's engines find rank 0's network interface
+# with psutil. For the environment shipped to YARN: pip install 'sparktrain[cluster,torch]'
+# (docs/yarn-and-hdfs.md); a fit names what its executors lack before any job writes a row.
+CLUSTER = HDFS + S3 + ["psutil>=5.9"]
 # Benchmarks only (bench/): the baselines they measure sparktrain against. bench_hf.py's
 # baseline is Databricks' documented path, datasets.Dataset.from_spark + transformers.Trainer
 # (with the `hf` extra); bench_end_to_end.py's include Ray Data + Ray Train (TorchTrainer).
@@ -98,6 +103,7 @@ setup(
         "hf": HF,
         "hdfs": HDFS,
         "s3": S3,
+        "cluster": CLUSTER,
         "bench": BENCH,
         "examples": EXAMPLES,
         "test": TEST,

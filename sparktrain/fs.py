@@ -98,6 +98,27 @@ HDFS_CLIENT_HELP = (
     "and Hadoop's jars (CLASSPATH=$(hadoop classpath --glob)), as Hadoop's own nodes have them")
 
 
+def client_package(url: str) -> Optional[str]:
+    """The package of the filesystem this process opens ``url`` with, where it is not fsspec
+    itself: every rank needs it as well (``hdfs_native`` for ``hdfs://`` where hdfs-native is
+    installed, ``s3fs`` for ``s3://``/``s3a://``, ``gcsfs``, ``adlfs``). ``None`` for local
+    paths and fsspec's own filesystems. Nothing is opened or connected.
+
+    Example: ``client_package("s3a://bucket/store") == "s3fs"``
+    """
+    import fsspec
+
+    protocol = split_scheme(to_fsspec_url(url))[0]
+    if protocol in ("", "file"):
+        return None
+    try:
+        package = fsspec.get_filesystem_class(protocol).__module__.split(".")[0]
+    except (ImportError, ValueError):  # not installed here either: what fsspec would import
+        known = fsspec.registry.known_implementations.get(protocol)
+        package = known["class"].split(".")[0] if known else "fsspec"
+    return None if package == "fsspec" else package
+
+
 def filesystem(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[Any, str]:
     """``(fsspec filesystem, path within it)`` for any URL this module understands.
 

@@ -24,6 +24,8 @@ from sparktrain.launch.executor_env import (
     _warn_on_version_differences,
     check_executors,
     environment_error,
+    fix_for,
+    store_modules,
 )
 
 # Spark's texts below, verbatim: a backslash at a line's end only wraps it (Python drops it).
@@ -142,6 +144,58 @@ def test_fit_ready_executors_pass_the_check(spark, caplog):
         check_executors(spark, ["numpy.no_such_submodule"], "a test")
 
 
+def test_the_stores_client_is_checked_on_the_executors_before_any_job_writes(
+        spark, regression_df, tmp_path, monkeypatch):
+    """A store whose filesystem package the driver has and the executors lack (a package on
+    this process's path only, registered as fsspec's ``driveronly://``): the fit fails at the
+    check, naming the package, the store and the fix, and never opens the store."""
+    import fsspec
+
+    from support.helpers import linear_estimator
+
+    opened = tmp_path / "opened"
+    package = tmp_path / "driveronly_fs"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "from fsspec import AbstractFileSystem\n"
+        "class DriverOnlyFileSystem(AbstractFileSystem):\n"
+        "    protocol = 'driveronly'\n"
+        "    def __init__(self, *args, **kwargs):\n"
+        f"        open({str(opened)!r}, 'w').close()\n"
+        "        super().__init__(*args, **kwargs)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # this process only: not the Python workers
+    fsspec.register_implementation("driveronly", "driveronly_fs.DriverOnlyFileSystem")
+    assert store_modules("driveronly://bucket/st") == ["driveronly_fs"]
+    with pytest.raises(ExecutorEnvironmentError) as info:
+        linear_estimator("driveronly://bucket/st", epochs=1).fit(regression_df)
+    message = str(info.value)
+    assert info.value.missing == ["driveronly_fs"], message
+    assert "cannot find driveronly_fs, which TorchEstimator(backend='torch', " \
+           "store='driveronly://bucket/st') needs on every executor" in message
+    assert "PYSPARK_PYTHON" in message  # local mode: point Spark at a Python that has it
+    assert not opened.exists()  # nothing was written: the store was never opened
+
+
+def test_store_clients_and_fixes_by_cluster_manager():
+    assert store_modules("s3a://bucket/st") == store_modules("s3://bucket/st") == ["s3fs"]
+    assert store_modules("/tmp/st") == store_modules("file:///tmp/st") == []
+    hdfs = store_modules("hdfs://nn:8020/st")
+    try:
+        import hdfs_native  # noqa: F401 - the client this machine would use
+        assert hdfs == ["hdfs_native"]
+    except ImportError:  # fsspec's own (pyarrow's libhdfs): nothing more to check
+        assert hdfs == []
+    yarn = fix_for("yarn", False, example="/usr/bin/python3")
+    assert "--archives env.tar.gz#environment" in yarn and "sparktrain[cluster,torch]" in yarn
+    assert "spark.pyspark.python=./environment/bin/python" in yarn
+    assert "PYSPARK_PYTHON=" not in yarn  # a driver's path means nothing in YARN's containers
+    assert "spark.kubernetes.container.image" in fix_for("k8s://https://api:443", False)
+    for manager in ("local[2]", "spark://host:7077"):
+        assert "PYSPARK_PYTHON=/usr/bin/python3" in fix_for(manager, False, "has them",
+                                                            "/usr/bin/python3")
+    assert "Spark Connect server" in fix_for("local[2]", True)
+
+
 def test_version_differences_are_one_warning(spark, caplog):
     here = {"python": sys.executable, "version": "3.11.7",
             "versions": {"cloudpickle": "3.1.2", "sparktrain": "0.4.0", "torch": "2.13.0"}}
@@ -211,7 +265,7 @@ def test_executors_without_the_packages_fail_the_fit_at_once(tmp_path):
     assert found["error"] == "ExecutorEnvironmentError" and found["training_error"]
     assert found["python"] == bare
     assert found["missing"] == ["pandas", "pyarrow", "numpy", "cloudpickle", "fsspec",
-                                "sparktrain", "torch"]
+                                "sparktrain", "torch", "psutil"]
     message = found["message"]
     assert f"The executors' Python ({bare}, Python " in message
     assert "cannot find pandas, pyarrow" in message and "TorchEstimator(backend='torch')" in message

@@ -40,7 +40,7 @@ from sparktrain.fit_hooks import FitListener, fit_hooks
 from sparktrain.launch import Entry, check_backend
 from sparktrain.launch.barrier import check_slots
 from sparktrain.launch.elastic import ElasticPlan
-from sparktrain.launch.executor_env import RANK_MODULES, check_executors
+from sparktrain.launch.executor_env import RANK_MODULES, check_executors, store_modules
 from sparktrain.launch.gpus import GpuPlan, plan_gpus
 from sparktrain.loop.checkpoint import Checkpoints
 from sparktrain.options import horovod as horovod_params
@@ -237,9 +237,11 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
         with _FitLogging(self.getVerbose()):
             run_preflight(self, dataset, specs)
         raise_if_interrupted()
-        check_executors(spark, self._executor_modules(),
-                        f"{type(self).__name__}(backend={self.getBackend()!r})")
         store = Store.create(self.getStore())
+        # before any job writes a row: the fit's packages and the store's client, on executors
+        check_executors(spark, self._executor_modules() + store_modules(store.prefix),
+                        f"{type(self).__name__}(backend={self.getBackend()!r}, "
+                        f"store={store.prefix!r})")
         check_store_shared(spark, store)
         validation = self.getValidation() or None
         # uid + time + random: copies of one estimator (CrossValidator) never share a run.

@@ -23,7 +23,7 @@ import io
 import logging
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Type, cast
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Type, cast
 
 from pyspark import keyword_only
 
@@ -228,6 +228,10 @@ class TorchEstimator(EstimatorBase, TorchParams):
                              f"need unscaling first); use 'bf16'")
         if model is not None:
             self._check_strategy(model)
+
+    def _executor_modules(self) -> List[str]:
+        # both engines find the network interface of rank 0's address with psutil
+        return super()._executor_modules() + ["psutil"]
 
     def _engine(self) -> Type[TorchEngine]:
         """The class of the engine registered as ``backend`` (a

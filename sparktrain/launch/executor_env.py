@@ -36,7 +36,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from pyspark.sql import SparkSession
 
 from sparktrain.errors import ExecutorEnvironmentError
-from sparktrain.session.spark_api import conf_value, is_remote
+from sparktrain.fs import client_package
+from sparktrain.session.spark_api import conf_value, is_remote, master
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,17 @@ _DISTRIBUTIONS = {"tensorflow": ("tensorflow", "tensorflow-cpu", "tensorflow-gpu
                                  "tensorflow-macos", "tensorflow-intel", "tf-nightly")}
 
 _CHECKED: set = set()  # (id(session), modules) whose executors were found fine
+
+
+def store_modules(url: str) -> List[str]:
+    """What every rank imports to open the store ``url``: the package of its filesystem
+    (:func:`sparktrain.fs.client_package`: ``hdfs_native``, ``s3fs``...), or nothing.
+
+    Example: ``store_modules("hdfs://nn:8020/st") == ["hdfs_native"]`` where hdfs-native is
+    installed.
+    """
+    package = client_package(url)
+    return [package] if package else []
 
 
 def check_executors(spark: SparkSession, modules: Sequence[str],
@@ -164,16 +176,39 @@ def _probe_function(modules: Sequence[str], packages: Sequence[str]) -> Callable
 # -- messages -----------------------------------------------------------------------------------
 def _fix(spark: Optional[SparkSession], need: str = "has them",
          example: Optional[str] = None) -> str:
-    """How to give the executors a Python that ``need``s; ``example``: one to suggest."""
+    """How to give the executors a Python that ``need``s, for ``spark``'s cluster manager."""
+    remote = spark is not None and is_remote(spark)
+    return fix_for(master(spark) if spark is not None else "", remote, need, example)
+
+
+def fix_for(manager: str, remote: bool, need: str = "has them",
+            example: Optional[str] = None) -> str:
+    """How to give the executors a Python that ``need``s, for the cluster manager ``manager``
+    (``spark.master``) or a Spark Connect server (``remote``); ``example``: a Python to suggest
+    (one that exists on the executors' machines).
+
+    Example: ``fix_for("yarn", False)`` says to rebuild and ship the environment archive.
+    """
     setting = ("set the PYSPARK_PYTHON environment variable before the SparkSession starts "
-               "(with spark-submit: --conf spark.pyspark.python=/path/to/python; on YARN or "
-               "Kubernetes, e.g. a packed virtual environment shipped with --archives)")
+               "(with spark-submit: --conf spark.pyspark.python=/path/to/python)")
     if example:
         setting += f", e.g. PYSPARK_PYTHON={example}"
-    if spark is not None and is_remote(spark):
+    if remote:
         return (f"This is a Spark Connect session: the server's executors need a Python that "
                 f"{need} (on Databricks: the cluster's Python, with cluster or notebook-scoped "
                 f"libraries); where the Spark Connect server starts, {setting}.")
+    if manager.startswith("yarn"):
+        return (f"On YARN the executors run the Python of the environment archive the "
+                f"application ships (--archives env.tar.gz#environment with --conf "
+                f"spark.pyspark.python=./environment/bin/python): make the environment you "
+                f"pack one that {need} (e.g. pip install 'sparktrain[cluster,torch]': the "
+                f"store clients, psutil and the framework), pack it again and ship the new "
+                f"archive (docs/yarn-and-hdfs.md, \"The Python environment, shipped as an "
+                f"archive\").")
+    if manager.startswith("k8s"):
+        return (f"On Kubernetes the executors run the image's Python "
+                f"(spark.kubernetes.container.image): use an image whose Python {need}, or "
+                f"{setting}.")
     return (f"Point Spark at a Python that {need}: {setting}. (On Databricks or another Spark "
             f"Connect server, the cluster's Python needs the same.)")
 
@@ -182,7 +217,10 @@ def _missing_message(spark: SparkSession, missing: Sequence[str], python: str, v
                      needed_by: str, client_has_them: bool) -> str:
     packages = " ".join(dict.fromkeys(name.split(".")[0] for name in missing))
     example = None
-    if client_has_them and not is_remote(spark) and sys.executable != python:
+    # this driver's Python exists on the executors' machines only where they are this machine's
+    # or share its file system (local and standalone; not YARN's or Kubernetes' containers)
+    if client_has_them and not is_remote(spark) and sys.executable != python and \
+            not master(spark).startswith(("yarn", "k8s")):
         example = f"{sys.executable} (this driver's Python, which has them)"
     return (f"The executors' Python ({python}, Python {version}) cannot find "
             f"{', '.join(missing)}, which {needed_by} needs on every executor. "
