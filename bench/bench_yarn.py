@@ -38,9 +38,10 @@ from support.standalone import StandaloneCluster  # noqa: E402 - after the path
 CLIENT = os.path.join(REPO, "tests", "support", "yarn_client.py")
 
 
-def run_client(hdfs: str, conf: Dict[str, str], env: Dict[str, str]) -> Dict:
-    done = subprocess.run([sys.executable, CLIENT, hdfs, json.dumps(conf)], capture_output=True,
-                          text=True, timeout=900, cwd=REPO, env=env)
+def run_client(workdir: str, hdfs: str, conf: Dict[str, str], env: Dict[str, str]) -> Dict:
+    """One notebook-style client, the stream fit alone (no faults: they stop a NodeManager)."""
+    done = subprocess.run([sys.executable, CLIENT, workdir, hdfs, json.dumps(conf), "--no-faults"],
+                          capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         raise RuntimeError(done.stdout[-2000:] + done.stderr[-4000:])
@@ -69,7 +70,7 @@ def main() -> None:
                          "spark.driver.host": "127.0.0.1", "spark.ui.enabled": "false"}
         for repeat in range(args.repeats):
             for name, conf in (("yarn", on_yarn), ("standalone", on_standalone)):
-                result = run_client(hadoop.hdfs, conf, yarn_env)
+                result = run_client(hadoop.workdir, hadoop.hdfs, conf, yarn_env)
                 found[name].append(result)
                 print(f"repeat {repeat + 1} {name}: session {result['session_seconds']} s, "
                       f"fit {result['fit_seconds']} s", flush=True)

@@ -3,6 +3,9 @@
 the mini clusters' HADOOP_CONF_DIR; prints ``RESULT {json}``.
 
     python tests/support/yarn_client.py HADOOP_WORKDIR HDFS_URL CONF_JSON [PREDICT_JSON]
+    python tests/support/yarn_client.py HADOOP_WORKDIR HDFS_URL CONF_JSON --no-faults
+
+(``--no-faults``: the stream fit alone, on any master ``CONF_JSON`` names: bench/bench_yarn.py)
 
 tests/test_yarn.py runs it with ``spark-submit --deploy-mode client --archives
 env.tar.gz#environment`` (the driver here, the executors' Python the shipped environment's) and
@@ -35,21 +38,23 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # support, and jobs (for the predict job)
 
 
-def main(workdir: str, hdfs: str, conf: dict, predict_args=None) -> dict:
+def main(workdir: str, hdfs: str, conf: dict, predict_args=None, faults: bool = True) -> dict:
     from pyspark.sql import SparkSession
 
     from support import yarn_faults
 
     started = time.time()
     builder = SparkSession.builder.master("yarn").appName("sparktrain-notebook")
-    for key, value in {**conf, **yarn_faults.CONF}.items():
+    for key, value in {**conf, **(yarn_faults.CONF if faults else {})}.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
+    spark.range(0, 2, 1, 2).count()  # the executors ran a first job: the session is ready
     found: dict = {"session_seconds": round(time.time() - started, 1)}
     if predict_args is not None:
         found["predict"] = _part(predict, predict_args)
     found.update(notebook(spark, hdfs))
-    found["faults"] = _part(yarn_faults.main, spark, workdir, hdfs)
+    if faults:
+        found["faults"] = _part(yarn_faults.main, spark, workdir, hdfs)
     spark.stop()
     return found
 
@@ -106,6 +111,8 @@ def notebook(spark, hdfs: str) -> dict:
 
 
 if __name__ == "__main__":
-    result = main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]),
-                  json.loads(sys.argv[4]) if len(sys.argv) > 4 else None)
+    given = [arg for arg in sys.argv[1:] if arg != "--no-faults"]
+    result = main(given[0], given[1], json.loads(given[2]),
+                  json.loads(given[3]) if len(given) > 3 else None,
+                  faults="--no-faults" not in sys.argv)
     print("RESULT " + json.dumps(result), flush=True)
