@@ -231,10 +231,10 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                              "bfloat16 only); use mixed_precision='bf16' or train on GPUs")
         elastic = self.elastic_plan()
         gpus.tasks(elastic.num_proc)  # whole tasks of ranks (one per GPU)
-        check_slots(spark, elastic.min_num_proc,
-                    name="min_num_proc" if elastic.elastic else "num_proc", profile=profile,
-                    ranks_per_task=gpus.ranks_per_task)
-        with _FitLogging(self.getVerbose()):
+        with _FitLogging(self.getVerbose()):  # a wait for executors starting logs its progress
+            check_slots(spark, elastic.min_num_proc,
+                        name="min_num_proc" if elastic.elastic else "num_proc",
+                        profile=profile, ranks_per_task=gpus.ranks_per_task)
             run_preflight(self, dataset, specs)
         raise_if_interrupted()
         store = Store.create(self.getStore())

@@ -46,7 +46,7 @@ from sparktrain.launch.events import EventWatcher
 from sparktrain.launch.rank_context import LaunchSite, RankContext
 from sparktrain.launch.rank_run import FAILURE_TAG, run_rank
 from sparktrain.session.interrupts import raise_if_interrupted
-from sparktrain.session.slots import rank_slots
+from sparktrain.session.slots import promised_slots, rank_slots
 from sparktrain.session.spark_api import (
     cancel_tag,
     conf_value,
@@ -61,6 +61,11 @@ log = logging.getLogger(__name__)
 
 SLOT_WAIT_CONF = "spark.sparktrain.slotWaitSeconds"
 DEFAULT_SLOT_WAIT_SECONDS = 10.0
+# How long a fit waits for executors the cluster manager was asked for and is still starting
+# (a YARN container localizing a multi-GB environment archive took ~6 minutes: issue #62).
+EXECUTOR_WAIT_CONF = "spark.sparktrain.executorWaitSeconds"
+DEFAULT_EXECUTOR_WAIT_SECONDS = 600.0
+_WAIT_LOG_EVERY_S = 15.0
 # Results larger than this go through the store, not the result rows (Spark Connect's gRPC
 # messages are capped at 128 MiB by default).
 INLINE_RESULT_BYTES = 16 * 1024 * 1024
@@ -109,13 +114,17 @@ def check_slots(spark: SparkSession, num_proc: int, wait_seconds: Optional[float
 
     On a classic session with a cluster master, waits up to ``wait_seconds`` for executors to
     register first; local masters have all their slots from the start and are not waited for.
+    Where the settings ask the cluster manager for enough executors (:func:`promised_slots`:
+    YARN's and Kubernetes' ``spark.executor.instances``, standalone's ``spark.cores.max``) the
+    ones still starting are waited for up to ``spark.sparktrain.executorWaitSeconds`` (600),
+    with a log line every 15 s; where they are not enough it fails after ``wait_seconds``.
     """
     if wait_seconds is None:
         wait_seconds = float(conf_value(spark, SLOT_WAIT_CONF, None)
                              or DEFAULT_SLOT_WAIT_SECONDS)
     if is_local_master(spark) or is_remote(spark):
         wait_seconds = 0.0  # nothing to wait for (Connect: the count comes from the conf)
-    deadline = time.monotonic() + wait_seconds
+    started = time.monotonic()
     tasks = -(-num_proc // ranks_per_task)
 
     def count() -> Optional[int]:
@@ -126,11 +135,10 @@ def check_slots(spark: SparkSession, num_proc: int, wait_seconds: Optional[float
         log.info("the cluster's settings do not say how many tasks it can run at once; "
                  "Spark's barrier check will tell if num_proc=%d is too many", num_proc)
         return None
-    while slots < num_proc and time.monotonic() < deadline:
-        time.sleep(0.25)
-        slots = count() or 0
+    slots, wait_seconds = _wait_for_slots(spark, num_proc, slots, count, started, wait_seconds,
+                                          plain=ranks_per_task == 1 and profile is None)
     if slots < num_proc:
-        waited = f", waited {wait_seconds:g}s for executors" if wait_seconds else ""
+        waited = f", waited {wait_seconds:.0f}s for executors" if wait_seconds else ""
         plain = ranks_per_task == 1 and profile is None
         needs = f"{num_proc} task slots" if plain else \
             _gpu_slots_text(tasks, ranks_per_task, profile)
@@ -141,8 +149,36 @@ def check_slots(spark: SparkSession, num_proc: int, wait_seconds: Optional[float
             f"Lower {name} to {max(slots, ranks_per_task)} or "
             f"{_slot_hint(spark, num_proc, profile is not None or ranks_per_task > 1)}."
             + ("" if is_local_master(spark) or is_remote(spark) else
-               f" ({SLOT_WAIT_CONF} sets how long to wait for executors.)"))
+               f" ({SLOT_WAIT_CONF} sets how long to wait for executors, {EXECUTOR_WAIT_CONF} "
+               f"how long for those the settings ask the cluster manager for.)"))
     return slots
+
+
+def _wait_for_slots(spark: SparkSession, num_proc: int, slots: int,
+                    count: Callable[[], Optional[int]], started: float, wait_seconds: float,
+                    plain: bool) -> Tuple[int, float]:
+    """Count the slots again until ``num_proc`` are up: for ``wait_seconds``, or, while the
+    executors the settings ask for would be enough, for the executor wait (logging). Returns
+    the last count and the seconds waited."""
+    promised = promised_slots(spark) if plain and wait_seconds > 0 else None
+    coming = promised is not None and promised >= num_proc
+    patience = max(wait_seconds, float(conf_value(spark, EXECUTOR_WAIT_CONF, None) or
+                                       DEFAULT_EXECUTOR_WAIT_SECONDS)) if coming else wait_seconds
+    next_line = started + min(wait_seconds, _WAIT_LOG_EVERY_S)
+    while slots < num_proc and time.monotonic() - started < patience:
+        now = time.monotonic()
+        if coming and now >= next_line:
+            log.info("waiting for executors still starting: %d of the %d task slots num_proc=%d "
+                     "needs are up (the settings ask master %s for %d), %.0fs so far, up to "
+                     "%.0fs (%s)", slots, num_proc, num_proc, master(spark), promised,
+                     now - started, patience, EXECUTOR_WAIT_CONF)
+            next_line = now + _WAIT_LOG_EVERY_S
+        time.sleep(0.25)
+        slots = count() or 0
+    waited = time.monotonic() - started
+    if coming and slots >= num_proc and waited >= _WAIT_LOG_EVERY_S:
+        log.info("executors up after %.0fs: %d task slots", waited, slots)
+    return slots, (waited if wait_seconds > 0 and slots < num_proc else 0.0)
 
 
 def _gpu_slots_text(tasks: int, ranks_per_task: int, profile: Any) -> str:

@@ -85,6 +85,43 @@ def slots_from_conf(spark: SparkSession) -> Optional[int]:
     return int(executors) * int(cores) // task_cpus
 
 
+def promised_slots(spark: SparkSession) -> Optional[int]:
+    """Task slots the settings ask the cluster manager for (:func:`promised_by`), of which
+    some may belong to executors that have not registered yet."""
+    keys = ("spark.dynamicAllocation.enabled", "spark.cores.max", "spark.executor.instances",
+            "spark.executor.cores", "spark.task.cpus")
+    return promised_by(master(spark), {key: value for key in keys
+                                       if (value := conf_value(spark, key)) is not None})
+
+
+def promised_by(manager: str, conf: Dict[str, str]) -> Optional[int]:
+    """Task slots a cluster manager starts executors for by itself with these settings
+    (static allocation): on YARN and Kubernetes ``spark.executor.instances`` (default 2) x
+    ``spark.executor.cores`` (default 1) / ``spark.task.cpus``; on standalone
+    ``spark.cores.max`` in executors of ``spark.executor.cores``. ``None`` for local masters,
+    dynamic allocation (executors come for pending tasks, which a barrier stage never leaves)
+    and standalone without ``spark.cores.max`` (every free core: nothing is promised).
+
+    Example: ``promised_by("yarn", {"spark.executor.instances": "3"}) == 3``
+    """
+    if manager.startswith("local") or \
+            conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true":
+        return None
+    task_cpus = max(1, int(conf.get("spark.task.cpus", "1")))
+    if manager.startswith("spark://"):
+        if "spark.cores.max" not in conf:
+            return None
+        total = int(conf["spark.cores.max"])
+        if "spark.executor.cores" not in conf:
+            return total // task_cpus
+        cores = int(conf["spark.executor.cores"])
+        return (total // cores) * (cores // task_cpus)
+    if manager.startswith(("yarn", "k8s://")):
+        executors = int(conf.get("spark.executor.instances", "2"))
+        return executors * (int(conf.get("spark.executor.cores", "1")) // task_cpus)
+    return None
+
+
 def task_slots(spark: SparkSession, profile: Any = None) -> Optional[int]:
     """Barrier tasks (of ``profile``, a ResourceProfile; default: the application's) the
     cluster can run at once now: Spark's own count on a classic session (what its barrier
