@@ -47,3 +47,29 @@ def test_an_hdfs_store_without_a_client_says_what_to_install(monkeypatch):
     monkeypatch.delenv("ARROW_LIBHDFS_DIR", raising=False)
     with pytest.raises(RuntimeError, match=r"sparktrain\[hdfs\].*libhdfs"):
         filesystem("hdfs://localhost:1/user/me/store")
+
+
+def test_hdfs_store_urls_are_resolved_with_the_drivers_hadoop_settings():
+    """``hdfs:///p`` and HA nameservices mean the same in every process: the driver's
+    settings travel in the URL and the storage options (the ranks need no HADOOP_CONF_DIR)."""
+    from sparktrain.fs import client_package
+
+    settings = {"fs.defaultFS": "hdfs://nn:8020"}
+    assert Store("hdfs:///user/me/st").resolved(settings).prefix == "hdfs://nn:8020/user/me/st"
+    assert Store("hdfs://other:9000/st").resolved(settings).prefix == "hdfs://other:9000/st"
+    assert Store("hdfs:///st").resolved({}).prefix == "hdfs:///st"  # nothing to resolve with
+    s3 = Store("s3a://b/st")
+    assert s3.resolved(settings) is s3
+    ha = {"fs.defaultFS": "hdfs://prod", "dfs.nameservices": "prod,backup",
+          "dfs.ha.namenodes.prod": "nn1,nn2", "dfs.namenode.rpc-address.prod.nn1": "a:8020",
+          "dfs.namenode.rpc-address.prod.nn2": "b:8020", "dfs.ha.namenodes.backup": "x"}
+    store = Store("hdfs:///st", {"user": "me"}).resolved(ha)
+    wanted = {key: value for key, value in ha.items()
+              if key != "fs.defaultFS" and "backup" not in key}
+    wanted["dfs.nameservices"] = "prod,backup"
+    assert store.prefix == "hdfs://prod/st"
+    options = store.storage_options
+    if client_package("hdfs://prod/st") == "hdfs_native":  # Hadoop settings as its options
+        assert options == {**wanted, "user": "me"}
+    else:  # pyarrow's HadoopFileSystem takes them as extra_conf
+        assert options == {"user": "me", "extra_conf": wanted}

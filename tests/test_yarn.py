@@ -5,6 +5,8 @@ client session. Only this file catches what YARN and HDFS change: containers tha
 Python from a shipped archive, ``hdfs://`` stores and models, YARN's GPUs, and a lost
 container or NodeManager under a fit.
 
+An ``hdfs:///`` store from a driver whose processes have no HADOOP_CONF_DIR (local mode).
+
 Three YARN applications: the cluster-mode training job; the GPU session; and one client-mode
 ``spark-submit --archives`` whose driver runs the predict job, then the notebook's fits and
 the faults (tests/support/yarn_client.py), its executors' Python the shipped environment's.
@@ -282,6 +284,45 @@ def test_a_process_that_used_hdfs_can_fork(hadoop):
         child.wait()
         pytest.fail("a fork after using HDFS hung")
     assert child.returncode == 0 and "FORKED" in out
+
+
+# A local driver whose only Hadoop setting is spark.hadoop.fs.defaultFS (no HADOOP_CONF_DIR
+# in any process: as YARN's containers and standalone Workers without one) fits into an
+# hdfs:/// store; prints RESULT {json}.
+RESOLVED_STORE = """
+import json, sys
+sys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests"]
+import numpy as np
+from sparktrain import local_spark
+from support.helpers import linear_estimator
+
+spark = local_spark("local[2]", conf={"spark.hadoop.fs.defaultFS": sys.argv[1]})
+rng = np.random.default_rng(0)
+x = rng.normal(size=(600, 4))
+y = x @ np.array([1.0, -2.0, 0.5, 3.0]) + 0.5
+df = spark.createDataFrame([(a.tolist(), float(b)) for a, b in zip(x, y)],
+                           "features array<double>, label double")
+model = linear_estimator("hdfs:///user/sparktrain/resolved-store", epochs=2, batch_size=50,
+                         run_id="resolved").fit(df)
+print("RESULT " + json.dumps({"loss": model.getHistory()["loss"]}), flush=True)
+"""
+
+
+def test_an_hdfs_store_without_a_namenode_needs_no_hadoop_conf_dir(hadoop, tmp_path):
+    """``hdfs:///p``: the driver resolves it with its own Hadoop settings, so ranks without
+    HADOOP_CONF_DIR reach the same HDFS (before: hdfs-native's "No fs.defaultFS setting
+    found" in every rank)."""
+    import fsspec
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HADOOP_CONF_DIR", "YARN_CONF_DIR")}
+    done = subprocess.run([sys.executable, "-c", RESOLVED_STORE, hadoop.hdfs, ROOT],
+                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path), env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-2000:] + _errors(done.stderr)
+    loss = json.loads(lines[0][len("RESULT "):])["loss"]
+    assert len(loss) == 2 and loss[-1] < loss[0], loss
+    fs, path = fsspec.core.url_to_fs(f"{hadoop.hdfs}/user/sparktrain/resolved-store/runs/resolved")
+    assert fs.ls(path), "no checkpoint where hdfs:/// resolves to"
 
 
 def test_faults_on_yarn_are_survived(edge_node):

@@ -23,6 +23,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 from sparktrain.fs import (
     DEFAULT_LOCAL_STORE,
+    client_package,
     filesystem,
     put_file,
     split_scheme,
@@ -110,6 +111,43 @@ class Store:
                 prefix = f"hdfs://{rest}"
             options.update({k: v for k, v in hdfs.items() if v is not None})
         return cls(prefix, options)
+
+    @property
+    def on_hdfs(self) -> bool:
+        return split_scheme(self.prefix)[0] in ("hdfs", "viewfs")
+
+    def resolved(self, hadoop: Dict[str, str]) -> "Store":
+        """This store as every process can open it without a Hadoop configuration of its own:
+        ``hdfs:///p`` with the driver's ``fs.defaultFS`` (``hdfs://nn:8020/p``), and an HA
+        nameservice's namenodes in the storage options of the HDFS client (hdfs-native reads
+        them as Hadoop settings; pyarrow's client in ``extra_conf``). ``hadoop``: the driver's
+        settings (:func:`sparktrain.session.spark_api.hdfs_settings`). Others: unchanged.
+
+        Example: ``Store("hdfs:///st").resolved({"fs.defaultFS": "hdfs://nn:8020"}).prefix ==
+        "hdfs://nn:8020/st"``
+        """
+        if not self.on_hdfs:
+            return self
+        scheme, rest = split_scheme(self.prefix)
+        authority, _, path = rest.partition("/")
+        prefix = self.prefix
+        if not authority:
+            default_scheme, default_rest = split_scheme(hadoop.get("fs.defaultFS", ""))
+            authority = default_rest.split("/", 1)[0] if default_scheme == scheme else ""
+            if not authority:  # nothing to resolve it with here: the client's own settings
+                return self
+            prefix = f"{scheme}://{authority}/{path}"
+        options = dict(self._storage_options)
+        service = authority.rsplit("@", 1)[-1]
+        if service in [s.strip() for s in hadoop.get("dfs.nameservices", "").split(",")]:
+            ha = {key: value for key, value in hadoop.items()
+                  if key == "dfs.nameservices" or key.endswith(f".{service}")
+                  or f".{service}." in key}
+            if client_package(prefix) == "hdfs_native":
+                options = {**ha, **options}
+            else:
+                options["extra_conf"] = {**ha, **dict(options.get("extra_conf") or {})}
+        return Store(prefix, options)
 
     def __repr__(self) -> str:  # never shows storage_options: they may hold credentials
         return f"Store({self.prefix!r})"

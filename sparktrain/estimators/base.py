@@ -48,7 +48,13 @@ from sparktrain.options.declarations import COMMON, Option
 from sparktrain.options.params import EstimatorParams, camel
 from sparktrain.session.interrupts import interruptible, raise_if_interrupted
 from sparktrain.session.slots import SlotClaim, claim_slots
-from sparktrain.session.spark_api import all_conf, check_store_shared, job_tag, master
+from sparktrain.session.spark_api import (
+    all_conf,
+    check_store_shared,
+    hdfs_settings,
+    job_tag,
+    master,
+)
 
 log = logging.getLogger("sparktrain")
 
@@ -237,7 +243,11 @@ class EstimatorBase(Estimator, EstimatorParams, MLWritable, MLReadable):
                         profile=profile, ranks_per_task=gpus.ranks_per_task)
             run_preflight(self, dataset, specs)
         raise_if_interrupted()
+        # hdfs:///p resolved here, with this driver's Hadoop settings: executors and ranks
+        # need no HADOOP_CONF_DIR of their own to reach the same place
         store = Store.create(self.getStore())
+        if store.on_hdfs:
+            store = store.resolved(hdfs_settings(spark))
         # before any job writes a row: the fit's packages and the store's client, on executors
         check_executors(spark, self._executor_modules() + store_modules(store.prefix),
                         f"{type(self).__name__}(backend={self.getBackend()!r}, "

@@ -62,6 +62,25 @@ def is_local_master(spark: SparkSession) -> bool:
 # -- the store ----------------------------------------------------------------------------------
 _SHARED_STORES: set = set()  # (session, local store path) already seen from the executors
 
+# What a store URL's HDFS client needs from the driver's Hadoop configuration: the default
+# filesystem (``hdfs:///p``) and a nameservice's namenodes (HA).
+_HDFS_KEYS = r"^(fs\.defaultFS|dfs\.nameservices|dfs\.ha\.namenodes\..*|" \
+             r"dfs\.namenode\.rpc-address\..*|dfs\.client\.failover\.proxy\.provider\..*)$"
+
+
+def hdfs_settings(spark: SparkSession) -> Dict[str, str]:
+    """The driver's Hadoop settings an ``hdfs://`` store URL may need (``fs.defaultFS``, HA
+    nameservices): from Spark's Hadoop configuration on a classic session (``core-site.xml``
+    and ``hdfs-site.xml`` of ``HADOOP_CONF_DIR``, ``spark.hadoop.*``); over Spark Connect from
+    the ``spark.hadoop.*`` settings the client can read."""
+    if not is_remote(spark):
+        from sparktrain.session.spark_jvm import hadoop_conf_matching
+
+        return hadoop_conf_matching(spark.sparkContext, _HDFS_KEYS)
+    prefix = "spark.hadoop."
+    return {key[len(prefix):]: value for key, value in all_conf(spark).items()
+            if key.startswith(prefix) and re.match(_HDFS_KEYS, key[len(prefix):])}
+
 
 def check_store_shared(spark: SparkSession, store: Any) -> None:
     """Fail before any training job if the executors cannot see a local-path store.

@@ -15,7 +15,7 @@ sparktrain.session.spark_api chooses between these and their Spark Connect count
 from __future__ import annotations
 
 import re
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from py4j.protocol import Py4JError
 from pyspark import SparkContext
@@ -59,6 +59,13 @@ def remove_path(spark: SparkSession, path: str) -> None:
 def hadoop_conf(sc: SparkContext, key: str) -> str | None:
     """One value of the Hadoop configuration Spark uses (e.g. ``fs.defaultFS``)."""
     return sc._jsc.hadoopConfiguration().get(key)
+
+
+def hadoop_conf_matching(sc: SparkContext, pattern: str) -> Dict[str, str]:
+    """The Hadoop configuration's entries whose keys match the regular expression ``pattern``
+    (``Configuration.getValByRegex``: values with variables expanded)."""
+    return {str(k): str(v) for k, v in
+            sc._jsc.hadoopConfiguration().getValByRegex(pattern).items()}
 
 
 def max_concurrent_tasks(sc: SparkContext, profile: Any = None) -> int:
