@@ -268,7 +268,8 @@ def test_executors_without_the_packages_fail_the_fit_at_once(tmp_path):
                                 "sparktrain", "torch", "psutil"]
     message = found["message"]
     assert f"The executors' Python ({bare}, Python " in message
-    assert "cannot find pandas, pyarrow" in message and "TorchEstimator(backend='torch')" in message
+    assert "cannot find pandas, pyarrow" in message
+    assert "TorchEstimator(backend='torch', store=" in message
     assert "PYSPARK_PYTHON" in message and "spark.pyspark.python" in message
     assert f"PYSPARK_PYTHON={sys.executable}" in message  # the driver's Python has them all
     # at once: one failed check, no task attempts (before: 4 attempts, naming nothing). A loose
