@@ -215,17 +215,23 @@ def fix_for(manager: str, remote: bool, need: str = "has them",
 
 def _missing_message(spark: SparkSession, missing: Sequence[str], python: str, version: str,
                      needed_by: str, client_has_them: bool) -> str:
-    packages = " ".join(dict.fromkeys(name.split(".")[0] for name in missing))
+    packages = " ".join(dict.fromkeys(_PIP_NAMES.get(top, top) for top in
+                                      (name.split(".")[0] for name in missing)))
+    # this driver's Python, or a pip run in the executors' one, exists on their machines only
+    # where they are this machine's or share its files (local and standalone masters; not
+    # YARN's or Kubernetes' containers, nor a Connect server's)
+    on_hosts = not is_remote(spark) and not master(spark).startswith(("yarn", "k8s"))
     example = None
-    # this driver's Python exists on the executors' machines only where they are this machine's
-    # or share its file system (local and standalone; not YARN's or Kubernetes' containers)
-    if client_has_them and not is_remote(spark) and sys.executable != python and \
-            not master(spark).startswith(("yarn", "k8s")):
+    if client_has_them and on_hosts and sys.executable != python:
         example = f"{sys.executable} (this driver's Python, which has them)"
+    install = f" Or install them into that Python: {python} -m pip install {packages}" \
+        if on_hosts else ""
     return (f"The executors' Python ({python}, Python {version}) cannot find "
             f"{', '.join(missing)}, which {needed_by} needs on every executor. "
-            f"{_fix(spark, example=example)} Or install them into that Python: "
-            f"{python} -m pip install {packages}")
+            f"{_fix(spark, example=example)}{install}")
+
+
+_PIP_NAMES = {"hdfs_native": "hdfs-native", "sklearn": "scikit-learn"}  # where they differ
 
 
 def _configured_python(spark: Optional[SparkSession]) -> str:
