@@ -165,9 +165,11 @@ def _wait_for_slots(spark: SparkSession, num_proc: int, slots: int,
     patience = max(wait_seconds, float(conf_value(spark, EXECUTOR_WAIT_CONF, None) or
                                        DEFAULT_EXECUTOR_WAIT_SECONDS)) if coming else wait_seconds
     next_line = started + min(wait_seconds, _WAIT_LOG_EVERY_S)
+    said = False  # a waiting line was logged: the end of the wait is logged too
     while slots < num_proc and time.monotonic() - started < patience:
         now = time.monotonic()
         if coming and now >= next_line:
+            said = True
             log.info("waiting for executors still starting: %d of the %d task slots num_proc=%d "
                      "needs are up (the settings ask master %s for %d), %.0fs so far, up to "
                      "%.0fs (%s)", slots, num_proc, num_proc, master(spark), promised,
@@ -176,7 +178,7 @@ def _wait_for_slots(spark: SparkSession, num_proc: int, slots: int,
         time.sleep(0.25)
         slots = count() or 0
     waited = time.monotonic() - started
-    if coming and slots >= num_proc and waited >= _WAIT_LOG_EVERY_S:
+    if said and slots >= num_proc:
         log.info("executors up after %.0fs: %d task slots", waited, slots)
     return slots, (waited if wait_seconds > 0 and slots < num_proc else 0.0)
 
