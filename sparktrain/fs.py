@@ -107,6 +107,7 @@ def client_package(url: str) -> Optional[str]:
     Example: ``client_package("s3a://bucket/store") == "s3fs"``
     """
     import fsspec
+    from fsspec.registry import known_implementations
 
     protocol = split_scheme(to_fsspec_url(url))[0]
     if protocol in ("", "file"):
@@ -114,7 +115,7 @@ def client_package(url: str) -> Optional[str]:
     try:
         package = fsspec.get_filesystem_class(protocol).__module__.split(".")[0]
     except (ImportError, ValueError):  # not installed here either: what fsspec would import
-        known = fsspec.registry.known_implementations.get(protocol)
+        known = known_implementations.get(protocol)
         package = known["class"].split(".")[0] if known else "fsspec"
     return None if package == "fsspec" else package
 

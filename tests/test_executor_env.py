@@ -179,6 +179,8 @@ def test_the_stores_client_is_checked_on_the_executors_before_any_job_writes(
 def test_store_clients_and_fixes_by_cluster_manager():
     assert store_modules("s3a://bucket/st") == store_modules("s3://bucket/st") == ["s3fs"]
     assert store_modules("/tmp/st") == store_modules("file:///tmp/st") == []
+    assert store_modules("gs://bucket/st") == ["gcsfs"]  # installed here or not: fsspec's name
+    assert store_modules("nosuchproto://bucket/st") == []  # opening it says what is wrong
     hdfs = store_modules("hdfs://nn:8020/st")
     try:
         import hdfs_native  # noqa: F401 - the client this machine would use
